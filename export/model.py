@@ -1,0 +1,78 @@
+"""Multi-head self-attention with the parameter layout of torch.nn.MultiheadAttention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+
+def check_hyper_parameters(embed_dim: int, num_heads: int) -> None:
+    """Raise ValueError unless d and h describe a valid multi-head layer."""
+    if embed_dim < 1:
+        raise ValueError(f"embed_dim must be a positive integer, got {embed_dim}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads}")
+    if embed_dim % num_heads:
+        raise ValueError(
+            f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}); "
+            f"valid head counts for {embed_dim}: "
+            f"{[h for h in range(1, min(embed_dim, 64) + 1) if embed_dim % h == 0]}"
+        )
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Self-attention over [batch, seq, d] with a boolean key padding mask (true = padding).
+
+    Parameter names match ``nn.MultiheadAttention(batch_first=True)`` so its state dict loads
+    as it is. Q, K and V come from one fused projection, as in the fast implementations.
+    """
+
+    def __init__(
+        self, embed_dim: int, num_heads: int, *, bias: bool = True, causal: bool = False
+    ) -> None:
+        super().__init__()
+        check_hyper_parameters(embed_dim, num_heads)
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.causal = causal
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def forward(
+        self, embeddings: torch.Tensor, key_padding_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (output [b, t, d], per-head attention weights [b, h, t, t])."""
+        batch, seq, _ = embeddings.shape
+        qkv = functional.linear(embeddings, self.in_proj_weight, self.in_proj_bias)
+        qkv = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        query, key, value = qkv.unbind(0)
+
+        scores = (query @ key.transpose(-1, -2)) * (self.head_dim**-0.5)
+        blocked = key_padding_mask[:, None, None, :]
+        if self.causal:
+            positions = torch.arange(seq, device=embeddings.device)
+            blocked = blocked | (positions[None, :] > positions[:, None])
+        # The dtype's lowest finite value, not -inf: a query whose keys are all blocked (only
+        # ever a padding position) then gets finite weights instead of NaN.
+        scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
+        weights = scores.softmax(dim=-1)
+
+        heads = (weights @ value).transpose(1, 2).reshape(batch, seq, self.embed_dim)
+        return self.out_proj(heads), weights
+
+
+class OutputOnly(nn.Module):
+    """The graph for callers that do not want the weights: they are never an output."""
+
+    def __init__(self, attention: MultiHeadSelfAttention) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, embeddings: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        return self.attention(embeddings, key_padding_mask)[0]

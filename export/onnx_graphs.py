@@ -1,0 +1,96 @@
+"""Export the layer to the two ONNX graphs of the contract and stamp their metadata."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+
+from export.model import MultiHeadSelfAttention, OutputOnly
+
+OPSET = 18
+INPUT_NAMES = ["embeddings", "key_padding_mask"]
+OUTPUT_FILE = "model.onnx"
+WITH_WEIGHTS_FILE = "model.with_weights.onnx"
+
+
+@dataclass(frozen=True)
+class GraphFiles:
+    """The two graphs of one model version."""
+
+    output_only: Path
+    with_weights: Path
+
+
+@contextlib.contextmanager
+def quiet_exporter() -> Iterator[None]:
+    """The torch.export-based exporter is chatty (progress lines, warnings about optional
+    packages); keep the CLI's output to what it wrote and how well it matched."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _export_one(
+    module: torch.nn.Module, path: Path, output_names: list[str], embed_dim: int
+) -> None:
+    example = (torch.randn(2, 3, embed_dim), torch.zeros(2, 3, dtype=torch.bool))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    with quiet_exporter():
+        torch.onnx.export(
+            module,
+            example,
+            str(path),
+            input_names=INPUT_NAMES,
+            output_names=output_names,
+            dynamic_shapes={
+                "embeddings": {0: batch, 1: seq},
+                "key_padding_mask": {0: batch, 1: seq},
+            },
+            opset_version=OPSET,
+            dynamo=True,
+            external_data=False,
+            optimize=True,
+            verbose=False,
+        )
+
+
+def _stamp(path: Path, metadata: dict[str, str], graph_kind: str) -> None:
+    """Write metadata properties, then prove the file is a valid model."""
+    model = onnx.load(str(path))
+    del model.metadata_props[:]
+    for key, value in sorted({**metadata, "graph": graph_kind}.items()):
+        model.metadata_props.add(key=key, value=value)
+    model.producer_name = "attention-serving-export"
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+
+
+def export_graphs(
+    attention: MultiHeadSelfAttention, folder: Path, metadata: dict[str, str]
+) -> GraphFiles:
+    """Write both graphs into folder; the output-only one never computes an extra output."""
+    files = GraphFiles(folder / OUTPUT_FILE, folder / WITH_WEIGHTS_FILE)
+    _export_one(OutputOnly(attention), files.output_only, ["output"], attention.embed_dim)
+    _export_one(attention, files.with_weights, ["output", "attention_weights"], attention.embed_dim)
+    _stamp(files.output_only, metadata, "output")
+    _stamp(files.with_weights, metadata, "output+attention_weights")
+    return files

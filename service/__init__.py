@@ -1,0 +1,1 @@
+"""gRPC serving of the exported attention model (no torch on this side)."""

@@ -1,0 +1,27 @@
+"""Shared fixtures: a model repository exported once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from export.pipeline import ExportRequest, ExportResult, run_export
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """models/ with the default model (mha, d=512, h=8), a small one and a causal one."""
+    root = tmp_path_factory.mktemp("models")
+    run_export(ExportRequest(name="mha", embed_dim=512, num_heads=8, out=root))
+    run_export(ExportRequest(name="small", embed_dim=64, num_heads=4, out=root))
+    run_export(ExportRequest(name="small", embed_dim=64, num_heads=4, seed=7, out=root))
+    run_export(ExportRequest(name="causal", embed_dim=32, num_heads=2, causal=True, out=root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def small_export(tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
+    """A d=64, h=4 export for graph-level tests."""
+    root = tmp_path_factory.mktemp("small-export")
+    return run_export(ExportRequest(name="small", embed_dim=64, num_heads=4, out=root))
