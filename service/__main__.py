@@ -1,0 +1,46 @@
+"""python -m service: run the server until SIGTERM/SIGINT, then drain and exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from service.server import AttentionServer, StartupError
+from service.settings import Settings, describe, load_settings
+
+log = logging.getLogger("service")
+
+
+async def serve(settings: Settings) -> int:
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop_requested.set)
+    server = AttentionServer(settings)
+    try:
+        await server.start()
+    except StartupError as err:
+        log.error("cannot start: %s", err)
+        await server.stop()
+        return 1
+    await stop_requested.wait()
+    log.info("shutdown signal received; draining for up to %.1fs", settings.grace_period_s)
+    await server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = load_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log.info("settings: %s", describe(settings))
+    return asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""attention.v1.AttentionService: decode, validate, batch, encode. Nothing else."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+
+from service.batcher import Batcher
+from service.codec import decode_tensor, encode_tensor, wire_dtype
+from service.engine import OnnxModel
+from service.errors import InvalidInput
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
+from service.registry import ModelRegistry
+from service.rpc import rpc
+from service.validation import InputLimits, as_sequence_batch
+
+API = "attention"
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The client's deadline on the time.monotonic() clock, if it set one."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def model_info(name: str, versions: list[OnnxModel], limits: InputLimits) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=name,
+        versions=[
+            pb.ModelVersionInfo(
+                version=str(model.spec.version),
+                embed_dim=model.spec.embed_dim,
+                num_heads=model.spec.num_heads,
+                causal=model.spec.causal,
+                dtype=wire_dtype(model.spec.dtype),
+                input_dtypes=[pb.FLOAT32, pb.FLOAT16],
+                weights_sha256=model.spec.weights_sha256,
+                weights_source=model.spec.weights_source,
+                execution_provider=model.provider,
+            )
+            for model in versions
+        ],
+        max_sequence_length=limits.max_seq_len,
+        max_batch_size=limits.max_batch_size,
+    )
+
+
+class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
+    def __init__(self, registry: ModelRegistry, batcher: Batcher, limits: InputLimits) -> None:
+        self._registry = registry
+        self._batcher = batcher
+        self._limits = limits
+
+    def model_label(self, request: Any) -> str:
+        name = getattr(request, "model", "") or self._registry.default_model
+        return name if self._registry.is_known(name) else "_unknown"
+
+    def request_id(self, request: Any) -> str:
+        return getattr(request, "request_id", "")
+
+    @rpc(API)
+    async def Attend(
+        self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AttendResponse:
+        model = self._registry.resolve(request.model, request.model_version)
+        if not request.HasField("embeddings"):
+            raise InvalidInput("embeddings is missing; expected a Tensor [seq, d] or [n, seq, d]")
+        received = decode_tensor(request.embeddings, "embeddings")
+        batch = as_sequence_batch(
+            received, embed_dim=model.spec.embed_dim, limits=self._limits, model=model.spec.name
+        )
+        if request.return_attention_weights and not model.has_weights_graph:
+            raise InvalidInput(
+                f"model {model.spec.name!r} version {model.spec.version} was exported without "
+                "the attention_weights graph; call with return_attention_weights=false"
+            )
+        result = await self._batcher.submit(
+            model,
+            batch.astype(model.spec.dtype, copy=False),
+            with_weights=request.return_attention_weights,
+            deadline=deadline_of(context),
+        )
+        output = result.output if received.ndim == 3 else result.output[0]
+        response = pb.AttendResponse(
+            output=encode_tensor(output, received.dtype),
+            model=model.spec.name,
+            model_version=str(model.spec.version),
+            request_id=request.request_id,
+            timing=pb.ServerTiming(
+                queue_us=round(result.queue_s * 1e6),
+                compute_us=round(result.compute_s * 1e6),
+                batch_size=result.batch_size,
+            ),
+        )
+        if result.attention_weights is not None:
+            weights = result.attention_weights
+            response.attention_weights.CopyFrom(
+                encode_tensor(weights if received.ndim == 3 else weights[0], np.dtype("float32"))
+            )
+        return response
+
+    @rpc(API)
+    async def GetModel(
+        self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        name = self._registry.resolve(request.model, "").spec.name
+        return model_info(name, self._registry.versions(name), self._limits)
+
+    @rpc(API)
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(
+            models=[
+                model_info(name, self._registry.versions(name), self._limits)
+                for name in self._registry.names()
+            ]
+        )

@@ -1,0 +1,73 @@
+"""Pure functions of the batcher: choose a batch, merge it (pad + mask), split the results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def padding_ratio(counts: Sequence[int], lengths: Sequence[int]) -> float:
+    """Fraction of positions that would be padding if these requests ran together."""
+    longest = max(lengths)
+    total = sum(counts) * longest
+    real = sum(count * length for count, length in zip(counts, lengths, strict=True))
+    return 1.0 - real / total
+
+
+def choose_batch(
+    counts: Sequence[int], lengths: Sequence[int], *, max_sequences: int, max_padding: float
+) -> list[int]:
+    """Indices of the requests to run together, the oldest (index 0) always first.
+
+    Others join in order of how close their length is to the oldest's (ties: the older
+    first) while the batch stays within max_sequences and the padding within max_padding,
+    so short and long requests do not pay for each other.
+    """
+    chosen = [0]
+    sequences = counts[0]
+    anchor = lengths[0]
+    by_closeness = sorted(range(1, len(counts)), key=lambda i: (abs(lengths[i] - anchor), i))
+    for index in by_closeness:
+        if sequences + counts[index] > max_sequences:
+            continue
+        trial = [*chosen, index]
+        if padding_ratio([counts[i] for i in trial], [lengths[i] for i in trial]) > max_padding:
+            continue
+        chosen.append(index)
+        sequences += counts[index]
+        if sequences == max_sequences:
+            break
+    return chosen
+
+
+def merge(requests: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Stack [n_i, seq_i, d] arrays into one [sum n_i, max seq, d] batch and its padding mask."""
+    total = sum(r.shape[0] for r in requests)
+    longest = max(r.shape[1] for r in requests)
+    first = requests[0]
+    embeddings = np.zeros((total, longest, first.shape[2]), dtype=first.dtype)
+    mask = np.ones((total, longest), dtype=bool)
+    row = 0
+    for request in requests:
+        count, seq = request.shape[:2]
+        embeddings[row : row + count, :seq] = request
+        mask[row : row + count, :seq] = False
+        row += count
+    return embeddings, mask
+
+
+def split(
+    output: np.ndarray, weights: np.ndarray | None, shapes: Sequence[tuple[int, int]]
+) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Undo merge: each request's [n, seq, d] output and [n, h, seq, seq] weights."""
+    parts = []
+    row = 0
+    for count, seq in shapes:
+        rows = slice(row, row + count)
+        part_weights = None if weights is None else weights[rows, :, :seq, :seq]
+        parts.append((output[rows, :seq], part_weights))
+        row += count
+    if row != output.shape[0]:
+        raise ValueError(f"split covers {row} rows, the batch has {output.shape[0]}")
+    return parts

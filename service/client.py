@@ -1,0 +1,234 @@
+"""Typed clients for AttentionService, and a CLI: python -m service.client --help."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.codec import encode_tensor
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
+
+# Responses with attention weights are large (h * seq^2 floats per sequence).
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+
+@dataclass(frozen=True)
+class AttendResult:
+    output: np.ndarray
+    attention_weights: np.ndarray | None
+    model: str
+    model_version: str
+    request_id: str
+    queue_us: int
+    compute_us: int
+    batch_size: int
+
+
+def attend_request(
+    embeddings: np.ndarray,
+    *,
+    model: str = "",
+    model_version: str = "",
+    return_attention_weights: bool = False,
+    request_id: str = "",
+) -> pb.AttendRequest:
+    return pb.AttendRequest(
+        model=model,
+        model_version=model_version,
+        embeddings=encode_tensor(embeddings),
+        return_attention_weights=return_attention_weights,
+        request_id=request_id,
+    )
+
+
+def _array(tensor: pb.Tensor) -> np.ndarray:
+    dtype = {pb.FLOAT32: "<f4", pb.FLOAT16: "<f2"}[tensor.dtype]
+    return np.frombuffer(tensor.data, dtype=dtype).reshape(list(tensor.shape))
+
+
+def attend_result(response: pb.AttendResponse) -> AttendResult:
+    weights = _array(response.attention_weights) if response.HasField("attention_weights") else None
+    return AttendResult(
+        output=_array(response.output),
+        attention_weights=weights,
+        model=response.model,
+        model_version=response.model_version,
+        request_id=response.request_id,
+        queue_us=response.timing.queue_us,
+        compute_us=response.timing.compute_us,
+        batch_size=response.timing.batch_size,
+    )
+
+
+class AttentionClient:
+    """Blocking client. Use as a context manager, or call close()."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = attention_pb2_grpc.AttentionServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def __enter__(self) -> AttentionClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def attend(
+        self, embeddings: np.ndarray, *, timeout_s: float | None = None, **fields: Any
+    ) -> AttendResult:
+        """embeddings [seq, d] or [n, seq, d]; fields: model, model_version,
+        return_attention_weights, request_id."""
+        response = self._stub.Attend(attend_request(embeddings, **fields), timeout=timeout_s)
+        return attend_result(response)
+
+    def get_model(self, model: str = "") -> pb.ModelInfo:
+        return self._stub.GetModel(pb.GetModelRequest(model=model))
+
+    def list_models(self) -> list[pb.ModelInfo]:
+        return list(self._stub.ListModels(pb.ListModelsRequest()).models)
+
+    def is_serving(self, service: str = "") -> bool:
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_until_serving(self, timeout_s: float = 60.0) -> None:
+        """Poll the health service until SERVING; TimeoutError after timeout_s."""
+        give_up = time.monotonic() + timeout_s
+        while not self.is_serving():
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"server not SERVING after {timeout_s}s")
+            time.sleep(0.05)
+
+
+class AsyncAttentionClient:
+    """asyncio client for many concurrent calls on one channel."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = attention_pb2_grpc.AttentionServiceStub(self._channel)
+
+    async def __aenter__(self) -> AsyncAttentionClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._channel.close()
+
+    async def attend(
+        self, embeddings: np.ndarray, *, timeout_s: float | None = None, **fields: Any
+    ) -> AttendResult:
+        response = await self._stub.Attend(attend_request(embeddings, **fields), timeout=timeout_s)
+        return attend_result(response)
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m service.client",
+        description="Send embeddings to an AttentionService and print what came back.",
+    )
+    parser.add_argument("--target", default="127.0.0.1:8001", help="host:port of the server")
+    parser.add_argument("--model", default="", help="model name (default: the server's)")
+    parser.add_argument("--model-version", default="", help="version (default: newest)")
+    parser.add_argument("--npy", type=Path, help="embeddings [seq, d] or [n, seq, d] from a .npy")
+    parser.add_argument("--seq", type=int, default=16, help="random input: sequence length")
+    parser.add_argument("--n", type=int, default=1, help="random input: sequences per request")
+    parser.add_argument("--weights", action="store_true", help="ask for attention weights")
+    parser.add_argument("--requests", type=int, default=1, help="requests to send")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def _input(args: argparse.Namespace, embed_dim: int) -> np.ndarray:
+    if args.npy is not None:
+        return np.load(args.npy).astype(np.float32)
+    rng = np.random.default_rng(args.seed)
+    shape = (args.seq, embed_dim) if args.n == 1 else (args.n, args.seq, embed_dim)
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+async def _load(
+    args: argparse.Namespace, embeddings: np.ndarray
+) -> list[tuple[float, AttendResult]]:
+    gate = asyncio.Semaphore(args.concurrency)
+    async with AsyncAttentionClient(args.target) as client:
+
+        async def one(index: int) -> tuple[float, AttendResult]:
+            async with gate:
+                started = time.perf_counter()
+                result = await client.attend(
+                    embeddings,
+                    model=args.model,
+                    model_version=args.model_version,
+                    return_attention_weights=args.weights,
+                    request_id=f"cli-{uuid.uuid4().hex[:8]}-{index}",
+                    timeout_s=args.timeout_s,
+                )
+                return time.perf_counter() - started, result
+
+        return await asyncio.gather(*(one(i) for i in range(args.requests)))
+
+
+def _summary(results: list[tuple[float, AttendResult]], wall_s: float) -> str:
+    latencies_ms = sorted(seconds * 1000 for seconds, _ in results)
+    first = results[0][1]
+    weights = first.attention_weights
+    batches = Counter(result.batch_size for _, result in results)
+    lines = [
+        f"model {first.model} version {first.model_version}: output {list(first.output.shape)} "
+        f"{first.output.dtype}, attention_weights "
+        f"{list(weights.shape) if weights is not None else 'not asked'}",
+        f"{len(results)} requests in {wall_s:.3f}s = {len(results) / wall_s:.1f} req/s; latency ms "
+        f"p50 {statistics.median(latencies_ms):.2f} p99 "
+        f"{latencies_ms[min(len(latencies_ms) - 1, int(0.99 * len(latencies_ms)))]:.2f}",
+        f"server: queue us mean {statistics.mean(r.queue_us for _, r in results):.0f}, compute us "
+        f"mean {statistics.mean(r.compute_us for _, r in results):.0f}, batch sizes "
+        f"{dict(sorted(batches.items()))}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    with AttentionClient(args.target) as client:
+        try:
+            info = client.get_model(args.model)
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    embeddings = _input(args, info.versions[0].embed_dim)
+    started = time.perf_counter()
+    try:
+        results = asyncio.run(_load(args, embeddings))
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    print(_summary(results, time.perf_counter() - started))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

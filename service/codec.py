@@ -1,0 +1,51 @@
+"""Conversion between the wire Tensor message and numpy arrays (both directions)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from service.errors import InvalidInput
+from service.generated.attention.v1 import attention_pb2 as pb
+
+NUMPY_BY_WIRE = {pb.FLOAT32: np.dtype("<f4"), pb.FLOAT16: np.dtype("<f2")}
+WIRE_BY_NUMPY = {np.dtype("float32"): pb.FLOAT32, np.dtype("float16"): pb.FLOAT16}
+
+
+def wire_dtype(dtype: np.dtype) -> pb.DataType.ValueType:
+    try:
+        return WIRE_BY_NUMPY[np.dtype(dtype)]
+    except KeyError:
+        raise InvalidInput(f"dtype {dtype} cannot be sent; expected float32 or float16") from None
+
+
+def decode_tensor(tensor: pb.Tensor, name: str) -> np.ndarray:
+    """A read-only view over the message's bytes (no copy), shaped as declared."""
+    if tensor.dtype not in NUMPY_BY_WIRE:
+        received = (
+            pb.DataType.Name(tensor.dtype) if tensor.dtype in pb.DataType.values() else tensor.dtype
+        )
+        raise InvalidInput(f"{name}.dtype is {received}; expected FLOAT32 or FLOAT16")
+    dtype = NUMPY_BY_WIRE[tensor.dtype]
+    shape = list(tensor.shape)
+    if any(dim < 0 for dim in shape):
+        raise InvalidInput(f"{name}.shape {shape} has a negative dimension")
+    expected_bytes = math.prod(shape) * dtype.itemsize
+    if len(tensor.data) != expected_bytes:
+        raise InvalidInput(
+            f"{name}.data has {len(tensor.data)} bytes; shape {shape} of "
+            f"{pb.DataType.Name(tensor.dtype)} needs {expected_bytes} bytes "
+            "(little-endian, row-major)"
+        )
+    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+
+
+def encode_tensor(array: np.ndarray, dtype: np.dtype | None = None) -> pb.Tensor:
+    """Little-endian, row-major bytes in dtype (default: the array's own)."""
+    target = np.dtype(dtype or array.dtype).newbyteorder("<")
+    return pb.Tensor(
+        shape=list(array.shape),
+        dtype=wire_dtype(target),
+        data=np.ascontiguousarray(array, dtype=target).tobytes(),
+    )

@@ -1,0 +1,139 @@
+"""ONNX Runtime sessions for one model version: the batcher's Runner."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from service.model_repository import VersionFiles
+
+log = logging.getLogger(__name__)
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+INPUTS = ("embeddings", "key_padding_mask")
+
+
+class BrokenModel(ValueError):
+    """A model file that cannot be served; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the ONNX metadata says about a model version."""
+
+    name: str
+    version: int
+    embed_dim: int
+    num_heads: int
+    causal: bool
+    dtype: np.dtype
+    weights_sha256: str
+    weights_source: str
+
+
+def gpu_present() -> bool:
+    """True when the CUDA driver loads and sees a device. Asked before creating a CUDA session
+    so a CPU-only machine never logs ONNX Runtime's CUDA load errors."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return (
+        cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+    )
+
+
+def choose_providers(preference: str) -> list[str]:
+    """CUDA first when asked or when auto finds it usable, CPU always as the fallback."""
+    cuda_usable = CUDA in ort.get_available_providers() and gpu_present()
+    if preference == "cuda" and not cuda_usable:
+        raise RuntimeError("--provider cuda: this onnxruntime build or machine has no usable CUDA")
+    if preference != "cpu" and cuda_usable:
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, when installed
+        return [CUDA, CPU]
+    return [CPU]
+
+
+def _read_spec(session: ort.InferenceSession, files: VersionFiles) -> ModelSpec:
+    meta = session.get_modelmeta().custom_metadata_map
+    names = [i.name for i in session.get_inputs()]
+    if tuple(names) != INPUTS:
+        raise BrokenModel(f"inputs are {names}, expected {list(INPUTS)}")
+    try:
+        embed_dim, num_heads = int(meta["embed_dim"]), int(meta["num_heads"])
+    except (KeyError, ValueError) as err:
+        raise BrokenModel(f"metadata lacks a valid embed_dim/num_heads ({err})") from err
+    dtype = np.dtype(meta.get("dtype", "float32"))
+    if dtype not in (np.float32, np.float16):
+        raise BrokenModel(f"dtype {dtype} is not float32 or float16")
+    return ModelSpec(
+        name=files.name,
+        version=files.version,
+        embed_dim=embed_dim,
+        num_heads=num_heads,
+        causal=meta.get("causal", "false") == "true",
+        dtype=dtype,
+        weights_sha256=meta.get("weights_sha256", ""),
+        weights_source=meta.get("weights_source", ""),
+    )
+
+
+class OnnxModel:
+    """Both graphs of one version. run() is thread-safe and releases the GIL inside ORT."""
+
+    def __init__(self, files: VersionFiles, providers: list[str], intra_op_threads: int) -> None:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        try:
+            self._plain = ort.InferenceSession(
+                str(files.output_graph), options, providers=providers
+            )
+            self._full = (
+                ort.InferenceSession(str(files.weights_graph), options, providers=providers)
+                if files.weights_graph
+                else None
+            )
+        except Exception as err:  # ORT raises its own exception types for bad files
+            raise BrokenModel(f"ONNX Runtime cannot load it: {err}") from err
+        self.spec = _read_spec(self._plain, files)
+        self.key = f"{files.name}/{files.version}"
+        self.provider = self._plain.get_providers()[0]
+
+    @property
+    def label(self) -> str:
+        """Metric label: the model name (versions would multiply series)."""
+        return self.spec.name
+
+    @property
+    def has_weights_graph(self) -> bool:
+        return self._full is not None
+
+    def run(
+        self, embeddings: np.ndarray, key_padding_mask: np.ndarray, with_weights: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Output [b, t, d], and weights [b, h, t, t] only from the graph that has them."""
+        feeds = {"embeddings": embeddings, "key_padding_mask": key_padding_mask}
+        if with_weights:
+            assert self._full is not None, "validated before batching"
+            output, weights = self._full.run(["output", "attention_weights"], feeds)
+            return output, weights
+        (output,) = self._plain.run(["output"], feeds)
+        return output, None
+
+    def warm_up(self, seq_lengths: tuple[int, ...] = (1, 16, 128)) -> None:
+        """First runs allocate and tune; pay for them before reporting ready."""
+        for seq in seq_lengths:
+            x = np.zeros((2, seq, self.spec.embed_dim), dtype=self.spec.dtype)
+            mask = np.zeros((2, seq), dtype=bool)
+            self.run(x, mask, with_weights=False)
+            if self.has_weights_graph:
+                self.run(x, mask, with_weights=True)

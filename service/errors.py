@@ -1,0 +1,30 @@
+"""Domain errors. Each one says what was wrong and what was expected; service/status.py is
+the one place that maps them to gRPC status codes."""
+
+
+class ServingError(Exception):
+    """Base of every error a client is allowed to see the message of."""
+
+
+class InvalidInput(ServingError):
+    """The request is malformed: wrong shape, dtype, byte length, d, or values."""
+
+
+class ModelNotFound(ServingError):
+    """No such model, or no such version of it."""
+
+
+class QueueFull(ServingError):
+    """The batcher's queue is at max_queue_size; retry later or elsewhere."""
+
+
+class DeadlineExpired(ServingError):
+    """The request's deadline passed before it could be computed."""
+
+
+class ShuttingDown(ServingError):
+    """The server is draining or not ready yet; retry on another replica."""
+
+
+class NotSupported(ServingError):
+    """A valid call this server does not implement."""

@@ -1,0 +1,80 @@
+"""Every Prometheus metric of the server, declared once, in base units, under one prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+PREFIX = "attention"
+
+# Sub-millisecond to multi-second: a small CPU batch takes ~100 µs, a long GPU queue seconds.
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PADDING_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+
+REQUESTS = Counter(
+    f"{PREFIX}_requests_total",
+    "Finished RPCs by model, API (attention | v2 | ...) and gRPC status code.",
+    ["model", "api", "code"],
+)
+REQUEST_DURATION = Histogram(
+    f"{PREFIX}_request_duration_seconds",
+    "End-to-end server time of an RPC, from handler entry to response.",
+    ["model", "api"],
+    buckets=LATENCY_BUCKETS_S,
+)
+QUEUE_DURATION = Histogram(
+    f"{PREFIX}_queue_duration_seconds",
+    "Time a request waited in the batcher before its batch started computing.",
+    ["model"],
+    buckets=LATENCY_BUCKETS_S,
+)
+COMPUTE_DURATION = Histogram(
+    f"{PREFIX}_compute_duration_seconds",
+    "Time one batch took: pad/merge, ONNX Runtime, split.",
+    ["model"],
+    buckets=LATENCY_BUCKETS_S,
+)
+BATCH_SIZE = Histogram(
+    f"{PREFIX}_batch_size_sequences",
+    "Sequences in each batch sent to ONNX Runtime.",
+    ["model"],
+    buckets=BATCH_SIZE_BUCKETS,
+)
+PADDING_RATIO = Histogram(
+    f"{PREFIX}_batch_padding_ratio",
+    "Fraction of a batch's positions that are padding (0 = none wasted).",
+    ["model"],
+    buckets=PADDING_RATIO_BUCKETS,
+)
+BATCHES = Counter(
+    f"{PREFIX}_batches_total",
+    "ONNX Runtime calls by graph: output | output+attention_weights.",
+    ["model", "graph"],
+)
+DROPPED = Counter(
+    f"{PREFIX}_requests_dropped_total",
+    "Requests removed from the queue before compute (reason: deadline | cancelled).",
+    ["model", "reason"],
+)
+QUEUE_DEPTH = Gauge(
+    f"{PREFIX}_queue_depth_requests",
+    "Requests waiting in the batcher, all models.",
+)
+IN_FLIGHT = Gauge(
+    f"{PREFIX}_inflight_requests",
+    "RPCs being handled right now (queued or computing).",
+    ["api"],
+)
+MODEL_READY = Gauge(
+    f"{PREFIX}_model_ready",
+    "1 when the model version is loaded and warmed up, else 0.",
+    ["model", "version"],
+)
+ENGINE_INFO = Gauge(
+    f"{PREFIX}_engine_info",
+    "Constant 1; labels show the ONNX Runtime execution provider serving each model version.",
+    ["model", "version", "provider"],
+)

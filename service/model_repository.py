@@ -1,0 +1,53 @@
+"""Find model versions on disk: <repository>/<name>/<version>/model.onnx (+ weights graph)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+OUTPUT_GRAPH = "model.onnx"
+WEIGHTS_GRAPH = "model.with_weights.onnx"
+
+
+@dataclass(frozen=True)
+class VersionFiles:
+    """The graphs of one model version; the weights graph is optional."""
+
+    name: str
+    version: int
+    output_graph: Path
+    weights_graph: Path | None
+
+
+def discover(repository: Path) -> list[VersionFiles]:
+    """Every well-formed version folder by (name, version); others are logged, skipped."""
+    if not repository.is_dir():
+        log.error("model repository %s does not exist or is not a folder", repository)
+        return []
+    found = []
+    for model_folder in sorted(p for p in repository.iterdir() if p.is_dir()):
+        if model_folder.name.startswith("."):
+            continue
+        for version_folder in sorted(p for p in model_folder.iterdir() if p.is_dir()):
+            if version_folder.name.startswith("."):
+                continue  # staging folders of an export in progress
+            if not version_folder.name.isdigit():
+                log.error("skipping %s: version folders must be numbers", version_folder)
+                continue
+            output_graph = version_folder / OUTPUT_GRAPH
+            if not output_graph.is_file():
+                log.error("skipping %s: no %s in it", version_folder, OUTPUT_GRAPH)
+                continue
+            weights_graph = version_folder / WEIGHTS_GRAPH
+            found.append(
+                VersionFiles(
+                    name=model_folder.name,
+                    version=int(version_folder.name),
+                    output_graph=output_graph,
+                    weights_graph=weights_graph if weights_graph.is_file() else None,
+                )
+            )
+    return sorted(found, key=lambda files: (files.name, files.version))

@@ -1,0 +1,74 @@
+"""Wraps every RPC handler: error -> status mapping, request metrics, request-id logging."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from service import metrics
+from service.errors import ServingError
+from service.status import code_for
+
+log = logging.getLogger(__name__)
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+class Labeled(Protocol):
+    """A servicer that can name the model and request id of a request (for metrics/logs)."""
+
+    def model_label(self, request: Any) -> str: ...
+
+    def request_id(self, request: Any) -> str: ...
+
+
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def rpc(api: str) -> Callable[[Handler], Handler]:
+    """Decorate a servicer method; clients see our messages, never a traceback."""
+
+    def decorate(handler: Handler) -> Handler:
+
+        @functools.wraps(handler)
+        async def wrapped(self: Labeled, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.monotonic()
+            code = grpc.StatusCode.OK
+            model = self.model_label(request)
+            metrics.IN_FLIGHT.labels(api).inc()
+            try:
+                return await handler(self, request, context)
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN  # the handler chose it
+                raise
+            except ServingError as err:
+                code = code_for(err)
+                await context.abort(code, str(err))
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception:
+                request_id = self.request_id(request) or uuid.uuid4().hex[:12]
+                code = grpc.StatusCode.INTERNAL
+                log.exception(
+                    "internal error in %s/%s request_id=%s", api, handler.__name__, request_id
+                )
+                await context.abort(
+                    code, f"internal error; request_id={request_id} is in the server log"
+                )
+            finally:
+                metrics.IN_FLIGHT.labels(api).dec()
+                metrics.REQUESTS.labels(model, api, code.name).inc()
+                metrics.REQUEST_DURATION.labels(model, api).observe(time.monotonic() - started)
+
+        return wrapped
+
+    return decorate

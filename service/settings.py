@@ -1,0 +1,146 @@
+"""Server settings: one frozen, validated object. Precedence: defaults < environment < flags.
+
+Every flag ``--some-flag`` also reads the environment variable ``ATTENTION_SOME_FLAG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "ATTENTION_"
+PROVIDERS = ("auto", "cuda", "cpu")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _doc(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Everything the server is configured with; built once in __main__ and passed down."""
+
+    host: str = _doc(
+        "interface to bind; 0.0.0.0 in containers, 127.0.0.1 in tests", default="0.0.0.0"
+    )
+    grpc_port: int = _doc("gRPC port (0 = pick a free one); Triton's default", default=8001)
+    metrics_port: int = _doc("Prometheus /metrics HTTP port (0 = pick a free one)", default=8002)
+    model_repository: Path = _doc(
+        "folder laid out as <name>/<version>/model.onnx", default=Path("models")
+    )
+    default_model: str = _doc("model used when a request names none", default="mha")
+    max_batch_size: int = _doc("most sequences in one ONNX Runtime call", default=32)
+    max_queue_delay_ms: float = _doc(
+        "longest the oldest request waits for a batch to fill", default=2.0
+    )
+    max_queue_size: int = _doc(
+        "requests waiting (all models); beyond it RESOURCE_EXHAUSTED", default=1024
+    )
+    max_seq_len: int = _doc("longest sequence accepted (positions)", default=512)
+    max_padding_ratio: float = _doc(
+        "most padding a batch may carry when grouping different lengths (0..1)", default=0.5
+    )
+    max_inflight_batches: int = _doc(
+        "batches computing at once; 1 keeps a CPU's cores on one batch", default=1
+    )
+    intra_op_threads: int = _doc("ONNX Runtime threads per session (0 = all cores)", default=0)
+    provider: str = _doc(
+        "execution provider: auto (CUDA if usable, else CPU), cuda, cpu", default="auto"
+    )
+    grace_period_s: float = _doc("time to finish accepted requests after SIGTERM", default=30.0)
+    log_level: str = _doc("one of LOG_LEVELS", default="INFO")
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name} must be {expectation}, got {getattr(self, name)!r}"
+            for name, valid, expectation in self._rules()
+            if not valid
+        ]
+        if problems:
+            raise ValueError("invalid settings: " + "; ".join(problems))
+
+    def _rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("grpc_port", 0 <= self.grpc_port <= 65535, "0..65535"),
+            ("metrics_port", 0 <= self.metrics_port <= 65535, "0..65535"),
+            ("max_batch_size", self.max_batch_size >= 1, ">= 1"),
+            ("max_queue_delay_ms", self.max_queue_delay_ms >= 0, ">= 0"),
+            ("max_queue_size", self.max_queue_size >= 1, ">= 1"),
+            ("max_seq_len", self.max_seq_len >= 1, ">= 1"),
+            ("max_padding_ratio", 0 <= self.max_padding_ratio <= 1, "in 0..1"),
+            ("max_inflight_batches", self.max_inflight_batches >= 1, ">= 1"),
+            ("intra_op_threads", self.intra_op_threads >= 0, ">= 0"),
+            ("provider", self.provider in PROVIDERS, f"one of {PROVIDERS}"),
+            ("grace_period_s", self.grace_period_s >= 0, ">= 0"),
+            ("log_level", self.log_level.upper() in LOG_LEVELS, f"one of {LOG_LEVELS}"),
+        ]
+
+    @property
+    def max_queue_delay_s(self) -> float:
+        return self.max_queue_delay_ms / 1000.0
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _converter(kind: Any) -> Callable[[str], Any]:
+    return {"int": int, "float": float, "Path": Path, "str": str}[
+        kind if isinstance(kind, str) else kind.__name__
+    ]
+
+
+def _from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for spec in fields(Settings):
+        raw = environ.get(env_name(spec.name))
+        if raw is None:
+            continue
+        try:
+            values[spec.name] = _converter(spec.type)(raw)
+        except ValueError as err:
+            raise ValueError(f"{env_name(spec.name)}={raw!r} is not a valid {spec.type}") from err
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m service",
+        description="Serve multi-head self-attention ONNX models over gRPC with dynamic batching.",
+        epilog=f"Every flag also reads an environment variable: --grpc-port from "
+        f"{env_name('grpc_port')}, and so on ({ENV_PREFIX}<FLAG_IN_CAPITALS>). "
+        "Precedence: defaults < environment < flags.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for spec in fields(Settings):
+        parser.add_argument(
+            "--" + spec.name.replace("_", "-"),
+            type=_converter(spec.type),
+            default=argparse.SUPPRESS,
+            help=f"{spec.metadata['help']} [env {env_name(spec.name)}; default {spec.default}]",
+        )
+    return parser
+
+
+def load_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Defaults, overridden by the environment, overridden by flags."""
+    parser = build_parser()
+    flags = vars(parser.parse_args(argv))
+    try:
+        values = {**_from_environment(os.environ if environ is None else environ), **flags}
+        return Settings(**values)
+    except ValueError as err:
+        parser.error(str(err))
+        raise  # unreachable: parser.error exits
+
+
+def describe(settings: Settings) -> str:
+    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items())

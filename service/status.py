@@ -1,0 +1,31 @@
+"""The one place that maps domain errors to gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from service.errors import (
+    DeadlineExpired,
+    InvalidInput,
+    ModelNotFound,
+    NotSupported,
+    QueueFull,
+    ServingError,
+    ShuttingDown,
+)
+
+CODE_BY_ERROR: dict[type[ServingError], grpc.StatusCode] = {
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    NotSupported: grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+def code_for(error: ServingError) -> grpc.StatusCode:
+    for kind in type(error).__mro__:
+        if kind in CODE_BY_ERROR:
+            return CODE_BY_ERROR[kind]
+    return grpc.StatusCode.INTERNAL
