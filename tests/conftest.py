@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from export.pipeline import ExportRequest, ExportResult, run_export
+from service.client import AttentionClient
+from tests.server_process import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +28,17 @@ def small_export(tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
     """A d=64, h=4 export for graph-level tests."""
     root = tmp_path_factory.mktemp("small-export")
     return run_export(ExportRequest(name="small", embed_dim=64, num_heads=4, out=root))
+
+
+@pytest.fixture(scope="session")
+def server(model_repository: Path) -> Iterator[ServerProcess]:
+    """One server with default settings (bar a short queue delay) for the read-only tests."""
+    with ServerProcess(model_repository, "--max-queue-delay-ms", "5") as process:
+        yield process
+    assert process.process.returncode == 0, process.log
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[AttentionClient]:
+    with AttentionClient(server.target) as attention_client:
+        yield attention_client

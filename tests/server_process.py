@@ -1,0 +1,125 @@
+"""Start the real server (python -m service) on 127.0.0.1 with free ports, for tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.client import AttentionClient
+
+LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServerProcess:
+    """A server subprocess; its log is collected by a thread so the pipe never fills."""
+
+    def __init__(self, model_repository: Path, *flags: str, env: dict[str, str] | None = None):
+        command = [
+            sys.executable, "-m", "service",
+            "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
+            "--model-repository", str(model_repository), *flags,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self._bound = threading.Event()
+        self.grpc_port = self.metrics_port = 0
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _collect(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            match = LISTENING.search(line)
+            if match:
+                self.grpc_port, self.metrics_port = map(int, match.groups())
+                self._bound.set()
+        self._bound.set()  # exited: unblock waiters
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def wait_bound(self, timeout_s: float = 60) -> None:
+        if not self._bound.wait(timeout_s) or not self.grpc_port:
+            raise RuntimeError(f"server did not bind:\n{self.log}")
+
+    def wait_serving(self, timeout_s: float = 60) -> None:
+        self.wait_bound(timeout_s)
+        with AttentionClient(self.target) as client:
+            client.wait_until_serving(timeout_s)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Current samples: (name, sorted labels) -> value."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of name whose labels include the given ones."""
+        return sum(
+            value
+            for (sample, sample_labels), value in self.metrics().items()
+            if sample == name and set(labels.items()) <= set(sample_labels)
+        )
+
+    def wait_metric(
+        self, name: str, at_least: float, timeout_s: float = 30, **labels: str
+    ) -> float:
+        """Poll /metrics until the metric reaches a value."""
+        give_up = time.monotonic() + timeout_s
+        while (value := self.metric(name, **labels)) < at_least:
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"{name}{labels} stayed at {value} < {at_least}")
+            time.sleep(0.01)
+        return value
+
+    def terminate(self, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout_s)
+
+    def __enter__(self) -> ServerProcess:
+        try:
+            self.wait_serving()
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

@@ -1,0 +1,105 @@
+"""Every row of DESIGN.md's error table, over real gRPC; the server keeps serving after each."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import numpy as np
+import pytest
+
+from service.client import AttentionClient
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
+from tests.server_process import ServerProcess
+
+D = 512
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _tensor(shape: list[int], *, dtype=pb.FLOAT32, data: bytes | None = None) -> pb.Tensor:
+    if data is None:
+        data = np.ones(shape, np.float32).tobytes() if shape else b""
+    return pb.Tensor(shape=shape, dtype=dtype, data=data)
+
+
+def _nan_data(value: float) -> bytes:
+    x = np.ones((4, D), np.float32)
+    x[2, 7] = value
+    return x.tobytes()
+
+
+BAD_REQUESTS = {
+    "rank 1": (pb.AttendRequest(embeddings=_tensor([D])), INVALID, "expects [seq, 512] or [n, seq, 512]"),
+    "rank 4": (pb.AttendRequest(embeddings=_tensor([1, 1, 2, D])), INVALID, "has shape [1, 1, 2, 512]"),
+    "wrong d": (pb.AttendRequest(embeddings=_tensor([3, 64])), INVALID, "d=64 (shape [3, 64]); model 'mha' expects d=512"),
+    "empty seq": (pb.AttendRequest(embeddings=_tensor([0, D])), INVALID, "is empty"),
+    "empty batch": (pb.AttendRequest(embeddings=_tensor([0, 3, D])), INVALID, "is empty"),
+    "no tensor": (pb.AttendRequest(), INVALID, "embeddings is missing"),
+    "dtype unset": (pb.AttendRequest(embeddings=_tensor([2, D], dtype=pb.DATA_TYPE_UNSPECIFIED)), INVALID, "expected FLOAT32 or FLOAT16"),
+    "dtype unknown": (pb.AttendRequest(embeddings=_tensor([2, D], dtype=9)), INVALID, "dtype is 9"),
+    "short data": (pb.AttendRequest(embeddings=_tensor([2, D], data=b"\0" * 100)), INVALID, "has 100 bytes; shape [2, 512] of FLOAT32 needs 4096 bytes"),
+    "fp16 size": (pb.AttendRequest(embeddings=_tensor([2, D], dtype=pb.FLOAT16)), INVALID, "needs 2048 bytes"),
+    "negative dim": (pb.AttendRequest(embeddings=_tensor([-1, D], data=b"")), INVALID, "negative dimension"),
+    "NaN": (pb.AttendRequest(embeddings=_tensor([4, D], data=_nan_data(math.nan))), INVALID, "1 non-finite values (NaN or inf)"),
+    "inf": (pb.AttendRequest(embeddings=_tensor([4, D], data=_nan_data(math.inf))), INVALID, "expected finite"),
+    "too long": (pb.AttendRequest(embeddings=_tensor([513, D])), INVALID, "sequence length 513 exceeds this server's max_seq_len 512"),
+    "too many": (pb.AttendRequest(embeddings=_tensor([33, 1, D])), INVALID, "at most max_batch_size=32"),
+    "unknown model": (pb.AttendRequest(model="nope", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "unknown model 'nope'; this server serves ['causal', 'mha', 'small']"),
+    "unknown version": (pb.AttendRequest(model_version="9", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '9'; available versions: [1]"),
+    "bad version": (pb.AttendRequest(model_version="latest", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version 'latest'"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerProcess):
+    channel = grpc.insecure_channel(server.target)
+    yield attention_pb2_grpc.AttentionServiceStub(channel)
+    channel.close()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_gets_a_clear_status(stub, client: AttentionClient, case: str) -> None:
+    request, code, message = BAD_REQUESTS[case]
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Attend(request, timeout=10)
+    assert caught.value.code() == code
+    assert message in caught.value.details()
+    assert "Traceback" not in caught.value.details()
+    assert client.attend(np.ones((2, D), np.float32)).output.shape == (2, D)
+
+
+def test_unknown_model_in_get_model(client: AttentionClient) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        client.get_model("nope")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_bad_requests_are_counted_by_code(server: ServerProcess, stub) -> None:
+    before = server.metric("attention_requests_total", api="attention", code="INVALID_ARGUMENT")
+    with pytest.raises(grpc.RpcError):
+        stub.Attend(BAD_REQUESTS["NaN"][0], timeout=10)
+    after = server.metric("attention_requests_total", api="attention", code="INVALID_ARGUMENT")
+    assert after == before + 1
+    unknown = server.metric("attention_requests_total", model="_unknown", code="NOT_FOUND")
+    with pytest.raises(grpc.RpcError):
+        stub.Attend(BAD_REQUESTS["unknown model"][0], timeout=10)
+    assert (
+        server.metric("attention_requests_total", model="_unknown", code="NOT_FOUND") == unknown + 1
+    )
+
+
+def test_bad_request_does_not_disturb_a_batch(server: ServerProcess, stub, client) -> None:
+    """Bad and good requests sent together: every good one succeeds."""
+    good = [
+        stub.Attend.future(pb.AttendRequest(embeddings=_tensor([5, D])), timeout=30)
+        for _ in range(20)
+    ]
+    bad = [
+        stub.Attend.future(BAD_REQUESTS[case][0], timeout=30)
+        for case in ("NaN", "short data", "wrong d")
+    ]
+    for call in good:
+        assert call.result().output.shape == [5, D]
+    for call in bad:
+        assert call.exception().code() == INVALID

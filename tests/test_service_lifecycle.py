@@ -1,0 +1,207 @@
+"""Queueing, deadlines, cancellation, health, graceful shutdown and broken models."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.client import AttentionClient
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
+from service.server import AttentionServer
+from service.settings import Settings
+from tests.server_process import ServerProcess
+
+D = 64  # the "small" model keeps these tests quick
+PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64")  # requests wait in the queue
+
+
+def _request(seq: int = 4) -> pb.AttendRequest:
+    x = np.ones((seq, D), np.float32)
+    return pb.AttendRequest(
+        model="small", embeddings=pb.Tensor(shape=[seq, D], dtype=pb.FLOAT32, data=x.tobytes())
+    )
+
+
+def _stub(server: ServerProcess) -> tuple[grpc.Channel, attention_pb2_grpc.AttentionServiceStub]:
+    channel = grpc.insecure_channel(server.target)
+    return channel, attention_pb2_grpc.AttentionServiceStub(channel)
+
+
+def test_full_queue_rejects_at_once_and_drain_finishes_the_rest(model_repository: Path) -> None:
+    with ServerProcess(model_repository, *PARKED, "--max-queue-size", "3") as server:
+        channel, stub = _stub(server)
+        parked = [stub.Attend.future(_request(), timeout=60) for _ in range(3)]
+        server.wait_metric("attention_queue_depth_requests", 3)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Attend(_request(), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_queue_size=3" in caught.value.details()
+        assert time.monotonic() - started < 5, "rejection should not wait for the queue"
+        assert server.terminate() == 0, server.log
+        for call in parked:
+            assert call.result().output.shape == [4, D]
+        channel.close()
+
+
+def test_expired_and_cancelled_requests_are_never_computed(model_repository: Path) -> None:
+    with ServerProcess(model_repository, *PARKED) as server:
+        channel, stub = _stub(server)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Attend(_request(), timeout=0.3)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        server.wait_metric("attention_requests_dropped_total", 1, model="small", reason="deadline")
+
+        call = stub.Attend.future(_request(), timeout=60)
+        server.wait_metric("attention_queue_depth_requests", 1)
+        call.cancel()
+        server.wait_metric("attention_requests_dropped_total", 1, model="small", reason="cancelled")
+        assert server.metric("attention_queue_depth_requests") == 0
+        assert server.metric("attention_batches_total", model="small") == 0
+        channel.close()
+
+
+def test_deadline_that_passes_in_the_queue_is_dropped_by_the_server(model_repository: Path) -> None:
+    """A deadline shorter than the queue delay: the server itself drops it before compute."""
+    flags = ("--max-queue-delay-ms", "400", "--max-batch-size", "64")
+    with ServerProcess(model_repository, *flags) as server:
+        channel, stub = _stub(server)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Attend(_request(), timeout=0.2)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        server.wait_metric("attention_requests_dropped_total", 1, model="small")
+        ok = stub.Attend(_request(), timeout=30)  # the next one with time to spare is served
+        assert ok.output.shape == [4, D]
+        assert server.metric("attention_batches_total", model="small") == 1
+        channel.close()
+
+
+def test_sigterm_under_load_finishes_accepted_requests_and_exits_zero(
+    model_repository: Path,
+) -> None:
+    server = ServerProcess(model_repository, *PARKED, "--grace-period-s", "20")
+    with server:
+        channel, stub = _stub(server)
+        accepted = [stub.Attend.future(_request(seq=1 + i % 40), timeout=60) for i in range(40)]
+        server.wait_metric("attention_queue_depth_requests", 40)
+        started = time.monotonic()
+        server.process.send_signal(subprocess.signal.SIGTERM)
+        for call in accepted:
+            assert call.result().output.shape[1] == D
+        refused = None
+        while server.process.poll() is None or refused is None:
+            try:
+                stub.Attend(_request(), timeout=5)
+            except grpc.RpcError as err:
+                refused = err.code()
+                if server.process.poll() is not None:
+                    break
+        assert refused == grpc.StatusCode.UNAVAILABLE
+        assert server.process.wait(30) == 0, server.log
+        assert time.monotonic() - started < 20
+        channel.close()
+    assert "draining" in server.log
+
+
+def test_health_goes_from_not_serving_to_serving_after_warm_up(
+    model_repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def scenario() -> list[int]:
+        gate, warming = asyncio.Event(), asyncio.Event()
+        server = AttentionServer(
+            Settings(
+                host="127.0.0.1", grpc_port=0, metrics_port=0, model_repository=model_repository
+            )
+        )
+        real_warm_up = server._warm_up
+
+        async def gated_warm_up(registry):
+            warming.set()  # ports are bound and health is NOT_SERVING by now
+            await gate.wait()
+            await real_warm_up(registry)
+
+        monkeypatch.setattr(server, "_warm_up", gated_warm_up)
+        starting = asyncio.create_task(server.start())
+        await warming.wait()
+        assert server.ports is not None
+        seen = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ports.grpc}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest(service="attention.v1.AttentionService")
+            seen.append((await health.Check(check)).status)
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Attend(_request())
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            gate.set()
+            await starting
+            seen.append((await health.Check(check)).status)
+            assert (await stub.Attend(_request())).output.shape == [4, D]
+            await server.stop()
+        return seen
+
+    serving = health_pb2.HealthCheckResponse
+    assert asyncio.run(scenario()) == [serving.NOT_SERVING, serving.SERVING]
+
+
+def test_broken_models_are_skipped_and_the_rest_served(
+    model_repository: Path, tmp_path: Path
+) -> None:
+    shutil.copytree(model_repository / "small", tmp_path / "small")
+    (tmp_path / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "broken" / "1" / "model.onnx").write_bytes(b"this is not onnx")
+    (tmp_path / "small" / "latest").mkdir()
+    with ServerProcess(tmp_path) as server, AttentionClient(server.target) as client:
+        assert [m.name for m in client.list_models()] == ["small"]
+        assert client.attend(np.ones((2, D), np.float32), model="small").output.shape == (2, D)
+    assert "not serving broken version 1" in server.log
+    assert "version folders must be numbers" in server.log
+
+
+def test_empty_repository_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "--model-repository", str(tmp_path),
+         "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "no servable model" in done.stderr
+
+
+def test_metrics_move_as_requests_go_through(
+    server: ServerProcess, client: AttentionClient
+) -> None:
+    def snapshot() -> dict[str, float]:
+        return {
+            "requests": server.metric("attention_requests_total", model="small", code="OK"),
+            "latency": server.metric("attention_request_duration_seconds_count", model="small"),
+            "queue": server.metric("attention_queue_duration_seconds_count", model="small"),
+            "compute": server.metric("attention_compute_duration_seconds_count", model="small"),
+            "batch": server.metric("attention_batch_size_sequences_sum", model="small"),
+            "padding": server.metric("attention_batch_padding_ratio_count", model="small"),
+        }
+
+    before = snapshot()
+    for seq in (3, 7, 11):
+        client.attend(np.ones((2, seq, D), np.float32), model="small")
+    after = snapshot()
+    assert after["requests"] - before["requests"] == 3
+    assert after["latency"] - before["latency"] == 3
+    assert after["queue"] - before["queue"] == 3
+    assert after["batch"] - before["batch"] == 6
+    assert after["compute"] > before["compute"]
+    assert after["padding"] > before["padding"]
+    assert server.metric("attention_model_ready", model="small", version="2") == 1
+    assert server.metric("attention_engine_info", model="mha", provider="CPUExecutionProvider") == 1
+    names = {name for name, _ in server.metrics()}
+    assert {"attention_queue_depth_requests", "attention_inflight_requests"} <= names
