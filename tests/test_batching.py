@@ -1,0 +1,213 @@
+"""Pure batching functions and the asyncio batcher, with a recording runner."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.batcher import Batcher, BatchFailed, BatchLimits
+from service.batching import choose_batch, merge, padding_ratio, split
+from service.errors import DeadlineExpired, QueueFull, ShuttingDown
+
+shapes = st.lists(st.tuples(st.integers(1, 4), st.integers(1, 20)), min_size=1, max_size=12)
+
+
+@given(shapes)
+def test_merge_then_split_gives_back_every_request(request_shapes) -> None:
+    rng = np.random.default_rng(0)
+    requests = [rng.standard_normal((n, t, 3), dtype=np.float32) for n, t in request_shapes]
+    embeddings, mask = merge(requests)
+    assert embeddings.shape == (
+        sum(n for n, _ in request_shapes),
+        max(t for _, t in request_shapes),
+        3,
+    )
+    assert int((~mask).sum()) == sum(n * t for n, t in request_shapes)  # sizes add up
+    assert np.all(embeddings[mask] == 0)
+    weights = rng.standard_normal((embeddings.shape[0], 2, mask.shape[1], mask.shape[1]))
+    parts = split(embeddings, weights, request_shapes)
+    for request, (output, part_weights) in zip(requests, parts, strict=True):
+        np.testing.assert_array_equal(output, request)
+        assert part_weights.shape == (request.shape[0], 2, request.shape[1], request.shape[1])
+
+
+def test_split_refuses_shapes_that_do_not_cover_the_batch() -> None:
+    with pytest.raises(ValueError, match="covers 2 rows, the batch has 3"):
+        split(np.zeros((3, 4, 2)), None, [(2, 4)])
+
+
+@settings(max_examples=200)
+@given(shapes, st.integers(1, 16), st.floats(0, 1))
+def test_choose_batch_respects_limits_and_keeps_the_oldest(
+    request_shapes, max_sequences, max_padding
+) -> None:
+    counts = [min(n, max_sequences) for n, _ in request_shapes]
+    lengths = [t for _, t in request_shapes]
+    chosen = choose_batch(counts, lengths, max_sequences=max_sequences, max_padding=max_padding)
+    assert chosen[0] == 0
+    assert len(set(chosen)) == len(chosen)
+    assert sum(counts[i] for i in chosen) <= max_sequences
+    if len(chosen) > 1:
+        assert (
+            padding_ratio([counts[i] for i in chosen], [lengths[i] for i in chosen]) <= max_padding
+        )
+
+
+def test_choose_batch_groups_similar_lengths() -> None:
+    chosen = choose_batch([1, 1, 1, 1], [10, 200, 11, 9], max_sequences=8, max_padding=0.3)
+    assert sorted(chosen) == [0, 2, 3]
+
+
+class RecordingRunner:
+    """Adds 1 to its input; records every batch it is given."""
+
+    key = "fake/1"
+    label = "fake"
+
+    def __init__(self, fail: bool = False, hold: threading.Event | None = None) -> None:
+        self.batches: list[tuple[int, ...]] = []
+        self.fail = fail
+        self.hold = hold
+
+    def run(self, embeddings, key_padding_mask, with_weights):
+        if self.hold is not None:
+            self.hold.wait(10)
+        self.batches.append(embeddings.shape)
+        if self.fail:
+            raise RuntimeError("engine exploded")
+        weights = np.zeros((embeddings.shape[0], 1, embeddings.shape[1], embeddings.shape[1]))
+        return embeddings + 1, weights if with_weights else None
+
+
+def _limits(**overrides) -> BatchLimits:
+    values = {"max_batch_size": 4, "max_queue_delay_s": 0.05, "max_queue_size": 100}
+    return BatchLimits(**{**values, **overrides})
+
+
+def _x(seq: int, n: int = 1) -> np.ndarray:
+    return np.full((n, seq, 2), float(seq), np.float32)
+
+
+async def _with_batcher(limits: BatchLimits, body):
+    batcher = Batcher(limits)
+    await batcher.start()
+    try:
+        return await body(batcher)
+    finally:
+        await batcher.stop()
+
+
+def test_full_batch_closes_without_waiting_for_the_delay() -> None:
+    runner = RecordingRunner()
+
+    async def body(batcher: Batcher):
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(batcher.submit(runner, _x(3), with_weights=False) for _ in range(4))
+        )
+        return results, time.monotonic() - started
+
+    results, elapsed = asyncio.run(_with_batcher(_limits(max_queue_delay_s=30), body))
+    assert runner.batches == [(4, 3, 2)]
+    assert all(r.batch_size == 4 for r in results)
+    assert elapsed < 10
+    np.testing.assert_array_equal(results[0].output, _x(3) + 1)
+
+
+def test_partial_batch_closes_after_the_delay() -> None:
+    runner = RecordingRunner()
+
+    async def body(batcher: Batcher):
+        return await asyncio.gather(
+            *(batcher.submit(runner, _x(t), with_weights=False) for t in (3, 5))
+        )
+
+    results = asyncio.run(_with_batcher(_limits(), body))
+    assert runner.batches == [(2, 5, 2)]
+    assert results[0].output.shape == (1, 3, 2)
+    assert results[0].queue_s >= 0.04
+
+
+def test_weights_and_no_weights_never_share_a_batch() -> None:
+    runner = RecordingRunner()
+
+    async def body(batcher: Batcher):
+        return await asyncio.gather(
+            batcher.submit(runner, _x(3), with_weights=True),
+            batcher.submit(runner, _x(3), with_weights=False),
+        )
+
+    with_weights, without = asyncio.run(_with_batcher(_limits(), body))
+    assert len(runner.batches) == 2
+    assert with_weights.attention_weights is not None
+    assert without.attention_weights is None
+
+
+def test_failed_batch_fails_its_requests_and_nothing_else() -> None:
+    bad, good = RecordingRunner(fail=True), RecordingRunner()
+    good.key = "good/1"
+
+    async def body(batcher: Batcher):
+        return await asyncio.gather(
+            batcher.submit(bad, _x(2), with_weights=False),
+            batcher.submit(bad, _x(2), with_weights=False),
+            batcher.submit(good, _x(2), with_weights=False),
+            return_exceptions=True,
+        )
+
+    first, second, third = asyncio.run(_with_batcher(_limits(), body))
+    assert isinstance(first, BatchFailed)
+    assert isinstance(second, BatchFailed)
+    assert isinstance(first.__cause__, RuntimeError)
+    np.testing.assert_array_equal(third.output, _x(2) + 1)
+
+
+def test_queue_full_rejects_and_expired_requests_are_dropped() -> None:
+    hold = threading.Event()
+    runner = RecordingRunner(hold=hold)
+
+    async def body(batcher: Batcher):
+        busy = asyncio.create_task(batcher.submit(runner, _x(1, n=4), with_weights=False))
+        await asyncio.sleep(0)  # let it be queued; it then blocks the only compute slot
+        expiring = asyncio.create_task(
+            batcher.submit(runner, _x(2), with_weights=False, deadline=time.monotonic())
+        )
+        waiting = asyncio.create_task(batcher.submit(runner, _x(2), with_weights=False))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull, match="max_queue_size=2"):
+            await batcher.submit(runner, _x(2), with_weights=False)
+        hold.set()  # its deadline has passed while the only slot was busy
+        with pytest.raises(DeadlineExpired, match="before compute"):
+            await expiring
+        return await busy, await waiting
+
+    busy, waiting = asyncio.run(_with_batcher(_limits(max_queue_size=2), body))
+    assert busy.batch_size == 4
+    assert waiting.batch_size == 1
+    assert runner.batches == [(4, 1, 2), (1, 2, 2)]
+
+
+def test_drain_flushes_queued_requests_and_stop_refuses_new_ones() -> None:
+    runner = RecordingRunner()
+
+    async def body():
+        batcher = Batcher(_limits(max_queue_delay_s=60))
+        with pytest.raises(ShuttingDown):
+            await batcher.submit(runner, _x(2), with_weights=False)
+        await batcher.start()
+        queued = asyncio.create_task(batcher.submit(runner, _x(2), with_weights=False))
+        await asyncio.sleep(0)
+        await asyncio.wait_for(batcher.drain(), timeout=10)
+        result = await queued
+        await batcher.stop()
+        with pytest.raises(ShuttingDown):
+            await batcher.submit(runner, _x(2), with_weights=False)
+        return result
+
+    assert asyncio.run(body()).batch_size == 1

@@ -1,0 +1,76 @@
+"""Settings precedence and validation; generated protobuf code matches proto/."""
+
+from __future__ import annotations
+
+import filecmp
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.settings import load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_flags_beat_environment_beat_defaults() -> None:
+    assert load_settings([], {}).grpc_port == 8001
+    assert load_settings([], {}).metrics_port == 8002
+    env = {"ATTENTION_GRPC_PORT": "9001", "ATTENTION_MAX_QUEUE_DELAY_MS": "7.5"}
+    from_env = load_settings([], env)
+    assert (from_env.grpc_port, from_env.max_queue_delay_ms) == (9001, 7.5)
+    assert load_settings(["--grpc-port", "9100"], env).grpc_port == 9100
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--max-batch-size", "0"], {}, "max_batch_size must be >= 1, got 0"),
+        (["--provider", "tpu"], {}, "provider must be one of"),
+        ([], {"ATTENTION_GRPC_PORT": "eighty"}, "ATTENTION_GRPC_PORT='eighty' is not a valid int"),
+        (["--grpc-port", "70000"], {}, "grpc_port must be 0..65535"),
+    ],
+)
+def test_bad_settings_are_reported(argv, env, message, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_settings(argv, env)
+    assert message in capsys.readouterr().err
+
+
+def test_help_lists_every_flag_and_its_environment_variable() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    for flag in ("--host", "--grpc-port", "--metrics-port", "--model-repository", "--max-batch-size",
+                 "--max-queue-delay-ms", "--max-queue-size", "--max-seq-len", "--intra-op-threads",
+                 "--grace-period-s"):  # fmt: skip
+        assert flag in done.stdout
+    assert "ATTENTION_GRPC_PORT" in done.stdout
+    assert "defaults < environment < flags" in done.stdout
+
+
+def test_generated_code_is_current(tmp_path: Path) -> None:
+    out = tmp_path / "generated"
+    subprocess.run([sys.executable, "proto/generate.py", "--out", str(out)], check=True, cwd=REPO)
+    committed = REPO / "service" / "generated"
+    fresh = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    assert fresh == sorted(
+        p.relative_to(committed)
+        for p in committed.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    )
+    stale = [str(p) for p in fresh if not filecmp.cmp(out / p, committed / p, shallow=False)]
+    assert not stale, f"run `python proto/generate.py`: {stale} differ from proto/"
+
+
+def test_serving_side_never_imports_torch() -> None:
+    code = (
+        "import sys, service.__main__, service.server, service.client;"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
