@@ -22,6 +22,7 @@ import numpy as np
 from service import metrics
 from service.batching import choose_batch, merge, padding_ratio, split
 from service.errors import DeadlineExpired, QueueFull, ShuttingDown
+from service.statistics import InferenceStatistics
 
 log = logging.getLogger(__name__)
 GRAPHS = {False: "output", True: "output+attention_weights"}
@@ -103,8 +104,9 @@ def _compute(runner: Runner, arrays: Sequence[np.ndarray], with_weights: bool) -
 class Batcher:
     """Use start(), then submit() from request handlers; drain() then stop() on shutdown."""
 
-    def __init__(self, limits: BatchLimits) -> None:
+    def __init__(self, limits: BatchLimits, statistics: InferenceStatistics | None = None) -> None:
         self._limits = limits
+        self.statistics = statistics or InferenceStatistics()
         self._queues: dict[tuple[str, bool], _Queue] = {}
         self._pending = 0
         self._running = 0
@@ -227,6 +229,7 @@ class Batcher:
                     metrics.DROPPED.labels(queue.runner.label, reason).inc()
                 elif expired:
                     metrics.DROPPED.labels(queue.runner.label, "deadline").inc()
+                    self.statistics.record_failure(queue.runner.key, now - item.enqueued_at)
                     item.future.set_exception(
                         DeadlineExpired(
                             f"deadline passed after {now - item.enqueued_at:.3f}s in the queue, "
@@ -289,6 +292,7 @@ class Batcher:
             )
         except Exception as err:
             log.exception("batch of %d requests on %s failed", len(batch), queue.runner.key)
+            self.statistics.record_failure(queue.runner.key, time.monotonic() - started, len(batch))
             for item in batch:
                 if not item.future.done():
                     failure = BatchFailed(f"batch on {queue.runner.key} failed")
@@ -300,6 +304,12 @@ class Batcher:
             metrics.BATCH_SIZE.labels(label).observe(sequences)
             metrics.PADDING_RATIO.labels(label).observe(computed.padding)
             metrics.COMPUTE_DURATION.labels(label).observe(computed.compute_s)
+            self.statistics.record_batch(
+                queue.runner.key,
+                sequences,
+                [started - item.enqueued_at for item in batch],
+                computed.compute_s,
+            )
             for item, (output, weights) in zip(batch, computed.parts, strict=True):
                 queue_s = started - item.enqueued_at
                 metrics.QUEUE_DURATION.labels(label).observe(queue_s)

@@ -18,9 +18,11 @@ from service.attention_servicer import AttentionServicer
 from service.batcher import Batcher, BatchLimits
 from service.engine import choose_providers
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
+from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.model_repository import discover
 from service.registry import ModelRegistry
 from service.settings import Settings
+from service.v2_servicer import InferenceServicer
 from service.validation import InputLimits
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,10 @@ class AttentionServer:
         self._metrics_http: tuple[WSGIServer, Thread] | None = None
         self.registry: ModelRegistry | None = None
         self.ports: BoundPorts | None = None  # set once bound, before warm-up
+        self.ready = False  # warm and not draining: V2 ServerReady / ModelReady
         self.service_names = [
             attention_pb2.DESCRIPTOR.services_by_name["AttentionService"].full_name,
+            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
         ]
 
     async def start(self) -> BoundPorts:
@@ -102,6 +106,9 @@ class AttentionServer:
         attention_pb2_grpc.add_AttentionServiceServicer_to_server(
             AttentionServicer(registry, self._batcher, limits), server
         )
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceServicer(registry, self._batcher, settings, lambda: self.ready), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
@@ -118,6 +125,7 @@ class AttentionServer:
                  ports.grpc, ports.metrics, settings.host)  # fmt: skip
         await self._warm_up(registry)
         await self._batcher.start()
+        self.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("ready: serving %s", registry.names())
         return ports
@@ -138,6 +146,7 @@ class AttentionServer:
     async def stop(self) -> None:
         """NOT_SERVING, refuse new calls, finish accepted ones (at most grace_period_s)."""
         grace = self._settings.grace_period_s
+        self.ready = False
         await self._health.enter_graceful_shutdown()
         if self.registry is not None:
             for model in self.registry.all():

@@ -1,0 +1,72 @@
+"""Per model-version inference statistics, in the shape V2's ModelStatistics reports them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, count: int = 1) -> None:
+        self.count += count
+        self.ns += round(seconds * 1e9)
+
+
+@dataclass
+class VersionStats:
+    inference_count: int = 0  # sequences computed
+    execution_count: int = 0  # ONNX Runtime calls
+    last_inference_ms: int = 0  # since the epoch
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    batches: dict[int, Duration] = field(default_factory=lambda: defaultdict(Duration))
+
+
+class InferenceStatistics:
+    """Written by the batcher, read by the V2 ModelStatistics call; keyed by runner key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats: dict[str, VersionStats] = defaultdict(VersionStats)
+
+    def record_batch(
+        self, key: str, sequences: int, queue_s: list[float], compute_s: float
+    ) -> None:
+        with self._lock:
+            stats = self._stats[key]
+            stats.inference_count += sequences
+            stats.execution_count += 1
+            stats.last_inference_ms = int(time.time() * 1000)
+            stats.compute_infer.add(compute_s * len(queue_s), len(queue_s))
+            stats.batches[sequences].add(compute_s)
+            for waited in queue_s:
+                stats.queue.add(waited)
+                stats.success.add(waited + compute_s)
+
+    def record_failure(self, key: str, seconds: float, requests: int = 1) -> None:
+        with self._lock:
+            self._stats[key].fail.add(seconds * requests, requests)
+
+    def snapshot(self, key: str) -> VersionStats:
+        """A copy that later updates do not change."""
+        with self._lock:
+            stats = self._stats[key]
+            copy = VersionStats(
+                stats.inference_count,
+                stats.execution_count,
+                stats.last_inference_ms,
+                Duration(stats.success.count, stats.success.ns),
+                Duration(stats.fail.count, stats.fail.ns),
+                Duration(stats.queue.count, stats.queue.ns),
+                Duration(stats.compute_infer.count, stats.compute_infer.ns),
+            )
+            copy.batches.update({k: Duration(v.count, v.ns) for k, v in stats.batches.items()})
+            return copy

@@ -1,0 +1,128 @@
+"""Open Inference Protocol (V2) tensors <-> numpy, with V2-style error messages."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from service.batcher import Result
+from service.engine import OnnxModel
+from service.errors import InvalidInput
+from service.generated.inference import grpc_service_pb2 as v2
+
+INPUT_NAME = "embeddings"
+OUTPUT_NAMES = ("output", "attention_weights")
+V2_DATATYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
+V2_NAME_OF = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16"}
+
+
+def _model_ref(model: OnnxModel) -> str:
+    return f"model '{model.spec.name}' version {model.spec.version}"
+
+
+def _single_input(
+    request: v2.ModelInferRequest, model: OnnxModel
+) -> v2.ModelInferRequest.InferInputTensor:
+    names = [tensor.name for tensor in request.inputs]
+    if len(names) != 1:
+        raise InvalidInput(
+            f"expected 1 input ('{INPUT_NAME}') for {_model_ref(model)}, got {len(names)}: {names}"
+        )
+    if names[0] != INPUT_NAME:
+        raise InvalidInput(
+            f"unexpected inference input '{names[0]}' for {_model_ref(model)};"
+            f" expected '{INPUT_NAME}'"
+        )
+    return request.inputs[0]
+
+
+def _input_array(request: v2.ModelInferRequest, tensor, dtype: np.dtype) -> np.ndarray:
+    shape = list(tensor.shape)
+    if any(dim < 0 for dim in shape):
+        raise InvalidInput(f"input '{INPUT_NAME}' has shape {shape}; dimensions must be >= 0")
+    elements = math.prod(shape)
+    has_typed = tensor.HasField("contents")
+    if request.raw_input_contents and has_typed:
+        raise InvalidInput(
+            f"input '{INPUT_NAME}' has both raw_input_contents and typed contents; send one"
+        )
+    if request.raw_input_contents:
+        if len(request.raw_input_contents) != len(request.inputs):
+            raise InvalidInput(
+                f"{len(request.raw_input_contents)} raw_input_contents for "
+                f"{len(request.inputs)} inputs; expected one per input"
+            )
+        raw = request.raw_input_contents[0]
+        if len(raw) != elements * dtype.itemsize:
+            raise InvalidInput(
+                f"input '{INPUT_NAME}' has {len(raw)} bytes of raw data;"
+                f" shape {shape} of {tensor.datatype} needs {elements * dtype.itemsize} bytes"
+            )
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    if has_typed:
+        if dtype != np.float32:
+            raise InvalidInput(
+                f"input '{INPUT_NAME}': typed contents carry FP32 only;"
+                f" send {tensor.datatype} as raw_input_contents"
+            )
+        values = tensor.contents.fp32_contents
+        if len(values) != elements:
+            raise InvalidInput(
+                f"input '{INPUT_NAME}' has {len(values)} fp32_contents values;"
+                f" shape {shape} needs {elements}"
+            )
+        return np.asarray(values, dtype=np.float32).reshape(shape)
+    raise InvalidInput(
+        f"input '{INPUT_NAME}' has no data; send raw_input_contents or contents.fp32_contents"
+    )
+
+
+def decode_input(request: v2.ModelInferRequest, model: OnnxModel) -> np.ndarray:
+    """The embeddings [n, seq, d] as sent (a view over raw bytes when raw)."""
+    tensor = _single_input(request, model)
+    accepted = ["FP32"] if model.spec.dtype == np.float32 else ["FP16", "FP32"]
+    if tensor.datatype not in accepted:
+        raise InvalidInput(
+            f"input '{INPUT_NAME}' has datatype {tensor.datatype or '(empty)'};"
+            f" {_model_ref(model)} expects {' or '.join(accepted)}"
+        )
+    d = model.spec.embed_dim
+    if len(tensor.shape) != 3:
+        raise InvalidInput(
+            f"input '{INPUT_NAME}' has shape {list(tensor.shape)};"
+            f" {_model_ref(model)} expects [n, seq, {d}]"
+        )
+    return _input_array(request, tensor, V2_DATATYPES[tensor.datatype])
+
+
+def requested_outputs(request: v2.ModelInferRequest, model: OnnxModel) -> list[str]:
+    """Names asked for, in order, without repeats; none asked = 'output' alone."""
+    names = list(dict.fromkeys(output.name for output in request.outputs)) or ["output"]
+    for name in names:
+        if name not in OUTPUT_NAMES:
+            raise InvalidInput(
+                f"unexpected inference output '{name}' for {_model_ref(model)};"
+                f" outputs are {list(OUTPUT_NAMES)}"
+            )
+    if "attention_weights" in names and not model.has_weights_graph:
+        raise InvalidInput(f"{_model_ref(model)} was exported without the attention_weights graph")
+    return names
+
+
+def encode_response(
+    request: v2.ModelInferRequest, model: OnnxModel, names: list[str], result: Result
+) -> v2.ModelInferResponse:
+    response = v2.ModelInferResponse(
+        model_name=model.spec.name, model_version=str(model.spec.version), id=request.id
+    )
+    arrays = {"output": result.output, "attention_weights": result.attention_weights}
+    for name in names:
+        array = arrays[name]
+        assert array is not None, "weights were computed because they were requested"
+        little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        response.outputs.add(
+            name=name, datatype=V2_NAME_OF[np.dtype(array.dtype)], shape=list(array.shape)
+        )
+        response.raw_output_contents.append(little.tobytes())
+    return response

@@ -1,0 +1,203 @@
+"""inference.GRPCInferenceService (Open Inference Protocol / KServe V2) on the same batcher."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from service.attention_servicer import deadline_of
+from service.batcher import Batcher
+from service.engine import OnnxModel
+from service.errors import ModelNotFound
+from service.generated.inference import grpc_service_pb2 as v2
+from service.generated.inference import grpc_service_pb2_grpc
+from service.generated.inference import model_config_pb2 as config
+from service.registry import ModelRegistry
+from service.rpc import rpc
+from service.settings import Settings
+from service.statistics import Duration
+from service.v2_codec import (
+    INPUT_NAME,
+    V2_NAME_OF,
+    decode_input,
+    encode_response,
+    requested_outputs,
+)
+from service.validation import InputLimits, as_sequence_batch
+
+API = "v2"
+SERVER_NAME = "attention-serving"
+PLATFORM = "onnxruntime_onnx"
+EXTENSIONS = ["model_configuration", "statistics"]
+CONFIG_TYPES = {"FP32": config.TYPE_FP32, "FP16": config.TYPE_FP16}
+
+
+def _server_version() -> str:
+    try:
+        return importlib.metadata.version(SERVER_NAME)
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _stat(duration: Duration) -> v2.StatisticDuration:
+    return v2.StatisticDuration(count=duration.count, ns=duration.ns)
+
+
+class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        batcher: Batcher,
+        settings: Settings,
+        is_ready: Callable[[], bool],
+    ) -> None:
+        self._registry = registry
+        self._batcher = batcher
+        self._settings = settings
+        self._limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
+        self._is_ready = is_ready
+
+    def model_label(self, request: Any) -> str:
+        name = getattr(request, "model_name", None) or getattr(request, "name", "")
+        name = name or self._registry.default_model
+        return name if self._registry.is_known(name) else "_unknown"
+
+    def request_id(self, request: Any) -> str:
+        return getattr(request, "id", "")
+
+    @rpc(API)
+    async def ServerLive(
+        self, request: v2.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> v2.ServerLiveResponse:
+        return v2.ServerLiveResponse(live=True)
+
+    @rpc(API)
+    async def ServerReady(
+        self, request: v2.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> v2.ServerReadyResponse:
+        return v2.ServerReadyResponse(ready=self._is_ready())
+
+    @rpc(API)
+    async def ModelReady(
+        self, request: v2.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> v2.ModelReadyResponse:
+        try:
+            self._registry.resolve(request.name, request.version)
+        except ModelNotFound:
+            return v2.ModelReadyResponse(ready=False)
+        return v2.ModelReadyResponse(ready=self._is_ready())
+
+    @rpc(API)
+    async def ServerMetadata(
+        self, request: v2.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> v2.ServerMetadataResponse:
+        return v2.ServerMetadataResponse(
+            name=SERVER_NAME, version=_server_version(), extensions=EXTENSIONS
+        )
+
+    @rpc(API)
+    async def ModelMetadata(
+        self, request: v2.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> v2.ModelMetadataResponse:
+        model = self._registry.resolve(request.name, request.version)
+        spec, datatype = model.spec, V2_NAME_OF[model.spec.dtype]
+        tensor = v2.ModelMetadataResponse.TensorMetadata
+        return v2.ModelMetadataResponse(
+            name=spec.name,
+            versions=[str(m.spec.version) for m in self._registry.versions(spec.name)],
+            platform=PLATFORM,
+            inputs=[tensor(name=INPUT_NAME, datatype=datatype, shape=[-1, -1, spec.embed_dim])],
+            outputs=[
+                tensor(name="output", datatype=datatype, shape=[-1, -1, spec.embed_dim]),
+                tensor(
+                    name="attention_weights", datatype="FP32", shape=[-1, spec.num_heads, -1, -1]
+                ),
+            ],
+        )
+
+    @rpc(API)
+    async def ModelConfig(
+        self, request: v2.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> v2.ModelConfigResponse:
+        model = self._registry.resolve(request.name, request.version)
+        spec, datatype = model.spec, CONFIG_TYPES[V2_NAME_OF[model.spec.dtype]]
+        return v2.ModelConfigResponse(
+            config=config.ModelConfig(
+                name=spec.name,
+                platform=PLATFORM,
+                backend="onnxruntime",
+                version_policy=config.ModelVersionPolicy(all=config.ModelVersionPolicy.All()),
+                max_batch_size=self._settings.max_batch_size,
+                input=[
+                    config.ModelInput(
+                        name=INPUT_NAME, data_type=datatype, dims=[-1, spec.embed_dim]
+                    )
+                ],
+                output=[
+                    config.ModelOutput(
+                        name="output", data_type=datatype, dims=[-1, spec.embed_dim]
+                    ),
+                    config.ModelOutput(
+                        name="attention_weights",
+                        data_type=config.TYPE_FP32,
+                        dims=[spec.num_heads, -1, -1],
+                    ),
+                ],
+                dynamic_batching=config.ModelDynamicBatching(
+                    max_queue_delay_microseconds=round(self._settings.max_queue_delay_ms * 1000)
+                ),
+            )
+        )
+
+    @rpc(API)
+    async def ModelStatistics(
+        self, request: v2.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> v2.ModelStatisticsResponse:
+        if request.name:
+            models = [self._registry.resolve(request.name, request.version)]
+            if not request.version:
+                models = self._registry.versions(models[0].spec.name)
+        else:
+            models = self._registry.all()
+        return v2.ModelStatisticsResponse(model_stats=[self._statistics(model) for model in models])
+
+    def _statistics(self, model: OnnxModel) -> v2.ModelStatistics:
+        stats = self._batcher.statistics.snapshot(model.key)
+        return v2.ModelStatistics(
+            name=model.spec.name,
+            version=str(model.spec.version),
+            last_inference=stats.last_inference_ms,
+            inference_count=stats.inference_count,
+            execution_count=stats.execution_count,
+            inference_stats=v2.InferStatistics(
+                success=_stat(stats.success),
+                fail=_stat(stats.fail),
+                queue=_stat(stats.queue),
+                compute_infer=_stat(stats.compute_infer),
+            ),
+            batch_stats=[
+                v2.InferBatchStatistics(batch_size=size, compute_infer=_stat(duration))
+                for size, duration in sorted(stats.batches.items())
+            ],
+        )
+
+    @rpc(API)
+    async def ModelInfer(
+        self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> v2.ModelInferResponse:
+        model = self._registry.resolve(request.model_name, request.model_version)
+        names = requested_outputs(request, model)
+        received = decode_input(request, model)
+        batch = as_sequence_batch(
+            received, embed_dim=model.spec.embed_dim, limits=self._limits, model=model.spec.name
+        )
+        result = await self._batcher.submit(
+            model,
+            batch.astype(model.spec.dtype, copy=False),
+            with_weights="attention_weights" in names,
+            deadline=deadline_of(context),
+        )
+        return encode_response(request, model, names, result)
