@@ -37,7 +37,9 @@ class Settings:
     default_model: str = _doc("model used when a request names none", default="mha")
     max_batch_size: int = _doc("most sequences in one ONNX Runtime call", default=32)
     max_queue_delay_ms: float = _doc(
-        "longest the oldest request waits for a batch to fill", default=2.0
+        "longest the oldest request waits for its batch to fill; 0 = close as soon as a "
+        "compute slot is free (batches still grow while the previous one computes)",
+        default=0.0,
     )
     max_queue_size: int = _doc(
         "requests waiting (all models); beyond it RESOURCE_EXHAUSTED", default=1024

@@ -95,7 +95,7 @@ def main() -> None:
         ("batching off", ("--max-batch-size", "1")),
         ("batching on", ("--max-batch-size", "32")),
     ):
-        with ServerProcess(args.model_repository, *flags, "--max-queue-delay-ms", "2") as server:
+        with ServerProcess(args.model_repository, *flags) as server:  # default queue delay
             for seq in budget:
                 for concurrency in (1, 16, 64):
                     rps, p50, batch = asyncio.run(
