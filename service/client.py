@@ -205,7 +205,7 @@ def _summary(results: list[tuple[float, AttendResult]], wall_s: float) -> str:
         f"p50 {statistics.median(latencies_ms):.2f} p99 "
         f"{latencies_ms[min(len(latencies_ms) - 1, int(0.99 * len(latencies_ms)))]:.2f}",
         f"server: queue us mean {statistics.mean(r.queue_us for _, r in results):.0f}, compute us "
-        f"mean {statistics.mean(r.compute_us for _, r in results):.0f}, batch sizes "
+        f"mean {statistics.mean(r.compute_us for _, r in results):.0f}; requests by batch size "
         f"{dict(sorted(batches.items()))}",
     ]
     return "\n".join(lines)
