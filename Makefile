@@ -27,6 +27,7 @@ serve: export
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy service export
 
 test: lint
 	$(BIN)/python -m pytest

@@ -9,11 +9,14 @@ import numpy as np
 from service.errors import InvalidInput
 from service.generated.attention.v1 import attention_pb2 as pb
 
-NUMPY_BY_WIRE = {pb.FLOAT32: np.dtype("<f4"), pb.FLOAT16: np.dtype("<f2")}
-WIRE_BY_NUMPY = {np.dtype("float32"): pb.FLOAT32, np.dtype("float16"): pb.FLOAT16}
+NUMPY_BY_WIRE: dict[int, np.dtype] = {pb.FLOAT32: np.dtype("<f4"), pb.FLOAT16: np.dtype("<f2")}
+WIRE_BY_NUMPY: dict[np.dtype, pb.DataType] = {
+    np.dtype("float32"): pb.FLOAT32,
+    np.dtype("float16"): pb.FLOAT16,
+}
 
 
-def wire_dtype(dtype: np.dtype) -> pb.DataType.ValueType:
+def wire_dtype(dtype: np.dtype) -> pb.DataType:
     try:
         return WIRE_BY_NUMPY[np.dtype(dtype)]
     except KeyError:

@@ -37,7 +37,6 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
     """Decorate a servicer method; clients see our messages, never a traceback."""
 
     def decorate(handler: Handler) -> Handler:
-
         @functools.wraps(handler)
         async def wrapped(self: Labeled, request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.monotonic()
@@ -53,7 +52,9 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
                 code = code_for(err)
                 await context.abort(code, str(err))
             except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
+                remaining = context.time_remaining()
+                expired = remaining is not None and remaining <= 0
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
                 raise
             except Exception:
                 request_id = self.request_id(request) or uuid.uuid4().hex[:12]

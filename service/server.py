@@ -71,7 +71,10 @@ class AttentionServer:
 
     async def start(self) -> BoundPorts:
         settings = self._settings
-        providers = choose_providers(settings.provider)
+        try:
+            providers = choose_providers(settings.provider)
+        except RuntimeError as err:
+            raise StartupError(str(err)) from err
         found = discover(settings.model_repository)
         registry = await asyncio.to_thread(
             ModelRegistry.load,
@@ -114,12 +117,19 @@ class AttentionServer:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        grpc_port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
-        if grpc_port == 0:
-            raise StartupError(f"cannot bind gRPC to {settings.host}:{settings.grpc_port}")
+        address = f"{settings.host}:{settings.grpc_port}"
+        try:
+            grpc_port = server.add_insecure_port(address)
+        except RuntimeError as err:
+            raise StartupError(f"cannot bind gRPC to {address}: {err}") from err
         await server.start()
         self._server = server
-        self._metrics_http = start_http_server(settings.metrics_port, addr=settings.host)
+        try:
+            self._metrics_http = start_http_server(settings.metrics_port, addr=settings.host)
+        except OSError as err:
+            raise StartupError(
+                f"cannot bind metrics to {settings.host}:{settings.metrics_port}: {err}"
+            ) from err
         ports = self.ports = BoundPorts(grpc_port, self._metrics_http[0].server_port)
         log.info("listening grpc_port=%d metrics_port=%d host=%s (warming up)",
                  ports.grpc, ports.metrics, settings.host)  # fmt: skip

@@ -13,7 +13,7 @@ from service.generated.inference import grpc_service_pb2 as v2
 
 INPUT_NAME = "embeddings"
 OUTPUT_NAMES = ("output", "attention_weights")
-V2_DATATYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
+V2_DATATYPES: dict[str, np.dtype] = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 V2_NAME_OF = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16"}
 
 

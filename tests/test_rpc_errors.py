@@ -1,0 +1,75 @@
+"""The one error-mapping wrapper: unexpected errors become INTERNAL with a request id only."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import numpy as np
+import pytest
+
+from service.attention_servicer import AttentionServicer
+from service.batcher import Batcher, BatchLimits
+from service.codec import encode_tensor
+from service.errors import QueueFull
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
+from service.registry import ModelRegistry
+from service.rpc import rpc
+from service.validation import InputLimits
+
+
+class ExplodingServicer(AttentionServicer):
+    """Attend fails in ways the real one might: a bug, or a domain error."""
+
+    def __init__(self) -> None:
+        limits = BatchLimits(max_batch_size=1, max_queue_delay_s=0, max_queue_size=1)
+        super().__init__(ModelRegistry([], "mha"), Batcher(limits), InputLimits(8, 1))
+        self.calls = 0
+
+    @rpc("attention")
+    async def Attend(self, request, context):
+        self.calls += 1
+        if request.request_id == "bug":
+            raise KeyError("secret internal detail")
+        if request.request_id == "busy":
+            raise QueueFull("queue full: 1 requests waiting (max_queue_size=1)")
+        return pb.AttendResponse(request_id=request.request_id)
+
+
+def test_unexpected_error_is_internal_logged_and_the_server_keeps_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> list[tuple[grpc.StatusCode, str]]:
+        server = grpc.aio.server()
+        servicer = ExplodingServicer()
+        attention_pb2_grpc.add_AttentionServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        seen = []
+        request = pb.AttendRequest(embeddings=encode_tensor(np.ones((1, 2), np.float32)))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            for request_id in ("bug", "busy", "fine"):
+                request.request_id = request_id
+                try:
+                    reply = await stub.Attend(request)
+                    seen.append((grpc.StatusCode.OK, reply.request_id))
+                except grpc.aio.AioRpcError as err:
+                    seen.append((err.code(), err.details()))
+        await server.stop(0)
+        return seen
+
+    with caplog.at_level(logging.ERROR, logger="service.rpc"):
+        seen = asyncio.run(scenario())
+    internal, busy, fine = seen
+    assert internal == (
+        grpc.StatusCode.INTERNAL,
+        "internal error; request_id=bug is in the server log",
+    )
+    assert busy[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queue_size=1" in busy[1]
+    assert fine == (grpc.StatusCode.OK, "fine")
+    assert "request_id=bug" in caplog.text
+    assert "secret internal detail" in caplog.text  # in the log, never in the reply
