@@ -56,8 +56,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         self._limits = limits
 
     def model_label(self, request: Any) -> str:
-        name = getattr(request, "model", "") or self._registry.default_model
-        return name if self._registry.is_known(name) else "_unknown"
+        return self._registry.metric_label(getattr(request, "model", ""))
 
     def request_id(self, request: Any) -> str:
         return getattr(request, "request_id", "")

@@ -56,8 +56,10 @@ class ModelRegistry:
     def all(self) -> list[OnnxModel]:
         return [model for name in self.names() for model in self.versions(name)]
 
-    def is_known(self, name: str) -> bool:
-        return name in self._versions
+    def metric_label(self, name: str) -> str:
+        """The model label for metrics: a served name, or '_unknown' (bounded cardinality)."""
+        name = name or self.default_model
+        return name if name in self._versions else "_unknown"
 
     def resolve(self, name: str, version: str) -> OnnxModel:
         """Empty name = default model, empty version = newest; else ModelNotFound."""

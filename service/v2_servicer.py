@@ -61,9 +61,8 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self._is_ready = is_ready
 
     def model_label(self, request: Any) -> str:
-        name = getattr(request, "model_name", None) or getattr(request, "name", "")
-        name = name or self._registry.default_model
-        return name if self._registry.is_known(name) else "_unknown"
+        name = getattr(request, "model_name", "") or getattr(request, "name", "")
+        return self._registry.metric_label(name)
 
     def request_id(self, request: Any) -> str:
         return getattr(request, "id", "")
