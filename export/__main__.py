@@ -41,10 +41,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="do nothing when the model already has a version (used by make serve)",
     )
     parser.add_argument(
+        "--dtype",
+        choices=["float32", "float16"],
+        default="float32",
+        help="compute dtype of the graphs; float16 is for GPU builds (default: %(default)s)",
+    )
+    parser.add_argument(
         "--tolerance",
         type=float,
-        default=1e-5,
-        help="max abs error allowed against torch (default: %(default)s)",
+        help="max abs error allowed against torch (default: 1e-5 float32, 1e-2 float16)",
     )
     return parser.parse_args(argv)
 
@@ -68,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         version=args.version,
         out=args.out,
         force=args.force,
+        dtype=args.dtype,
         tolerance=args.tolerance,
     )
     started = time.monotonic()
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in (result.files.output_only, result.files.with_weights):
         print(f"  {path}  {path.stat().st_size / 1e6:.2f} MB")
     print(
-        f"  d={args.embed_dim} h={args.num_heads} causal={args.causal} "
+        f"  d={args.embed_dim} h={args.num_heads} causal={args.causal} dtype={args.dtype} "
         f"weights_sha256={result.weights_sha256}"
     )
     print(

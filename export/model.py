@@ -67,6 +67,20 @@ class MultiHeadSelfAttention(nn.Module):
         return self.out_proj(heads), weights
 
 
+class WithWeights(nn.Module):
+    """The graph that also returns the weights, always as float32 (the contract's dtype)."""
+
+    def __init__(self, attention: MultiHeadSelfAttention) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(
+        self, embeddings: torch.Tensor, key_padding_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        output, weights = self.attention(embeddings, key_padding_mask)
+        return output, weights.float()
+
+
 class OutputOnly(nn.Module):
     """The graph for callers that do not want the weights: they are never an output."""
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from export.model import MultiHeadSelfAttention, OutputOnly
+from export.model import MultiHeadSelfAttention, OutputOnly, WithWeights
 
 OPSET = 18
 INPUT_NAMES = ["embeddings", "key_padding_mask"]
@@ -52,7 +52,8 @@ def quiet_exporter() -> Iterator[None]:
 def _export_one(
     module: torch.nn.Module, path: Path, output_names: list[str], embed_dim: int
 ) -> None:
-    example = (torch.randn(2, 3, embed_dim), torch.zeros(2, 3, dtype=torch.bool))
+    dtype = next(module.parameters()).dtype
+    example = (torch.randn(2, 3, embed_dim, dtype=dtype), torch.zeros(2, 3, dtype=torch.bool))
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
     with quiet_exporter():
         torch.onnx.export(
@@ -90,7 +91,12 @@ def export_graphs(
     """Write both graphs into folder; the output-only one never computes an extra output."""
     files = GraphFiles(folder / OUTPUT_FILE, folder / WITH_WEIGHTS_FILE)
     _export_one(OutputOnly(attention), files.output_only, ["output"], attention.embed_dim)
-    _export_one(attention, files.with_weights, ["output", "attention_weights"], attention.embed_dim)
+    _export_one(
+        WithWeights(attention),
+        files.with_weights,
+        ["output", "attention_weights"],
+        attention.embed_dim,
+    )
     _stamp(files.output_only, metadata, "output")
     _stamp(files.with_weights, metadata, "output+attention_weights")
     return files

@@ -28,7 +28,13 @@ class ExportRequest:
     version: int | None = None
     out: Path = Path("models")
     force: bool = False
-    tolerance: float = 1e-5
+    dtype: str = "float32"
+    tolerance: float | None = None  # None: DEFAULT_TOLERANCE[dtype]
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# float16 keeps ~3 significant digits; the bound is on outputs of order 1.
+DEFAULT_TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ def build_metadata(request: ExportRequest, weights_hash: str, source: str) -> di
         "num_heads": str(request.num_heads),
         "causal": str(request.causal).lower(),
         "bias": str(request.bias).lower(),
-        "dtype": "float32",
+        "dtype": request.dtype,
         "weights_sha256": weights_hash,
         "weights_source": source,
         "opset": str(OPSET),
@@ -75,6 +81,12 @@ def run_export(request: ExportRequest) -> ExportResult:
         state_dict_path=request.state_dict,
         seed=request.seed,
     )
+    if request.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {request.dtype!r}")
+    module = module.to(DTYPES[request.dtype])
+    tolerance = request.tolerance
+    if tolerance is None:
+        tolerance = DEFAULT_TOLERANCE[request.dtype]
     weights_hash = weights_sha256(state)
     metadata = build_metadata(request, weights_hash, source.description)
     reference = reference_layer(state, request.embed_dim, request.num_heads, bias=request.bias)
@@ -85,7 +97,11 @@ def run_export(request: ExportRequest) -> ExportResult:
     def fill(staging: Path) -> None:
         files = export_graphs(module, staging, metadata)
         outcome["parity"] = verify_graphs(
-            files, reference, causal=request.causal, tolerance=request.tolerance
+            files,
+            reference,
+            causal=request.causal,
+            tolerance=tolerance,
+            dtype=request.dtype,
         )
 
     folder = write_version(model_folder, version, fill, force=request.force)

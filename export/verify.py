@@ -77,6 +77,7 @@ def verify_graphs(
     *,
     causal: bool,
     tolerance: float,
+    dtype: str = "float32",
     max_seq: int = 256,
     seed: int = 1234,
 ) -> ParityReport:
@@ -90,10 +91,12 @@ def verify_graphs(
     worst_output = worst_weights = 0.0
     masks = padding_cases(rng, max_seq)
     for mask in masks:
-        embeddings = rng.standard_normal((*mask.shape, layer.embed_dim), dtype=np.float32)
-        feeds = {"embeddings": embeddings, "key_padding_mask": mask}
+        sent = rng.standard_normal((*mask.shape, layer.embed_dim)).astype(dtype)
+        embeddings = sent.astype(np.float32)  # the reference sees the same (rounded) values
+        feeds = {"embeddings": sent, "key_padding_mask": mask}
         (plain_output,) = plain.run(["output"], feeds)
         full_output, full_weights = full.run(["output", "attention_weights"], feeds)
+        plain_output, full_output = plain_output.astype(np.float32), full_output.astype(np.float32)
         want_output, want_weights = reference_forward(layer, embeddings, mask, causal=causal)
         real = ~mask
         worst_output = max(

@@ -14,12 +14,14 @@ from tests.server_process import ServerProcess
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """models/ with the default model (mha, d=512, h=8), a small one and a causal one."""
+    """models/ with the default model (mha, d=512, h=8), a small one (two versions), a causal
+    one and a float16 one."""
     root = tmp_path_factory.mktemp("models")
     run_export(ExportRequest(name="mha", embed_dim=512, num_heads=8, out=root))
     run_export(ExportRequest(name="small", embed_dim=64, num_heads=4, out=root))
     run_export(ExportRequest(name="small", embed_dim=64, num_heads=4, seed=7, out=root))
     run_export(ExportRequest(name="causal", embed_dim=32, num_heads=2, causal=True, out=root))
+    run_export(ExportRequest(name="half", embed_dim=64, num_heads=4, dtype="float16", out=root))
     return root
 
 

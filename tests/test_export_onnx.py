@@ -104,6 +104,26 @@ def test_graph_contract(small_export: ExportResult) -> None:
         assert "torch=" in meta["exporter"]
 
 
+def test_float16_export_keeps_weights_float32(tmp_path: Path) -> None:
+    result = run_export(
+        ExportRequest(name="h", embed_dim=32, num_heads=4, dtype="float16", out=tmp_path)
+    )
+    assert result.parity.max_abs_error_output < 1e-2
+    model = onnx.load(str(result.files.with_weights))
+    types = {
+        v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]
+    }
+    assert types == {
+        "embeddings": onnx.TensorProto.FLOAT16,
+        "key_padding_mask": onnx.TensorProto.BOOL,
+        "output": onnx.TensorProto.FLOAT16,
+        "attention_weights": onnx.TensorProto.FLOAT,
+    }
+    assert {p.key: p.value for p in model.metadata_props}["dtype"] == "float16"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        run_export(ExportRequest(name="b", embed_dim=32, num_heads=4, dtype="int8", out=tmp_path))
+
+
 def test_causal_export_masks_the_future(tmp_path: Path) -> None:
     result = run_export(
         ExportRequest(name="c", embed_dim=16, num_heads=2, causal=True, out=tmp_path)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from service.client import AsyncAttentionClient, AttentionClient
+from service.generated.attention.v1 import attention_pb2 as pb
 from tests.reference import attend_alone, cpu_session, layer_for
 from tests.server_process import ServerProcess
 
@@ -77,9 +78,22 @@ def test_float16_input_gets_float16_output(client: AttentionClient, reference) -
     np.testing.assert_allclose(result.output.astype(np.float32), want, atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_float16_model_answers_in_the_callers_dtype(client: AttentionClient, dtype) -> None:
+    x = np.random.default_rng(8).standard_normal((2, 7, 64)).astype(dtype)
+    result = client.attend(x, model="half", return_attention_weights=True)
+    want_output, want_weights = attend_alone(layer_for(64, 4), x.astype(np.float32))
+    assert result.output.dtype == dtype
+    assert result.attention_weights is not None
+    assert result.attention_weights.dtype == np.float32
+    np.testing.assert_allclose(result.output.astype(np.float32), want_output, atol=1e-2, rtol=0)
+    np.testing.assert_allclose(result.attention_weights, want_weights, atol=1e-2, rtol=0)
+
+
 def test_versions_and_models_are_listed(client: AttentionClient) -> None:
     models = {info.name: info for info in client.list_models()}
-    assert set(models) == {"mha", "small", "causal"}
+    assert set(models) == {"mha", "small", "causal", "half"}
+    assert models["half"].versions[0].dtype == pb.FLOAT16
     assert [v.version for v in models["small"].versions] == ["2", "1"]
     mha = client.get_model()
     assert mha.name == "mha"

@@ -45,7 +45,7 @@ BAD_REQUESTS = {
     "inf": (pb.AttendRequest(embeddings=_tensor([4, D], data=_nan_data(math.inf))), INVALID, "expected finite"),
     "too long": (pb.AttendRequest(embeddings=_tensor([513, D])), INVALID, "sequence length 513 exceeds this server's max_seq_len 512"),
     "too many": (pb.AttendRequest(embeddings=_tensor([33, 1, D])), INVALID, "at most max_batch_size=32"),
-    "unknown model": (pb.AttendRequest(model="nope", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "unknown model 'nope'; this server serves ['causal', 'mha', 'small']"),
+    "unknown model": (pb.AttendRequest(model="nope", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "unknown model 'nope'; this server serves ['causal', 'half', 'mha', 'small']"),
     "unknown version": (pb.AttendRequest(model_version="9", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '9'; available versions: [1]"),
     "bad version": (pb.AttendRequest(model_version="latest", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version 'latest'"),
 }  # fmt: skip

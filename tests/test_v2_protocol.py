@@ -109,6 +109,20 @@ def test_model_version_is_honoured(v2: triton.InferenceServerClient) -> None:
     assert v2.infer("small", [_input(x)]).get_response().model_version == "2"
 
 
+def test_float16_model_takes_fp16_and_fp32(v2: triton.InferenceServerClient) -> None:
+    metadata = v2.get_model_metadata("half", as_json=True)
+    assert metadata["inputs"][0]["datatype"] == "FP16"
+    x = np.random.default_rng(4).standard_normal((1, 6, 64))
+    want = attend_alone(layer_for(64, 4), x.astype(np.float16).astype(np.float32))[0]
+    for datatype, dtype in (("FP16", np.float16), ("FP32", np.float32)):
+        result = v2.infer("half", [_input(x.astype(dtype), datatype=datatype)])
+        assert result.get_response().outputs[0].datatype == "FP16"
+        np.testing.assert_allclose(result.as_numpy("output").astype(np.float32), want, atol=1e-2)
+    with pytest.raises(InferenceServerException) as caught:
+        v2.infer("small", [_input(x.astype(np.float16), datatype="FP16")])
+    assert "expects FP32" in caught.value.message()
+
+
 def test_typed_fp32_contents_equal_raw(
     server: ServerProcess, v2: triton.InferenceServerClient
 ) -> None:
