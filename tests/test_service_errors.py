@@ -103,3 +103,29 @@ def test_bad_request_does_not_disturb_a_batch(server: ServerProcess, stub, clien
         assert call.result().output.shape == [5, D]
     for call in bad:
         assert call.exception().code() == INVALID
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):  # noqa: SIM115 - tiny procfs read
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_bad_requests_do_not_leak_memory(server: ServerProcess, stub) -> None:
+    """Rounds of every bad request plus good ones: the server's RSS stops growing."""
+    good = pb.AttendRequest(embeddings=_tensor([64, D]), return_attention_weights=True)
+
+    def one_round() -> None:
+        calls = [stub.Attend.future(request, timeout=30) for request, _, _ in BAD_REQUESTS.values()]
+        calls += [stub.Attend.future(good, timeout=30) for _ in range(20)]
+        for call in calls:
+            call.exception()
+
+    for _ in range(3):  # warm: allocator pools, gRPC buffers, ORT arenas
+        one_round()
+    warm = _rss_bytes(server.process.pid)
+    for _ in range(15):
+        one_round()
+    grown = _rss_bytes(server.process.pid) - warm
+    assert grown < 32 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB over 15 rounds"
