@@ -22,20 +22,22 @@ def choose_batch(
 
     Others join in order of how close their length is to the oldest's (ties: the older
     first) while the batch stays within max_sequences and the padding within max_padding,
-    so short and long requests do not pay for each other.
+    so short and long requests do not pay for each other. O(n log n) in the queue length.
     """
     chosen = [0]
-    sequences = counts[0]
+    sequences, real, longest = counts[0], counts[0] * lengths[0], lengths[0]
     anchor = lengths[0]
     by_closeness = sorted(range(1, len(counts)), key=lambda i: (abs(lengths[i] - anchor), i))
     for index in by_closeness:
-        if sequences + counts[index] > max_sequences:
+        count, length = counts[index], lengths[index]
+        if sequences + count > max_sequences:
             continue
-        trial = [*chosen, index]
-        if padding_ratio([counts[i] for i in trial], [lengths[i] for i in trial]) > max_padding:
+        trial_longest = max(longest, length)
+        trial_real = real + count * length
+        if 1.0 - trial_real / ((sequences + count) * trial_longest) > max_padding:
             continue
         chosen.append(index)
-        sequences += counts[index]
+        sequences, real, longest = sequences + count, trial_real, trial_longest
         if sequences == max_sequences:
             break
     return chosen

@@ -9,7 +9,12 @@ import numpy as np
 from service.errors import InvalidInput
 from service.generated.attention.v1 import attention_pb2 as pb
 
-NUMPY_BY_WIRE: dict[int, np.dtype] = {pb.FLOAT32: np.dtype("<f4"), pb.FLOAT16: np.dtype("<f2")}
+# An unset dtype (proto3 default) reads as FLOAT32, the common case.
+NUMPY_BY_WIRE: dict[int, np.dtype] = {
+    pb.DATA_TYPE_UNSPECIFIED: np.dtype("<f4"),
+    pb.FLOAT32: np.dtype("<f4"),
+    pb.FLOAT16: np.dtype("<f2"),
+}
 WIRE_BY_NUMPY: dict[np.dtype, pb.DataType] = {
     np.dtype("float32"): pb.FLOAT32,
     np.dtype("float16"): pb.FLOAT16,
@@ -38,7 +43,7 @@ def decode_tensor(tensor: pb.Tensor, name: str) -> np.ndarray:
     if len(tensor.data) != expected_bytes:
         raise InvalidInput(
             f"{name}.data has {len(tensor.data)} bytes; shape {shape} of "
-            f"{pb.DataType.Name(tensor.dtype)} needs {expected_bytes} bytes "
+            f"{'FLOAT16' if dtype.itemsize == 2 else 'FLOAT32'} needs {expected_bytes} bytes "
             "(little-endian, row-major)"
         )
     return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)

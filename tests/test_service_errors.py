@@ -36,7 +36,6 @@ BAD_REQUESTS = {
     "empty seq": (pb.AttendRequest(embeddings=_tensor([0, D])), INVALID, "is empty"),
     "empty batch": (pb.AttendRequest(embeddings=_tensor([0, 3, D])), INVALID, "is empty"),
     "no tensor": (pb.AttendRequest(), INVALID, "embeddings is missing"),
-    "dtype unset": (pb.AttendRequest(embeddings=_tensor([2, D], dtype=pb.DATA_TYPE_UNSPECIFIED)), INVALID, "expected FLOAT32 or FLOAT16"),
     "dtype unknown": (pb.AttendRequest(embeddings=_tensor([2, D], dtype=9)), INVALID, "dtype is 9"),
     "short data": (pb.AttendRequest(embeddings=_tensor([2, D], data=b"\0" * 100)), INVALID, "has 100 bytes; shape [2, 512] of FLOAT32 needs 4096 bytes"),
     "fp16 size": (pb.AttendRequest(embeddings=_tensor([2, D], dtype=pb.FLOAT16)), INVALID, "needs 2048 bytes"),
@@ -67,6 +66,13 @@ def test_bad_request_gets_a_clear_status(stub, client: AttentionClient, case: st
     assert message in caught.value.details()
     assert "Traceback" not in caught.value.details()
     assert client.attend(np.ones((2, D), np.float32)).output.shape == (2, D)
+
+
+def test_unset_dtype_reads_as_float32(stub) -> None:
+    request = pb.AttendRequest(embeddings=_tensor([2, D], dtype=pb.DATA_TYPE_UNSPECIFIED))
+    reply = stub.Attend(request, timeout=10)
+    assert list(reply.output.shape) == [2, D]
+    assert reply.output.dtype == pb.FLOAT32
 
 
 def test_unknown_model_in_get_model(client: AttentionClient) -> None:
