@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,6 +63,31 @@ def test_dockerfile_exports_in_a_build_stage_and_serves_without_torch() -> None:
             assert (ROOT / name).exists(), f"Dockerfile copies missing {name}"
     for variable in re.findall(rf"({ENV_PREFIX}\w+)=", text):
         assert variable in SETTINGS_ENV, f"Dockerfile sets unknown {variable}"
+
+
+def _tool(name: str) -> str:
+    """A linter installed beside this interpreter (the dev extra brings both)."""
+    path = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    assert path, f"{name} is not installed; pip install -e '.[dev]'"
+    return path
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    done = subprocess.run(
+        [_tool("hadolint"), "Dockerfile"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_yaml_files_pass_yamllint() -> None:
+    files = ["docker-compose.yml", "docker-compose.gpu.yml", "k8s", "monitoring"]
+    done = subprocess.run(
+        [_tool("yamllint"), "--strict", "-c", ".yamllint.yaml", *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_compose_runs_server_prometheus_and_grafana() -> None:
