@@ -16,7 +16,7 @@ from prometheus_client import start_http_server
 from service import metrics
 from service.attention_servicer import AttentionServicer
 from service.batcher import Batcher, BatchLimits
-from service.engine import choose_providers
+from service.engine import CPU, CUDA, choose_providers
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.model_repository import discover
@@ -88,6 +88,14 @@ class AttentionServer:
                 f"no servable model under {settings.model_repository} (expected "
                 "<name>/<version>/model.onnx; run `python -m export` or `make export`)"
             )
+        fell_back = [m.key for m in registry.all() if CUDA in providers and m.provider != CUDA]
+        if fell_back and settings.provider == "cuda":
+            raise StartupError(
+                f"--provider cuda, but ONNX Runtime put {fell_back} on {CPU}: are the CUDA 13 / "
+                "cuDNN 9 libraries installed (pip install 'onnxruntime-gpu[cuda,cudnn]')?"
+            )
+        for key in fell_back:
+            log.warning("%s runs on %s although a GPU is present", key, CPU)
         self.registry = registry
         limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
         self._batcher = Batcher(
