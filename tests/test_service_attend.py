@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from service.client import AsyncAttentionClient, AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
@@ -175,3 +179,14 @@ def test_cli_client_prints_a_summary(server: ServerProcess, tmp_path: Path) -> N
     )
     assert bad.returncode == 1
     assert "NOT_FOUND" in bad.stderr
+
+
+def test_reflection_lists_every_service(server: ServerProcess) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {
+        "attention.v1.AttentionService",
+        "inference.GRPCInferenceService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= services
