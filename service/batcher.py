@@ -260,7 +260,11 @@ class Batcher:
                 if ready is None or head.enqueued_at < ready.items[0].enqueued_at:
                     ready = queue
             else:
-                wait_s = due - now if wait_s is None else min(wait_s, due - now)
+                # Wake for the batch's due time, or sooner to drop a request whose
+                # deadline passes while it waits.
+                deadlines = [item.deadline for item in queue.items if item.deadline is not None]
+                wake = min([due, *deadlines]) - now
+                wait_s = wake if wait_s is None else min(wait_s, wake)
         return ready, wait_s
 
     def _take(self, queue: _Queue) -> list[_Pending]:

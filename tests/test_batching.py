@@ -211,3 +211,18 @@ def test_drain_flushes_queued_requests_and_stop_refuses_new_ones() -> None:
         return result
 
     assert asyncio.run(body()).batch_size == 1
+
+
+def test_a_deadline_passing_while_the_batch_fills_is_dropped_at_once() -> None:
+    """No slot is busy and the batch is far from full: the scheduler still wakes for it."""
+    runner = RecordingRunner()
+
+    async def body(batcher: Batcher):
+        started = time.monotonic()
+        with pytest.raises(DeadlineExpired):
+            await batcher.submit(runner, _x(2), with_weights=False, deadline=started + 0.05)
+        return time.monotonic() - started
+
+    waited = asyncio.run(_with_batcher(_limits(max_queue_delay_s=30), body))
+    assert waited < 10
+    assert runner.batches == []
