@@ -15,54 +15,17 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
 from service import metrics
+from service.batch_types import BatchFailed, BatchLimits, Result, Runner
 from service.batching import choose_batch, merge, padding_ratio, split
 from service.errors import DeadlineExpired, QueueFull, ShuttingDown
 from service.statistics import InferenceStatistics
 
 log = logging.getLogger(__name__)
 GRAPHS = {False: "output", True: "output+attention_weights"}
-
-
-class Runner(Protocol):
-    """What the batcher needs of a model: a stable key and a thread-safe run."""
-
-    key: str
-
-    @property
-    def label(self) -> str: ...
-
-    def run(
-        self, embeddings: np.ndarray, key_padding_mask: np.ndarray, with_weights: bool
-    ) -> tuple[np.ndarray, np.ndarray | None]: ...
-
-
-class BatchFailed(RuntimeError):
-    """The batch this request was in failed; the cause is chained."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class BatchLimits:
-    max_batch_size: int
-    max_queue_delay_s: float
-    max_queue_size: int
-    max_padding_ratio: float = 0.5
-    max_inflight_batches: int = 1
-
-
-@dataclass(frozen=True)
-class Result:
-    """One request's share of a batch, with where its time went."""
-
-    output: np.ndarray
-    attention_weights: np.ndarray | None
-    queue_s: float
-    compute_s: float
-    batch_size: int
 
 
 @dataclass(eq=False)
