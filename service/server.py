@@ -15,7 +15,8 @@ from prometheus_client import start_http_server
 
 from service import metrics
 from service.attention_servicer import AttentionServicer
-from service.batcher import Batcher, BatchLimits
+from service.batch_types import BatchLimits
+from service.batcher import Batcher
 from service.engine import CPU, CUDA, choose_providers
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from service.batcher import Result
+from service.batch_types import Result
 from service.engine import OnnxModel
 from service.errors import InvalidInput
 from service.generated.inference import grpc_service_pb2 as v2

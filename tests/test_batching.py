@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.batcher import Batcher, BatchFailed, BatchLimits
+from service.batch_types import BatchFailed, BatchLimits
+from service.batcher import Batcher
 from service.batching import choose_batch, merge, padding_ratio, split
 from service.errors import DeadlineExpired, QueueFull, ShuttingDown
 

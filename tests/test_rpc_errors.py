@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from service.attention_servicer import AttentionServicer
-from service.batcher import Batcher, BatchLimits
+from service.batch_types import BatchLimits
+from service.batcher import Batcher
 from service.codec import encode_tensor
 from service.errors import QueueFull
 from service.generated.attention.v1 import attention_pb2 as pb
