@@ -113,6 +113,8 @@ class AttentionServer:
             options=[
                 ("grpc.max_receive_message_length", receive_bytes),
                 ("grpc.max_send_message_length", send_bytes),
+                # A second server on a taken port must fail, not silently share it.
+                ("grpc.so_reuseport", 0),
             ]
         )
         attention_pb2_grpc.add_AttentionServiceServicer_to_server(

@@ -144,6 +144,17 @@ def test_empty_repository_fails_fast_with_a_clear_message(tmp_path: Path) -> Non
     assert "no servable model" in done.stderr
 
 
+def test_a_taken_port_fails_fast(server: ServerProcess, model_repository: Path) -> None:
+    for flag, port in (("--grpc-port", server.grpc_port), ("--metrics-port", server.metrics_port)):
+        done = subprocess.run(
+            [sys.executable, "-m", "service", "--model-repository", str(model_repository),
+             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", flag, str(port)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        assert "cannot bind" in done.stderr
+
+
 def test_metrics_move_as_requests_go_through(
     server: ServerProcess, client: AttentionClient
 ) -> None:
