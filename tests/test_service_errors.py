@@ -7,6 +7,8 @@ import math
 import grpc
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from service.client import AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
@@ -135,3 +137,35 @@ def test_bad_requests_do_not_leak_memory(server: ServerProcess, stub) -> None:
         one_round()
     grown = _rss_bytes(server.process.pid) - warm
     assert grown < 32 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB over 15 rounds"
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    shape=st.lists(st.integers(-2, 70), min_size=0, max_size=4),
+    dtype=st.integers(0, 4),
+    extra_bytes=st.integers(-8, 8),
+    model=st.sampled_from(["", "small", "half", "nope"]),
+    weights=st.booleans(),
+    fill=st.sampled_from([0.0, 1.0, math.nan, math.inf, 1e30]),
+)
+def test_fuzzed_requests_get_a_clean_status(
+    stub, shape, dtype, extra_bytes, model, weights, fill
+) -> None:
+    """Arbitrary shapes, dtypes, byte counts and values: OK or a documented status, never
+    INTERNAL, and the server stays up."""
+    elements = math.prod(shape) if shape and all(d >= 0 for d in shape) else 0
+    itemsize = 2 if dtype == pb.FLOAT16 else 4
+    size = max(0, min(elements * itemsize, 1 << 20) + extra_bytes)
+    data = np.full(size // 4 + 1, fill, np.float32).tobytes()[:size]
+    request = pb.AttendRequest(
+        model=model,
+        embeddings=pb.Tensor(shape=shape, dtype=dtype, data=data),
+        return_attention_weights=weights,
+    )
+    call = stub.Attend.future(request, timeout=30)
+    error = call.exception()
+    if error is not None:
+        assert error.code() in (INVALID, grpc.StatusCode.NOT_FOUND), (error.code(), error.details())
+        assert error.details()
