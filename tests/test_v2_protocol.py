@@ -281,3 +281,24 @@ def test_fuzzed_v2_requests_get_a_clean_status(
             error.details()
         )
         assert error.details()
+
+
+def test_aio_client_sees_the_same_server(server: ServerProcess) -> None:
+    async def session():
+        client = triton_aio.InferenceServerClient(server.target)
+        try:
+            x = np.ones((1, 3, 64), np.float32)
+            outputs = [triton.InferRequestedOutput("attention_weights")]
+            return (
+                await client.is_server_live(),
+                await client.is_server_ready(),
+                await client.is_model_ready("small"),
+                (await client.get_model_metadata("small", as_json=True))["versions"],
+                (await client.infer("small", [_input(x)], outputs=outputs))
+                .as_numpy("attention_weights")
+                .shape,
+            )
+        finally:
+            await client.close()
+
+    assert asyncio.run(session()) == (True, True, True, ["2", "1"], (1, 4, 3, 3))
