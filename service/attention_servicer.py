@@ -14,7 +14,7 @@ from service.engine import OnnxModel
 from service.errors import InvalidInput
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.registry import ModelRegistry
+from service.registry import SERVER_LABEL, ModelRegistry
 from service.rpc import rpc
 from service.validation import InputLimits, as_sequence_batch
 
@@ -56,7 +56,9 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         self._limits = limits
 
     def model_label(self, request: Any) -> str:
-        return self._registry.metric_label(getattr(request, "model", ""))
+        if not hasattr(request, "model"):
+            return SERVER_LABEL  # ListModels concerns no single model
+        return self._registry.metric_label(request.model)
 
     def request_id(self, request: Any) -> str:
         return getattr(request, "request_id", "")

@@ -10,6 +10,7 @@ from service.errors import ModelNotFound
 from service.model_repository import VersionFiles
 
 log = logging.getLogger(__name__)
+SERVER_LABEL = "_server"  # metric label of calls that name no model
 
 
 class ModelRegistry:

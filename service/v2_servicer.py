@@ -15,7 +15,7 @@ from service.errors import ModelNotFound
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 from service.generated.inference import model_config_pb2 as config
-from service.registry import ModelRegistry
+from service.registry import SERVER_LABEL, ModelRegistry
 from service.rpc import rpc
 from service.settings import Settings
 from service.statistics import Duration
@@ -61,6 +61,8 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self._is_ready = is_ready
 
     def model_label(self, request: Any) -> str:
+        if not hasattr(request, "model_name") and not hasattr(request, "name"):
+            return SERVER_LABEL  # ServerLive and friends concern no model
         name = getattr(request, "model_name", "") or getattr(request, "name", "")
         return self._registry.metric_label(name)
 

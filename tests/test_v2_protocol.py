@@ -40,8 +40,13 @@ def _input(x: np.ndarray, name: str = "embeddings", datatype: str = "FP32") -> t
     return tensor
 
 
-def test_server_and_model_state(v2: triton.InferenceServerClient) -> None:
+def test_server_and_model_state(server: ServerProcess, v2: triton.InferenceServerClient) -> None:
+    before = server.metric("attention_requests_total", model="_server", api="v2", code="OK")
     assert v2.is_server_live()
+    assert (
+        server.metric("attention_requests_total", model="_server", api="v2", code="OK")
+        == before + 1
+    )
     assert v2.is_server_ready()
     assert v2.is_model_ready("mha")
     assert v2.is_model_ready("small", "1")
