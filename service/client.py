@@ -73,11 +73,17 @@ def attend_result(response: pb.AttendResponse) -> AttendResult:
     )
 
 
+def channel_options(load_balancing: str | None) -> list[tuple[str, Any]]:
+    """round_robin with a dns:/// target spreads calls over every pod of a headless Service."""
+    extra = [("grpc.lb_policy_name", load_balancing)] if load_balancing else []
+    return [*CHANNEL_OPTIONS, *extra]
+
+
 class AttentionClient:
     """Blocking client. Use as a context manager, or call close()."""
 
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str, *, load_balancing: str | None = None) -> None:
+        self._channel = grpc.insecure_channel(target, options=channel_options(load_balancing))
         self._stub = attention_pb2_grpc.AttentionServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -123,8 +129,8 @@ class AttentionClient:
 class AsyncAttentionClient:
     """asyncio client for many concurrent calls on one channel."""
 
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str, *, load_balancing: str | None = None) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options(load_balancing))
         self._stub = attention_pb2_grpc.AttentionServiceStub(self._channel)
 
     async def __aenter__(self) -> AsyncAttentionClient:

@@ -190,3 +190,9 @@ def test_reflection_lists_every_service(server: ServerProcess) -> None:
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
     } <= services
+
+
+def test_client_with_dns_target_and_round_robin(server: ServerProcess) -> None:
+    target = f"dns:///127.0.0.1:{server.grpc_port}"
+    with AttentionClient(target, load_balancing="round_robin") as balanced:
+        assert balanced.attend(np.ones((3, D), np.float32)).output.shape == (3, D)
