@@ -33,7 +33,7 @@ test: lint
 	$(BIN)/python -m pytest
 
 bench: export
-	$(BIN)/python -m benchmarks.run --model-repository $(MODELS)
+	$(BIN)/python -m tests.bench --model-repository $(MODELS)
 
 clean:
 	rm -rf $(VENV) $(MODELS) .pytest_cache .ruff_cache

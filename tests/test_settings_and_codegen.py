@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import filecmp
+import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +76,13 @@ def test_serving_side_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_makefile_runs_modules_and_scripts_that_exist() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    modules = re.findall(r"python -m ([\w.]+)", makefile)
+    assert {"export", "service", "pytest", "tests.bench"} <= set(modules)
+    for module in modules:
+        assert importlib.util.find_spec(module) is not None, f"Makefile runs missing {module}"
+    for script in re.findall(r"python (\S+\.py)", makefile):
+        assert (REPO / script).is_file(), f"Makefile runs missing {script}"
