@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from export.pipeline import ExportRequest, run_export
+from export.pipeline import DTYPES, ExportRequest, run_export
 from export.repository import VersionExistsError, existing_versions
 from export.verify import ParityError
 from export.weights import StateDictError
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--dtype",
-        choices=["float32", "float16"],
+        choices=sorted(DTYPES),
         default="float32",
         help="compute dtype of the graphs; float16 is for GPU builds (default: %(default)s)",
     )

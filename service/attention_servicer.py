@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import grpc
 import numpy as np
 
+from service.admission import admit_and_run
 from service.batcher import Batcher
 from service.codec import decode_tensor, encode_tensor, wire_dtype
 from service.engine import OnnxModel
@@ -16,15 +16,9 @@ from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.registry import SERVER_LABEL, ModelRegistry
 from service.rpc import rpc
-from service.validation import InputLimits, as_sequence_batch
+from service.validation import InputLimits
 
 API = "attention"
-
-
-def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
-    """The client's deadline on the time.monotonic() clock, if it set one."""
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
 
 
 def model_info(name: str, versions: list[OnnxModel], limits: InputLimits) -> pb.ModelInfo:
@@ -71,19 +65,13 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         if not request.HasField("embeddings"):
             raise InvalidInput("embeddings is missing; expected a Tensor [seq, d] or [n, seq, d]")
         received = decode_tensor(request.embeddings, "embeddings")
-        batch = as_sequence_batch(
-            received, embed_dim=model.spec.embed_dim, limits=self._limits, model=model.spec.name
-        )
-        if request.return_attention_weights and not model.has_weights_graph:
-            raise InvalidInput(
-                f"model {model.spec.name!r} version {model.spec.version} was exported without "
-                "the attention_weights graph; call with return_attention_weights=false"
-            )
-        result = await self._batcher.submit(
+        result = await admit_and_run(
+            self._batcher,
             model,
-            batch.astype(model.spec.dtype, copy=False),
+            received,
+            self._limits,
             with_weights=request.return_attention_weights,
-            deadline=deadline_of(context),
+            context=context,
         )
         output = result.output if received.ndim == 3 else result.output[0]
         response = pb.AttendResponse(

@@ -181,8 +181,14 @@ class Batcher:
 
     def _drop_dead(self, now: float) -> None:
         """Remove cancelled and expired requests before they cost any compute."""
+
+        def dead(item: _Pending) -> bool:
+            return item.future.cancelled() or (item.deadline is not None and item.deadline <= now)
+
         removed = 0
         for queue in self._queues.values():
+            if not any(dead(item) for item in queue.items):
+                continue  # the common case: no new deque on every wake-up
             alive: deque[_Pending] = deque()
             for item in queue.items:
                 expired = item.deadline is not None and item.deadline <= now

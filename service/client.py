@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.codec import encode_tensor
+from service.codec import decode_tensor, encode_tensor
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 
@@ -54,15 +54,14 @@ def attend_request(
     )
 
 
-def _array(tensor: pb.Tensor) -> np.ndarray:
-    dtype = {pb.FLOAT32: "<f4", pb.FLOAT16: "<f2"}[tensor.dtype]
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(list(tensor.shape))
-
-
 def attend_result(response: pb.AttendResponse) -> AttendResult:
-    weights = _array(response.attention_weights) if response.HasField("attention_weights") else None
+    weights = (
+        decode_tensor(response.attention_weights, "attention_weights")
+        if response.HasField("attention_weights")
+        else None
+    )
     return AttendResult(
-        output=_array(response.output),
+        output=decode_tensor(response.output, "output"),
         attention_weights=weights,
         model=response.model,
         model_version=response.model_version,

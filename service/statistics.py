@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import defaultdict
@@ -58,15 +59,4 @@ class InferenceStatistics:
     def snapshot(self, key: str) -> VersionStats:
         """A copy that later updates do not change."""
         with self._lock:
-            stats = self._stats[key]
-            copy = VersionStats(
-                stats.inference_count,
-                stats.execution_count,
-                stats.last_inference_ms,
-                Duration(stats.success.count, stats.success.ns),
-                Duration(stats.fail.count, stats.fail.ns),
-                Duration(stats.queue.count, stats.queue.ns),
-                Duration(stats.compute_infer.count, stats.compute_infer.ns),
-            )
-            copy.batches.update({k: Duration(v.count, v.ns) for k, v in stats.batches.items()})
-            return copy
+            return copy.deepcopy(self._stats[key])

@@ -105,8 +105,6 @@ def requested_outputs(request: v2.ModelInferRequest, model: OnnxModel) -> list[s
                 f"unexpected inference output '{name}' for {_model_ref(model)};"
                 f" outputs are {list(OUTPUT_NAMES)}"
             )
-    if "attention_weights" in names and not model.has_weights_graph:
-        raise InvalidInput(f"{_model_ref(model)} was exported without the attention_weights graph")
     return names
 
 

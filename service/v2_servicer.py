@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from service.attention_servicer import deadline_of
+from service.admission import admit_and_run
 from service.batcher import Batcher
 from service.engine import OnnxModel
 from service.errors import ModelNotFound
@@ -26,7 +26,7 @@ from service.v2_codec import (
     encode_response,
     requested_outputs,
 )
-from service.validation import InputLimits, as_sequence_batch
+from service.validation import InputLimits
 
 API = "v2"
 SERVER_NAME = "attention-serving"
@@ -192,13 +192,12 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         model = self._registry.resolve(request.model_name, request.model_version)
         names = requested_outputs(request, model)
         received = decode_input(request, model)
-        batch = as_sequence_batch(
-            received, embed_dim=model.spec.embed_dim, limits=self._limits, model=model.spec.name
-        )
-        result = await self._batcher.submit(
+        result = await admit_and_run(
+            self._batcher,
             model,
-            batch.astype(model.spec.dtype, copy=False),
+            received,
+            self._limits,
             with_weights="attention_weights" in names,
-            deadline=deadline_of(context),
+            context=context,
         )
         return encode_response(request, model, names, result)
