@@ -1,0 +1,46 @@
+"""What both APIs do between decoding a request and awaiting its batch."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+
+from service.batch_types import Result
+from service.batcher import Batcher
+from service.engine import OnnxModel
+from service.errors import InvalidInput
+from service.validation import InputLimits, as_sequence_batch
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The client's deadline on the time.monotonic() clock, if it set one."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+async def admit_and_run(
+    batcher: Batcher,
+    model: OnnxModel,
+    received: np.ndarray,
+    limits: InputLimits,
+    *,
+    with_weights: bool,
+    context: grpc.aio.ServicerContext,
+) -> Result:
+    """Validate decoded embeddings against the model, then queue them in the model's dtype."""
+    batch = as_sequence_batch(
+        received, embed_dim=model.spec.embed_dim, limits=limits, model=model.spec.name
+    )
+    if with_weights and not model.has_weights_graph:
+        raise InvalidInput(
+            f"model {model.spec.name!r} version {model.spec.version} was exported without "
+            "the attention_weights graph; do not ask for the weights"
+        )
+    return await batcher.submit(
+        model,
+        batch.astype(model.spec.dtype, copy=False),
+        with_weights=with_weights,
+        deadline=deadline_of(context),
+    )
