@@ -20,6 +20,7 @@ from service.batcher import Batcher
 from service.engine import CPU, CUDA, choose_providers
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
+from service.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
 from service.model_repository import discover
 from service.registry import ModelRegistry
 from service.settings import Settings
@@ -29,7 +30,6 @@ from service.validation import InputLimits
 log = logging.getLogger(__name__)
 ServingStatus = health_pb2.HealthCheckResponse.ServingStatus.ValueType
 
-GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 ENVELOPE_BYTES = 1 << 20  # headroom for the non-tensor fields and protobuf framing
 
 
@@ -110,12 +110,7 @@ class AttentionServer:
         )
         receive_bytes, send_bytes = message_limits(registry, settings)
         server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", receive_bytes),
-                ("grpc.max_send_message_length", send_bytes),
-                # A second server on a taken port must fail, not silently share it.
-                ("grpc.so_reuseport", 0),
-            ]
+            options=server_options(receive_bytes=receive_bytes, send_bytes=send_bytes)
         )
         attention_pb2_grpc.add_AttentionServiceServicer_to_server(
             AttentionServicer(registry, self._batcher, limits), server

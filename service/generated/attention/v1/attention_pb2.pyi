@@ -67,6 +67,24 @@ class AttendResponse(_message.Message):
     timing: ServerTiming
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., attention_weights: _Optional[_Union[Tensor, _Mapping]] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., request_id: _Optional[str] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ...) -> None: ...
 
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class AttendStreamResponse(_message.Message):
+    __slots__ = ("request_id", "response", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: AttendResponse
+    error: StreamError
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[AttendResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
 class GetModelRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -74,7 +92,7 @@ class GetModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelVersionInfo(_message.Message):
-    __slots__ = ("version", "embed_dim", "num_heads", "causal", "dtype", "input_dtypes", "weights_sha256", "weights_source", "execution_provider")
+    __slots__ = ("version", "embed_dim", "num_heads", "causal", "dtype", "input_dtypes", "weights_sha256", "weights_source", "execution_provider", "batch_caps")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EMBED_DIM_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +102,7 @@ class ModelVersionInfo(_message.Message):
     WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_CAPS_FIELD_NUMBER: _ClassVar[int]
     version: str
     embed_dim: int
     num_heads: int
@@ -93,7 +112,16 @@ class ModelVersionInfo(_message.Message):
     weights_sha256: str
     weights_source: str
     execution_provider: str
-    def __init__(self, version: _Optional[str] = ..., embed_dim: _Optional[int] = ..., num_heads: _Optional[int] = ..., causal: _Optional[bool] = ..., dtype: _Optional[_Union[DataType, str]] = ..., input_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., weights_sha256: _Optional[str] = ..., weights_source: _Optional[str] = ..., execution_provider: _Optional[str] = ...) -> None: ...
+    batch_caps: _containers.RepeatedCompositeFieldContainer[BatchCap]
+    def __init__(self, version: _Optional[str] = ..., embed_dim: _Optional[int] = ..., num_heads: _Optional[int] = ..., causal: _Optional[bool] = ..., dtype: _Optional[_Union[DataType, str]] = ..., input_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., weights_sha256: _Optional[str] = ..., weights_source: _Optional[str] = ..., execution_provider: _Optional[str] = ..., batch_caps: _Optional[_Iterable[_Union[BatchCap, _Mapping]]] = ...) -> None: ...
+
+class BatchCap(_message.Message):
+    __slots__ = ("max_sequence_length", "max_batch_size")
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    max_sequence_length: int
+    max_batch_size: int
+    def __init__(self, max_sequence_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "versions", "max_sequence_length", "max_batch_size")

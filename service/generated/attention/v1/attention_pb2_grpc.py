@@ -50,6 +50,11 @@ class AttentionServiceStub:
                 request_serializer=attention_dot_v1_dot_attention__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.AttendStream = channel.stream_stream(
+                '/attention.v1.AttentionService/AttendStream',
+                request_serializer=attention_dot_v1_dot_attention__pb2.AttendRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttendStreamResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -77,6 +82,15 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttendStream(self, request_iterator, context):
+        """Many Attend calls on one stream. Each request is answered by one AttendStreamResponse,
+        in completion order (match them by request_id); a bad request gets an error response
+        and the stream goes on. Streamed requests share the batcher with unary ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +108,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.ListModelsRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'AttendStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AttendStream,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.AttendRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttendStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +196,33 @@ class AttentionService:
             '/attention.v1.AttentionService/ListModels',
             attention_dot_v1_dot_attention__pb2.ListModelsRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttendStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/attention.v1.AttentionService/AttendStream',
+            attention_dot_v1_dot_attention__pb2.AttendRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttendStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
