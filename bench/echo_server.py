@@ -1,0 +1,178 @@
+"""Zero-compute echo server: python -m bench.echo_server --help.
+
+Serves Attend, AttendStream, ModelInfer and ModelStreamInfer with the real server's
+protobufs and gRPC options (service.grpc_options, message limits computed as the real
+server computes them) and answers every request with its own input bytes, so its
+requests/s is the floor that Python gRPC alone puts under any server on this core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import signal
+import sys
+from collections.abc import AsyncIterator
+from functools import lru_cache
+from types import SimpleNamespace
+from typing import Any, cast
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
+from service.generated.inference import grpc_service_pb2 as v2
+from service.generated.inference import grpc_service_pb2_grpc
+from service.grpc_options import server_options
+
+log = logging.getLogger("bench.echo_server")
+MODEL_NAME = "mha"
+MODEL_VERSION = "1"
+
+
+@lru_cache(maxsize=64)
+def zeros(nbytes: int) -> bytes:
+    """Zero bytes for weights responses; cached, since only the wire cost matters here."""
+    return bytes(nbytes)
+
+
+def weights_shape(shape: list[int], heads: int) -> list[int]:
+    """[seq, d] -> [h, seq, seq]; [n, seq, d] -> [n, h, seq, seq]."""
+    *lead, seq, _ = shape
+    return [*lead, heads, seq, seq]
+
+
+def echo_limits(
+    embed_dim: int, num_heads: int, max_batch_size: int, max_seq_len: int
+) -> tuple[int, int]:
+    """(receive, send) bytes exactly as the real server derives them from its settings."""
+    # Imported here: service.server pulls in onnxruntime, which the echo server never runs.
+    from service.server import message_limits
+
+    model = SimpleNamespace(spec=SimpleNamespace(embed_dim=embed_dim, num_heads=num_heads))
+    registry = SimpleNamespace(all=lambda: [model])
+    settings = SimpleNamespace(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    return message_limits(cast(Any, registry), cast(Any, settings))
+
+
+class EchoAttention(attention_pb2_grpc.AttentionServiceServicer):
+    def __init__(self, heads: int) -> None:
+        self._heads = heads
+
+    def answer(self, request: pb.AttendRequest) -> pb.AttendResponse:
+        shape = list(request.embeddings.shape)
+        response = pb.AttendResponse(
+            output=pb.Tensor(shape=shape, dtype=pb.FLOAT32, data=request.embeddings.data),
+            model=request.model or MODEL_NAME,
+            model_version=request.model_version or MODEL_VERSION,
+            request_id=request.request_id,
+            timing=pb.ServerTiming(batch_size=shape[0] if len(shape) == 3 else 1),
+        )
+        if request.return_attention_weights and len(shape) >= 2:
+            wshape = weights_shape(shape, self._heads)
+            response.attention_weights.shape.extend(wshape)
+            response.attention_weights.dtype = pb.FLOAT32
+            response.attention_weights.data = zeros(4 * math.prod(wshape))
+        return response
+
+    async def Attend(self, request: pb.AttendRequest, context: Any) -> pb.AttendResponse:
+        return self.answer(request)
+
+    async def AttendStream(
+        self, request_iterator: AsyncIterator[pb.AttendRequest], context: Any
+    ) -> AsyncIterator[pb.AttendStreamResponse]:
+        async for request in request_iterator:
+            yield pb.AttendStreamResponse(
+                request_id=request.request_id, response=self.answer(request)
+            )
+
+
+class EchoInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, heads: int) -> None:
+        self._heads = heads
+
+    def answer(self, request: v2.ModelInferRequest) -> v2.ModelInferResponse:
+        response = v2.ModelInferResponse(
+            model_name=request.model_name or MODEL_NAME,
+            model_version=request.model_version or MODEL_VERSION,
+            id=request.id,
+        )
+        if not request.inputs:
+            return response
+        shape = list(request.inputs[0].shape)
+        response.outputs.add(name="output", datatype="FP32", shape=shape)
+        response.raw_output_contents.extend(request.raw_input_contents[:1])
+        if any(o.name == "attention_weights" for o in request.outputs) and len(shape) >= 2:
+            wshape = weights_shape(shape, self._heads)
+            response.outputs.add(name="attention_weights", datatype="FP32", shape=wshape)
+            response.raw_output_contents.append(zeros(4 * math.prod(wshape)))
+        return response
+
+    async def ModelInfer(
+        self, request: v2.ModelInferRequest, context: Any
+    ) -> v2.ModelInferResponse:
+        return self.answer(request)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[v2.ModelInferRequest], context: Any
+    ) -> AsyncIterator[v2.ModelStreamInferResponse]:
+        async for request in request_iterator:
+            yield v2.ModelStreamInferResponse(infer_response=self.answer(request))
+
+    async def ServerLive(self, request: Any, context: Any) -> v2.ServerLiveResponse:
+        return v2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> v2.ServerReadyResponse:
+        return v2.ServerReadyResponse(ready=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.echo_server", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--grpc-port", type=int, default=0, help="0 = pick a free port")
+    parser.add_argument("--embed-dim", type=int, default=512, help="d (message limits)")
+    parser.add_argument("--num-heads", type=int, default=8, help="h (weights shape, limits)")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="as the real server's")
+    parser.add_argument("--max-seq-len", type=int, default=512, help="as the real server's")
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    receive, send = echo_limits(
+        args.embed_dim, args.num_heads, args.max_batch_size, args.max_seq_len
+    )
+    server = grpc.aio.server(options=server_options(receive_bytes=receive, send_bytes=send))
+    attention_pb2_grpc.add_AttentionServiceServicer_to_server(EchoAttention(args.num_heads), server)
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        EchoInference(args.num_heads), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    # Same line as the real server's, so one launcher finds the port of either.
+    log.info("listening grpc_port=%d metrics_port=0 host=%s (echo, no compute)", port, args.host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
