@@ -7,6 +7,8 @@ from typing import Protocol
 
 import numpy as np
 
+from service.batch_caps import BatchCaps
+
 
 class Runner(Protocol):
     """What the batcher needs of a model: a stable key and a thread-safe run."""
@@ -15,6 +17,9 @@ class Runner(Protocol):
 
     @property
     def label(self) -> str: ...
+
+    @property
+    def batch_caps(self) -> BatchCaps: ...
 
     def run(
         self, embeddings: np.ndarray, key_padding_mask: np.ndarray, with_weights: bool

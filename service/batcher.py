@@ -223,7 +223,9 @@ class Batcher:
             head = queue.items[0]
             due = head.enqueued_at + self._limits.max_queue_delay_s
             is_ready = (
-                self._flushing or due <= now or queue.sequences() >= self._limits.max_batch_size
+                self._flushing
+                or due <= now
+                or queue.sequences() >= self._cap(queue, head.embeddings.shape[1])
             )
             if is_ready:
                 if ready is None or head.enqueued_at < ready.items[0].enqueued_at:
@@ -236,6 +238,10 @@ class Batcher:
                 wait_s = wake if wait_s is None else min(wait_s, wake)
         return ready, wait_s
 
+    def _cap(self, queue: _Queue, longest_seq: int) -> int:
+        """Most sequences worth batching at this length: the measured cap, within the limit."""
+        return min(self._limits.max_batch_size, queue.runner.batch_caps.cap_for(longest_seq))
+
     def _take(self, queue: _Queue) -> list[_Pending]:
         items = list(queue.items)
         chosen = choose_batch(
@@ -243,6 +249,7 @@ class Batcher:
             [item.embeddings.shape[1] for item in items],
             max_sequences=self._limits.max_batch_size,
             max_padding=self._limits.max_padding_ratio,
+            cap_for=queue.runner.batch_caps.cap_for,
         )
         picked = set(chosen)
         queue.items = deque(item for i, item in enumerate(items) if i not in picked)

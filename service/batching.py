@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -16,30 +16,40 @@ def padding_ratio(counts: Sequence[int], lengths: Sequence[int]) -> float:
 
 
 def choose_batch(
-    counts: Sequence[int], lengths: Sequence[int], *, max_sequences: int, max_padding: float
+    counts: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    max_sequences: int,
+    max_padding: float,
+    cap_for: Callable[[int], int] | None = None,
 ) -> list[int]:
     """Indices of the requests to run together, the oldest (index 0) always first.
 
     Others join in order of how close their length is to the oldest's (ties: the older
-    first) while the batch stays within max_sequences and the padding within max_padding,
-    so short and long requests do not pay for each other. O(n log n) in the queue length.
+    first) while the batch stays within max_sequences, within cap_for(its longest length)
+    (the measured batch caps) and the padding within max_padding, so short and long requests
+    do not pay for each other. O(n log n) in the queue length.
     """
+
+    def limit(longest: int) -> int:
+        return max_sequences if cap_for is None else min(max_sequences, cap_for(longest))
+
     chosen = [0]
     sequences, real, longest = counts[0], counts[0] * lengths[0], lengths[0]
     anchor = lengths[0]
     by_closeness = sorted(range(1, len(counts)), key=lambda i: (abs(lengths[i] - anchor), i))
     for index in by_closeness:
+        if sequences >= limit(longest):
+            break
         count, length = counts[index], lengths[index]
-        if sequences + count > max_sequences:
-            continue
         trial_longest = max(longest, length)
+        if sequences + count > limit(trial_longest):
+            continue
         trial_real = real + count * length
         if 1.0 - trial_real / ((sequences + count) * trial_longest) > max_padding:
             continue
         chosen.append(index)
         sequences, real, longest = sequences + count, trial_real, trial_longest
-        if sequences == max_sequences:
-            break
     return chosen
 
 

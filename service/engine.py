@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from service.batch_caps import BatchCaps, measure_caps
 from service.model_repository import VersionFiles
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class OnnxModel:
         self.spec = _read_spec(self._plain, files)
         self.key = f"{files.name}/{files.version}"
         self.provider = self._plain.get_providers()[0]
+        # Until measure_batch_caps() runs, only --max-batch-size limits a batch.
+        self.batch_caps = BatchCaps.uniform(2**31 - 1, 2**31 - 1)
 
     @property
     def label(self) -> str:
@@ -128,6 +131,32 @@ class OnnxModel:
             return output, weights
         (output,) = self._plain.run(["output"], feeds)
         return output, None
+
+    def measure_batch_caps(
+        self, *, max_batch_size: int, max_seq_len: int, budget_s: float
+    ) -> BatchCaps:
+        """Time the output graph per length bucket and keep each bucket's best batch size.
+        budget_s = 0 skips the measurement: every length may fill max_batch_size."""
+        if budget_s <= 0:
+            self.batch_caps = BatchCaps.uniform(max_batch_size, max_seq_len)
+            return self.batch_caps
+        rng = np.random.default_rng(0)
+        inputs: dict[int, np.ndarray] = {}
+
+        def run(size: int, length: int) -> None:
+            if length not in inputs:
+                shape = (max_batch_size, length, self.spec.embed_dim)
+                inputs[length] = rng.standard_normal(shape, dtype=np.float32).astype(
+                    self.spec.dtype
+                )
+            # The copy stands in for the batcher's merge, which every real batch pays.
+            embeddings = inputs[length][:size].copy()
+            self.run(embeddings, np.zeros((size, length), dtype=bool), with_weights=False)
+
+        self.batch_caps = measure_caps(
+            run, max_batch_size=max_batch_size, max_seq_len=max_seq_len, budget_s=budget_s
+        )
+        return self.batch_caps
 
     def warm_up(self, seq_lengths: tuple[int, ...] = (1, 16, 128)) -> None:
         """First runs allocate and tune; pay for them before reporting ready."""

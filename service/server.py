@@ -147,8 +147,18 @@ class AttentionServer:
         return ports
 
     async def _warm_up(self, registry: ModelRegistry) -> None:
+        settings = self._settings
         for model in registry.all():
             await asyncio.to_thread(model.warm_up)
+            caps = await asyncio.to_thread(
+                model.measure_batch_caps,
+                max_batch_size=settings.max_batch_size,
+                max_seq_len=settings.max_seq_len,
+                budget_s=settings.batch_cap_budget_s,
+            )
+            log.info("%s batch caps (%s): %s", model.key,
+                     "measured" if settings.batch_cap_budget_s > 0 else "not measured",
+                     caps.describe())  # fmt: skip
             version = str(model.spec.version)
             metrics.MODEL_READY.labels(model.spec.name, version).set(1)
             metrics.ENGINE_INFO.labels(model.spec.name, version, model.provider).set(1)

@@ -48,8 +48,20 @@ class Settings:
     max_padding_ratio: float = _doc(
         "most padding a batch may carry when grouping different lengths (0..1)", default=0.5
     )
+    batch_cap_budget_s: float = _doc(
+        "seconds per model spent at warm-up timing batch sizes per sequence length, so no "
+        "batch costs more per sequence than a smaller one would; 0 = no caps, every batch "
+        "may reach --max-batch-size",
+        default=3.0,
+    )
     max_inflight_batches: int = _doc(
         "batches computing at once; 1 keeps a CPU's cores on one batch", default=1
+    )
+    max_stream_inflight_requests: int = _doc(
+        "unanswered requests one stream (AttendStream, ModelStreamInfer) may have; at the "
+        "bound the server reads no more from that stream until one is answered "
+        "(back-pressure, not an error)",
+        default=256,
     )
     intra_op_threads: int = _doc("ONNX Runtime threads per session (0 = all cores)", default=0)
     provider: str = _doc(
@@ -76,7 +88,9 @@ class Settings:
             ("max_queue_size", self.max_queue_size >= 1, ">= 1"),
             ("max_seq_len", self.max_seq_len >= 1, ">= 1"),
             ("max_padding_ratio", 0 <= self.max_padding_ratio <= 1, "in 0..1"),
+            ("batch_cap_budget_s", self.batch_cap_budget_s >= 0, ">= 0"),
             ("max_inflight_batches", self.max_inflight_batches >= 1, ">= 1"),
+            ("max_stream_inflight_requests", self.max_stream_inflight_requests >= 1, ">= 1"),
             ("intra_op_threads", self.intra_op_threads >= 0, ">= 0"),
             ("provider", self.provider in PROVIDERS, f"one of {PROVIDERS}"),
             ("grace_period_s", self.grace_period_s >= 0, ">= 0"),

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from service.batch_caps import BatchCaps
 from service.batch_types import BatchFailed, BatchLimits
 from service.batcher import Batcher
 from service.batching import choose_batch, merge, padding_ratio, split
@@ -71,10 +72,16 @@ class RecordingRunner:
     key = "fake/1"
     label = "fake"
 
-    def __init__(self, fail: bool = False, hold: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        fail: bool = False,
+        hold: threading.Event | None = None,
+        batch_caps: BatchCaps | None = None,
+    ) -> None:
         self.batches: list[tuple[int, ...]] = []
         self.fail = fail
         self.hold = hold
+        self.batch_caps = batch_caps or BatchCaps.uniform(1024, 1024)
 
     def run(self, embeddings, key_padding_mask, with_weights):
         if self.hold is not None:

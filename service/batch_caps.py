@@ -1,0 +1,151 @@
+"""Batch size caps by sequence length, measured on the real graph at warm-up.
+
+On a CPU, a batch of 32 long sequences costs more per sequence than running them one by one
+(attention is memory-bound there); on a GPU large batches win. Instead of guessing, time the
+graph at a few batch sizes per length bucket and cap each bucket at its best throughput: a
+measured version of Triton's preferred batch sizes. --max-batch-size stays the upper bound.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# Per-sequence costs within this fraction of the best count as a tie, won by the larger
+# batch: the same compute per sequence, and the server's per-batch work (scheduling, thread
+# hand-off, futures), which this timing leaves out, is shared by more sequences.
+TIE_TOLERANCE = 0.05
+# Repeat short timings (noise); one run of a long batch is already a good average.
+REPEAT_UNDER_S = 0.02
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class BatchCaps:
+    """Ascending (longest sequence length, most sequences) pairs; the last covers the rest."""
+
+    caps: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        lengths = [length for length, _ in self.caps]
+        if not self.caps or lengths != sorted(set(lengths)):
+            raise ValueError(f"caps must be non-empty and ascending by length, got {self.caps}")
+        if any(size < 1 for _, size in self.caps):
+            raise ValueError(f"every cap must be >= 1, got {self.caps}")
+
+    @classmethod
+    def uniform(cls, max_batch_size: int, max_seq_len: int) -> BatchCaps:
+        """No measurement: every length may fill max_batch_size."""
+        return cls(((max_seq_len, max_batch_size),))
+
+    def cap_for(self, longest_seq: int) -> int:
+        """Most sequences in a batch whose longest sequence has this length."""
+        lengths = [length for length, _ in self.caps]
+        index = min(bisect.bisect_left(lengths, longest_seq), len(self.caps) - 1)
+        return self.caps[index][1]
+
+    def describe(self) -> str:
+        return ", ".join(f"seq<={length}: {size}" for length, size in self.caps)
+
+
+def length_buckets(max_seq_len: int, smallest: int = 16) -> list[int]:
+    """16, 32, 64, ... up to and including max_seq_len."""
+    buckets = []
+    length = smallest
+    while length < max_seq_len:
+        buckets.append(length)
+        length *= 2
+    return [*buckets, max_seq_len]
+
+
+def batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... up to and including max_batch_size."""
+    sizes = []
+    size = 1
+    while size < max_batch_size:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_batch_size]
+
+
+def best_batch_size(seconds_per_sequence: dict[int, float]) -> int:
+    """The batch size with the lowest cost per sequence; near-ties go to the larger size."""
+    best = min(seconds_per_sequence.values())
+    return max(
+        size for size, cost in seconds_per_sequence.items() if cost <= best * (1 + TIE_TOLERANCE)
+    )
+
+
+Clock = Callable[[], float]
+
+
+def time_batch(
+    run: Callable[[int, int], None], size: int, length: int, clock: Clock = time.perf_counter
+) -> float:
+    """Seconds per sequence of one batch of `size` sequences of `length` (best of a few:
+    the first run of a shape also allocates, and short runs are noisy)."""
+    timings: list[float] = []
+    while len(timings) < 2 or (len(timings) < REPEATS and min(timings) < REPEAT_UNDER_S):
+        started = clock()
+        run(size, length)
+        timings.append(clock() - started)
+    return min(timings) / size
+
+
+def measure_bucket(
+    run: Callable[[int, int], None],
+    length: int,
+    sizes: Sequence[int],
+    give_up: float,
+    clock: Clock = time.perf_counter,
+) -> dict[int, float]:
+    """Seconds per sequence by batch size at one length, growing the size until the budget
+    ends or two sizes in a row cost clearly more than the best (they only get worse)."""
+    costs: dict[int, float] = {}
+    worse_in_a_row = 0
+    for size in sizes:
+        if costs and (clock() >= give_up or worse_in_a_row >= 2):
+            break
+        costs[size] = time_batch(run, size, length, clock)
+        clearly_worse = costs[size] > min(costs.values()) * (1 + 2 * TIE_TOLERANCE)
+        worse_in_a_row = worse_in_a_row + 1 if clearly_worse else 0
+    return costs
+
+
+def measure_caps(
+    run: Callable[[int, int], None],
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    budget_s: float,
+    clock: Clock = time.perf_counter,
+) -> BatchCaps:
+    """Time run(batch_size, seq_len) per length bucket; cap each bucket at its best size.
+
+    Once the budget is spent, longer buckets are not measured and keep the cap of the last
+    measured one (on the devices measured so far, longer sequences never favour larger
+    batches more than shorter ones do).
+    """
+    give_up = clock() + budget_s
+    sizes = batch_sizes(max_batch_size)
+    caps: list[tuple[int, int]] = []
+    for length in length_buckets(max_seq_len):
+        if caps and clock() >= give_up:
+            caps.append((length, caps[-1][1]))
+            continue
+        costs = measure_bucket(run, length, sizes, give_up, clock)
+        caps.append((length, best_batch_size(costs)))
+    return BatchCaps(merge_equal(caps))
+
+
+def merge_equal(caps: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Drop buckets whose cap equals the next one's: same behaviour, shorter to read."""
+    kept: list[tuple[int, int]] = []
+    for length, size in caps:
+        if kept and kept[-1][1] == size:
+            kept[-1] = (length, size)
+        else:
+            kept.append((length, size))
+    return tuple(kept)
