@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 from service.server import AttentionServer, StartupError
 from service.settings import Settings, describe, load_settings
@@ -39,7 +40,23 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     log.info("settings: %s", describe(settings))
-    return asyncio.run(serve(settings))
+    loop_factory = event_loop_factory(settings.event_loop)
+    log.info("event loop: %s", "uvloop" if loop_factory else "asyncio")
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(serve(settings))
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's factory when chosen (or auto and installed); None = asyncio's own loop."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise SystemExit("--event-loop uvloop, but uvloop is not installed") from None
+        return None
+    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":

@@ -292,7 +292,7 @@ class Batcher:
             )
             for item, (output, weights) in zip(batch, computed.parts, strict=True):
                 queue_s = started - item.enqueued_at
-                metrics.QUEUE_DURATION.labels(label).observe(queue_s)
+                metrics.queue_duration(label).observe(queue_s)
                 if not item.future.done():
                     item.future.set_result(
                         Result(output, weights, queue_s, computed.compute_s, sequences)

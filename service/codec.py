@@ -8,6 +8,9 @@ import numpy as np
 
 from service.errors import InvalidInput
 from service.generated.attention.v1 import attention_pb2 as pb
+from service.wire import WireMessage, array_bytes
+
+TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 
 # An unset dtype (proto3 default) reads as FLOAT32, the common case.
 NUMPY_BY_WIRE: dict[int, np.dtype] = {
@@ -56,4 +59,13 @@ def encode_tensor(array: np.ndarray, dtype: np.dtype | None = None) -> pb.Tensor
         shape=list(array.shape),
         dtype=wire_dtype(target),
         data=np.ascontiguousarray(array, dtype=target).tobytes(),
+    )
+
+
+def encode_tensor_wire(array: np.ndarray, dtype: np.dtype | None = None) -> WireMessage:
+    """encode_tensor's message, already serialized, with the bytes copied once (service.wire)."""
+    target = np.dtype(dtype or array.dtype).newbyteorder("<")
+    header = pb.Tensor(shape=list(array.shape), dtype=wire_dtype(target))
+    return WireMessage.of(header).add_bytes(
+        TENSOR_DATA, array_bytes(array.astype(target, copy=False))
     )

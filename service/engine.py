@@ -89,9 +89,21 @@ def _read_spec(session: ort.InferenceSession, files: VersionFiles) -> ModelSpec:
 class OnnxModel:
     """Both graphs of one version. run() is thread-safe and releases the GIL inside ORT."""
 
-    def __init__(self, files: VersionFiles, providers: list[str], intra_op_threads: int) -> None:
+    def __init__(
+        self,
+        files: VersionFiles,
+        providers: list[str],
+        intra_op_threads: int,
+        *,
+        intra_op_spinning: bool = False,
+    ) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads
+        # Spinning threads keep a core busy between ops; here that core also runs the event
+        # loop that feeds the next batch, so they wait on a lock instead unless told to spin.
+        options.add_session_config_entry(
+            "session.intra_op.allow_spinning", "1" if intra_op_spinning else "0"
+        )
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
         try:

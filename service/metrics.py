@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import Counter, Gauge, Histogram
 
 PREFIX = "attention"
@@ -78,3 +80,26 @@ ENGINE_INFO = Gauge(
     "Constant 1; labels show the ONNX Runtime execution provider serving each model version.",
     ["model", "version", "provider"],
 )
+
+
+# Bound children: labels() takes a lock and builds a key on every call, and a request would
+# pay it several times. Label values are bounded (served models, APIs, status codes), so the
+# caches are too.
+@functools.lru_cache(maxsize=4096)
+def requests_counter(model: str, api: str, code: str) -> Counter:
+    return REQUESTS.labels(model, api, code)
+
+
+@functools.lru_cache(maxsize=1024)
+def request_duration(model: str, api: str) -> Histogram:
+    return REQUEST_DURATION.labels(model, api)
+
+
+@functools.lru_cache(maxsize=64)
+def in_flight(api: str) -> Gauge:
+    return IN_FLIGHT.labels(api)
+
+
+@functools.lru_cache(maxsize=1024)
+def queue_duration(model: str) -> Histogram:
+    return QUEUE_DURATION.labels(model)

@@ -29,13 +29,16 @@ class ModelRegistry:
         *,
         providers: list[str],
         intra_op_threads: int,
+        intra_op_spinning: bool = False,
         default_model: str,
     ) -> ModelRegistry:
         """Load every version that works; a broken one is logged and skipped."""
         models = []
         for files in found:
             try:
-                model = OnnxModel(files, providers, intra_op_threads)
+                model = OnnxModel(
+                    files, providers, intra_op_threads, intra_op_spinning=intra_op_spinning
+                )
             except BrokenModel as err:
                 log.error("not serving %s version %d: %s", files.name, files.version, err)
                 continue

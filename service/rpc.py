@@ -42,7 +42,8 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
             started = time.monotonic()
             code = grpc.StatusCode.OK
             model = self.model_label(request)
-            metrics.IN_FLIGHT.labels(api).inc()
+            in_flight = metrics.in_flight(api)
+            in_flight.inc()
             try:
                 return await handler(self, request, context)
             except grpc.aio.AbortError:
@@ -66,9 +67,9 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
                     code, f"internal error; request_id={request_id} is in the server log"
                 )
             finally:
-                metrics.IN_FLIGHT.labels(api).dec()
-                metrics.REQUESTS.labels(model, api, code.name).inc()
-                metrics.REQUEST_DURATION.labels(model, api).observe(time.monotonic() - started)
+                in_flight.dec()
+                metrics.requests_counter(model, api, code.name).inc()
+                metrics.request_duration(model, api).observe(time.monotonic() - started)
 
         return wrapped
 

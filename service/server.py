@@ -82,6 +82,7 @@ class AttentionServer:
             found,
             providers=providers,
             intra_op_threads=settings.intra_op_threads,
+            intra_op_spinning=settings.intra_op_spinning == "on",
             default_model=settings.default_model,
         )
         if not registry.names():

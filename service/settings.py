@@ -16,6 +16,7 @@ from typing import Any
 ENV_PREFIX = "ATTENTION_"
 PROVIDERS = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -64,8 +65,17 @@ class Settings:
         default=256,
     )
     intra_op_threads: int = _doc("ONNX Runtime threads per session (0 = all cores)", default=0)
+    intra_op_spinning: str = _doc(
+        "on: ONNX Runtime's idle threads spin (lowest latency on dedicated cores); off: they "
+        "sleep, leaving the cores to the event loop that shares them",
+        default="off",
+    )
     provider: str = _doc(
         "execution provider: auto (CUDA if usable, else CPU), cuda, cpu", default="auto"
+    )
+    event_loop: str = _doc(
+        "asyncio event loop: auto (uvloop when installed, else asyncio's), uvloop, asyncio",
+        default="auto",
     )
     grace_period_s: float = _doc("time to finish accepted requests after SIGTERM", default=30.0)
     log_level: str = _doc("one of LOG_LEVELS", default="INFO")
@@ -92,7 +102,9 @@ class Settings:
             ("max_inflight_batches", self.max_inflight_batches >= 1, ">= 1"),
             ("max_stream_inflight_requests", self.max_stream_inflight_requests >= 1, ">= 1"),
             ("intra_op_threads", self.intra_op_threads >= 0, ">= 0"),
+            ("intra_op_spinning", self.intra_op_spinning in ("on", "off"), "on or off"),
             ("provider", self.provider in PROVIDERS, f"one of {PROVIDERS}"),
+            ("event_loop", self.event_loop in EVENT_LOOPS, f"one of {EVENT_LOOPS}"),
             ("grace_period_s", self.grace_period_s >= 0, ">= 0"),
             ("log_level", self.log_level.upper() in LOG_LEVELS, f"one of {LOG_LEVELS}"),
         ]
