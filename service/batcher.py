@@ -59,7 +59,12 @@ def _compute(runner: Runner, arrays: Sequence[np.ndarray], with_weights: bool) -
     embeddings, mask = merge(arrays)
     output, weights = runner.run(embeddings, mask, with_weights)
     shapes = [(a.shape[0], a.shape[1]) for a in arrays]
-    parts = split(output, weights, shapes)
+    # Contiguous here, on the compute thread: the padded slices would otherwise be copied
+    # while encoding, on the event loop that every other call waits for.
+    parts = [
+        (np.ascontiguousarray(out), None if w is None else np.ascontiguousarray(w))
+        for out, w in split(output, weights, shapes)
+    ]
     padding = padding_ratio([s[0] for s in shapes], [s[1] for s in shapes])
     return _Computed(parts, time.monotonic() - started, padding)
 
