@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,36 @@ def attend_result(response: pb.AttendResponse) -> AttendResult:
     )
 
 
+@dataclass(frozen=True)
+class AttendError:
+    """One streamed request that failed: the status the unary call would have raised."""
+
+    request_id: str
+    code: grpc.StatusCode
+    message: str
+
+
+# What attend_stream takes per request: embeddings, or (embeddings, fields) where fields are
+# attend_request's keywords (model, model_version, return_attention_weights, request_id).
+StreamItem = np.ndarray | tuple[np.ndarray, Mapping[str, Any]]
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def stream_request(index: int, item: StreamItem, defaults: Mapping[str, Any]) -> pb.AttendRequest:
+    """A request without a request_id gets its position in the stream, so answers match."""
+    embeddings, fields = (item, {}) if isinstance(item, np.ndarray) else item
+    merged = {**defaults, **fields}
+    merged["request_id"] = merged.get("request_id") or str(index)
+    return attend_request(embeddings, **merged)
+
+
+def stream_result(response: pb.AttendStreamResponse) -> AttendResult | AttendError:
+    if response.HasField("error"):
+        code = STATUS_BY_NUMBER.get(response.error.code, grpc.StatusCode.UNKNOWN)
+        return AttendError(response.request_id, code, response.error.message)
+    return attend_result(response.response)
+
+
 def channel_options(load_balancing: str | None) -> list[tuple[str, Any]]:
     """round_robin with a dns:/// target spreads calls over every pod of a headless Service."""
     extra = [("grpc.lb_policy_name", load_balancing)] if load_balancing else []
@@ -102,6 +133,21 @@ class AttentionClient:
         return_attention_weights, request_id."""
         response = self._stub.Attend(attend_request(embeddings, **fields), timeout=timeout_s)
         return attend_result(response)
+
+    def attend_stream(
+        self, requests: Iterable[StreamItem], *, timeout_s: float | None = None, **defaults: Any
+    ) -> Iterator[AttendResult | AttendError]:
+        """Send requests on one AttendStream call; yield each answer as it completes (match
+        them by request_id). defaults: fields for every request; timeout_s: the whole stream."""
+        call = self._stub.AttendStream(
+            (stream_request(i, item, defaults) for i, item in enumerate(requests)),
+            timeout=timeout_s,
+        )
+        try:
+            for response in call:
+                yield stream_result(response)
+        finally:
+            call.cancel()  # the caller stopped early: the server drops what is still queued
 
     def get_model(self, model: str = "") -> pb.ModelInfo:
         return self._stub.GetModel(pb.GetModelRequest(model=model))
@@ -143,6 +189,32 @@ class AsyncAttentionClient:
     ) -> AttendResult:
         response = await self._stub.Attend(attend_request(embeddings, **fields), timeout=timeout_s)
         return attend_result(response)
+
+    async def attend_stream(
+        self,
+        requests: Iterable[StreamItem] | AsyncIterable[StreamItem],
+        *,
+        timeout_s: float | None = None,
+        **defaults: Any,
+    ) -> AsyncIterator[AttendResult | AttendError]:
+        """AttentionClient.attend_stream for asyncio; requests may also be an async iterable."""
+
+        async def outgoing() -> AsyncIterator[pb.AttendRequest]:
+            if isinstance(requests, AsyncIterable):
+                index = 0
+                async for item in requests:
+                    yield stream_request(index, item, defaults)
+                    index += 1
+            else:
+                for index, item in enumerate(requests):
+                    yield stream_request(index, item, defaults)
+
+        call = self._stub.AttendStream(outgoing(), timeout=timeout_s)
+        try:
+            async for response in call:
+                yield stream_result(response)
+        finally:
+            call.cancel()
 
 
 # -- CLI ------------------------------------------------------------------------------------

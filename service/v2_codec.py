@@ -109,11 +109,18 @@ def requested_outputs(request: v2.ModelInferRequest, model: OnnxModel) -> list[s
 
 
 def encode_response(
-    request: v2.ModelInferRequest, model: OnnxModel, names: list[str], result: Result
+    request: v2.ModelInferRequest,
+    model: OnnxModel,
+    names: list[str],
+    result: Result,
+    response: v2.ModelInferResponse | None = None,
 ) -> v2.ModelInferResponse:
-    response = v2.ModelInferResponse(
-        model_name=model.spec.name, model_version=str(model.spec.version), id=request.id
-    )
+    """Fills response (a new one by default) in place, so a streamed answer is built inside
+    its envelope instead of copied into it."""
+    response = v2.ModelInferResponse() if response is None else response
+    response.model_name = model.spec.name
+    response.model_version = str(model.spec.version)
+    response.id = request.id
     arrays = {"output": result.output, "attention_weights": result.attention_weights}
     for name in names:
         array = arrays[name]

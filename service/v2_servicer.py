@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -19,6 +19,7 @@ from service.registry import SERVER_LABEL, ModelRegistry
 from service.rpc import rpc
 from service.settings import Settings
 from service.statistics import Duration
+from service.streaming import StreamCalls, serve_stream
 from service.v2_codec import (
     INPUT_NAME,
     V2_NAME_OF,
@@ -29,6 +30,7 @@ from service.v2_codec import (
 from service.validation import InputLimits
 
 API = "v2"
+STREAM_API = "v2_stream"
 SERVER_NAME = "attention-serving"
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["model_configuration", "statistics"]
@@ -59,6 +61,13 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self._settings = settings
         self._limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
         self._is_ready = is_ready
+        self._stream_calls = StreamCalls(
+            api=STREAM_API,
+            answer=self._stream_answer,
+            failure=_stream_error,
+            model_label=self.model_label,
+            request_id=self.request_id,
+        )
 
     def model_label(self, request: Any) -> str:
         if not hasattr(request, "model_name") and not hasattr(request, "name"):
@@ -189,6 +198,34 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelInferResponse:
+        response = v2.ModelInferResponse()
+        await self._infer(request, context, response)
+        return response
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[v2.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await serve_stream(
+            self._stream_calls,
+            requests,
+            context,
+            max_inflight=self._settings.max_stream_inflight_requests,
+        )
+
+    async def _stream_answer(
+        self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> v2.ModelStreamInferResponse:
+        answer = v2.ModelStreamInferResponse()
+        await self._infer(request, context, answer.infer_response)
+        return answer
+
+    async def _infer(
+        self,
+        request: v2.ModelInferRequest,
+        context: grpc.aio.ServicerContext,
+        response: v2.ModelInferResponse,
+    ) -> None:
+        """The one ModelInfer path, unary and streamed; fills response in place."""
         model = self._registry.resolve(request.model_name, request.model_version)
         names = requested_outputs(request, model)
         received = decode_input(request, model)
@@ -200,4 +237,17 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             with_weights="attention_weights" in names,
             context=context,
         )
-        return encode_response(request, model, names, result)
+        encode_response(request, model, names, result, response)
+
+
+def _stream_error(
+    request: v2.ModelInferRequest, code: grpc.StatusCode, message: str
+) -> v2.ModelStreamInferResponse:
+    """Triton's stream error: a message (no status code field), and the request's id and
+    model so the client can tell which request failed."""
+    return v2.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=v2.ModelInferResponse(
+            id=request.id, model_name=request.model_name, model_version=request.model_version
+        ),
+    )
