@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.installed
 
-.PHONY: setup export serve test lint proto bench clean
+.PHONY: setup export serve test lint proto bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,14 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest
 
+# The standard benchmark set (~10 min on 2 cores): one table, ratios, bench/results/latest.json,
+# plots in docs/. BENCH_ARGS passes more flags, e.g. BENCH_ARGS=--quick for a smoke run.
 bench: export
-	$(BIN)/python -m tests.bench --model-repository $(MODELS)
+	$(BIN)/python -m bench --model-repository $(MODELS) --plots docs $(BENCH_ARGS)
+
+# Our server beside Seldon MLServer (own virtualenv in .bench-venvs/, created on first use).
+bench-peers: export
+	$(BIN)/python -m bench --model-repository $(MODELS) --groups headline --peers $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(MODELS) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(MODELS) .pytest_cache .ruff_cache .bench-venvs

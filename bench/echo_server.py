@@ -27,6 +27,7 @@ from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 from service.grpc_options import server_options
+from service.settings import EVENT_LOOPS
 
 log = logging.getLogger("bench.echo_server")
 MODEL_NAME = "mha"
@@ -137,6 +138,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-heads", type=int, default=8, help="h (weights shape, limits)")
     parser.add_argument("--max-batch-size", type=int, default=32, help="as the real server's")
     parser.add_argument("--max-seq-len", type=int, default=512, help="as the real server's")
+    parser.add_argument(
+        "--event-loop", choices=EVENT_LOOPS, default="auto", help="as the real server's flag"
+    )
     return parser.parse_args(argv)
 
 
@@ -171,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return asyncio.run(serve(parse_args(argv)))
+    args = parse_args(argv)
+    # The real server's own choice of event loop, so both sit on the same stack.
+    from service.__main__ import event_loop_factory
+
+    with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
+        return runner.run(serve(args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""One request in, one outcome out, over unary or streaming RPCs; bytes on both sides, so
+the load generator spends no time in protobuf on the hot path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from bench.payloads import (
+    METHODS,
+    StreamReply,
+    Timing,
+    attend_stream_reply,
+    attend_timing,
+    family,
+    v2_stream_reply,
+    with_id,
+)
+
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    # Without it, channels with equal options share one TCP connection (gRPC's global
+    # subchannel pool), and --channels would add no connection.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+# What writing to a stream the server has ended raises.
+STREAM_GONE = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: str  # "OK" or the gRPC status code name
+    timing: Timing | None
+    detail: str = ""  # the error message, for the report's examples
+
+
+class Caller(Protocol):
+    async def call(self, body: bytes) -> Outcome: ...
+
+    async def close(self) -> None: ...
+
+
+class UnaryCaller:
+    """Attend or ModelInfer with pre-serialized bytes (no serializer: bytes go as they are)."""
+
+    def __init__(self, channel: grpc.aio.Channel, api: str, timeout_s: float) -> None:
+        self._rpc = channel.unary_unary(METHODS[api])
+        self._timeout_s = timeout_s
+        self._timing = family(api) == "attention"
+
+    async def call(self, body: bytes) -> Outcome:
+        try:
+            reply = await self._rpc(body, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as err:
+            return Outcome(err.code().name, None, err.details() or "")
+        return Outcome("OK", attend_timing(reply) if self._timing else None)
+
+    async def close(self) -> None:
+        return None
+
+
+class StreamCaller:
+    """Many requests in flight on one bidirectional stream, matched back by request id."""
+
+    def __init__(self, channel: grpc.aio.Channel, api: str, timeout_s: float) -> None:
+        self._api = api
+        self._call = channel.stream_stream(METHODS[api])(timeout=timeout_s)
+        self._parse: Callable[[bytes], StreamReply] = (
+            attend_stream_reply if family(api) == "attention" else v2_stream_reply
+        )
+        self._pending: dict[str, asyncio.Future[Outcome]] = {}
+        self._ids = itertools.count()
+        self._write_lock = asyncio.Lock()  # one write at a time on a grpc.aio stream
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for message in self._call:
+                reply = self._parse(message)
+                future = self._pending.pop(reply.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(Outcome(reply.code, reply.timing))
+        except grpc.aio.AioRpcError as err:
+            self._fail_all(err.code().name, err.details() or "")
+        except asyncio.CancelledError:
+            self._fail_all("CANCELLED")
+            raise
+        self._fail_all("STREAM_CLOSED")
+
+    def _fail_all(self, code: str, detail: str = "") -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_result(Outcome(code, None, detail))
+
+    async def call(self, body: bytes) -> Outcome:
+        request_id = str(next(self._ids))
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            async with self._write_lock:
+                await self._call.write(with_id(body, self._api, request_id.encode()))
+        except STREAM_GONE:
+            self._pending.pop(request_id, None)
+            return Outcome("STREAM_CLOSED", None)
+        return await future
+
+    async def close(self) -> None:
+        with contextlib.suppress(*STREAM_GONE):
+            await self._call.done_writing()
+        try:
+            await asyncio.wait_for(self._reader, timeout=10)
+        except (TimeoutError, asyncio.CancelledError):
+            self._call.cancel()
+
+
+def open_channels(target: str, count: int) -> list[grpc.aio.Channel]:
+    return [grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) for _ in range(count)]
+
+
+def make_callers(
+    channels: list[grpc.aio.Channel], api: str, timeout_s: float, streams_per_channel: int
+) -> list[Caller]:
+    """One unary caller per channel, or streams_per_channel streams on each channel."""
+    if api.endswith("_stream"):
+        return [
+            StreamCaller(channel, api, timeout_s)
+            for channel in channels
+            for _ in range(streams_per_channel)
+        ]
+    return [UnaryCaller(channel, api, timeout_s) for channel in channels]

@@ -1,0 +1,58 @@
+"""CPU seconds a process (and its live descendants) has used, from /proc/PID/stat."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def parse_stat(text: str, ticks_per_s: float) -> tuple[int, float]:
+    """(parent pid, utime + stime seconds) from one /proc/PID/stat line.
+
+    The command name (field 2) may hold spaces and parentheses, so fields are counted from
+    the last ')'."""
+    fields = text[text.rindex(")") + 2 :].split()
+    # After the name: state(3) ppid(4) ... utime(14) stime(15), here shifted by 3.
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks_per_s
+
+
+def _ticks() -> float:
+    return float(os.sysconf("SC_CLK_TCK"))
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of one process, in seconds."""
+    return parse_stat((PROC / str(pid) / "stat").read_text(), _ticks())[1]
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of pid and every live descendant (a server with worker processes).
+
+    Exited children are not counted; the servers measured here keep theirs alive."""
+    ticks = _ticks()
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parents[int(entry.name)], used[int(entry.name)] = parse_stat(
+                (entry / "stat").read_text(), ticks
+            )
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+    family = {pid}
+    grew = True
+    while grew:
+        grew = False
+        for child, parent in parents.items():
+            if parent in family and child not in family:
+                family.add(child)
+                grew = True
+    return sum(used.get(member, 0.0) for member in family)
+
+
+def available() -> bool:
+    return (PROC / "self" / "stat").exists()

@@ -1,0 +1,171 @@
+"""Server processes for the benchmark (ours, the echo server, a peer): started on 127.0.0.1,
+optionally pinned with taskset, polled until V2 ServerReady, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from service.generated.inference import grpc_service_pb2 as v2
+from service.generated.inference import grpc_service_pb2_grpc
+
+LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """CPU lists for taskset -c (None = unpinned) and why, when pinning was not possible."""
+
+    server_cpus: str | None
+    client_cpus: str | None
+    note: str = ""
+
+    def prefix(self, cpus: str | None) -> list[str]:
+        return ["taskset", "-c", cpus] if cpus else []
+
+    def describe(self) -> str:
+        if self.pinned:
+            return f"servers on CPUs {self.server_cpus}, load generator on CPUs {self.client_cpus}"
+        return self.note or "unpinned"
+
+    @property
+    def pinned(self) -> bool:
+        return self.server_cpus is not None
+
+    @property
+    def server_threads(self) -> int:
+        """Intra-op threads for the server side: one per pinned CPU, 0 (all) unpinned."""
+        return cpu_count(self.server_cpus) if self.server_cpus else 0
+
+
+def cpu_count(cpus: str) -> int:
+    """CPUs in a taskset list such as "1", "0,2" or "2-5"."""
+    total = 0
+    for part in cpus.split(","):
+        low, _, high = part.partition("-")
+        total += int(high or low) - int(low) + 1
+    return total
+
+
+def choose_pinning(server_cpus: str, client_cpus: str) -> Pinning:
+    """The requested split, or unpinned with the reason when taskset or CPUs are missing."""
+    if shutil.which("taskset") is None:
+        return Pinning(None, None, "taskset not found: ran unpinned")
+    available = len(os.sched_getaffinity(0))
+    if available < 2:
+        return Pinning(None, None, f"only {available} CPU: ran unpinned")
+    return Pinning(server_cpus, client_cpus)
+
+
+UNPINNED = Pinning(None, None)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Service:
+    """A server subprocess. Its log is drained by a thread so the pipe never fills."""
+
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        *,
+        grpc_port: int = 0,
+        metrics_port: int = 0,
+        env: dict[str, str] | None = None,
+        cwd: Path = REPO_ROOT,
+    ) -> None:
+        self.name = name
+        self.grpc_port, self.metrics_port = grpc_port, metrics_port
+        self.lines: list[str] = []
+        self._bound = threading.Event()
+        self.process = subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        if grpc_port:
+            self._bound.set()
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _collect(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            match = LISTENING.search(line)
+            if match and not self.grpc_port:
+                self.grpc_port, self.metrics_port = map(int, match.groups())
+                self._bound.set()
+        self._bound.set()  # exited: unblock the waiter
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "".join(self.lines[-lines:])
+
+    def wait_ready(self, timeout_s: float, model: str = "") -> None:
+        """Until V2 ServerReady (and ModelReady of model) say yes; RuntimeError if it dies."""
+        give_up = time.monotonic() + timeout_s
+        self._bound.wait(timeout_s)
+        if not self.grpc_port:
+            raise RuntimeError(f"{self.name} did not bind:\n{self.log_tail()}")
+        with grpc.insecure_channel(self.target) as channel:
+            stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            while not self._ready(stub, model):
+                if self.process.poll() is not None or time.monotonic() > give_up:
+                    raise RuntimeError(f"{self.name} not ready:\n{self.log_tail()}")
+                time.sleep(0.1)
+
+    @staticmethod
+    def _ready(stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub, model: str) -> bool:
+        try:
+            if not stub.ServerReady(v2.ServerReadyRequest(), timeout=2).ready:
+                return False
+            return not model or stub.ModelReady(v2.ModelReadyRequest(name=model), timeout=2).ready
+        except grpc.RpcError:
+            return False
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)  # its own session: it and its workers
+                self.process.wait()
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""Peer servers measured side by side with ours (python -m bench --peers)."""

@@ -1,0 +1,183 @@
+"""The one table and the ratios, computed from the rows of one run (pure: rows in, text out)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from bench.stats import stack_ceiling
+
+Row = dict[str, Any]
+SEQS = ("16", "128")
+MIXED = "uniform:16:256"
+
+
+def find(rows: Iterable[Row], **criteria: Any) -> Row | None:
+    """The first row whose fields equal every criterion."""
+    return next((r for r in rows if all(r.get(k) == v for k, v in criteria.items())), None)
+
+
+def seq_per_s(row: Row | None) -> float | None:
+    return row.get("sequences_per_s") if row else None
+
+
+def ceiling_rows(rows: list[Row]) -> list[Row]:
+    """A stack-ceiling row for each echo row that has a pinned in-process limit beside it."""
+    made = []
+    for echo in (r for r in rows if r["target"] == "echo"):
+        limit = find(
+            rows, target="in-process", name="in-process", seq=echo["seq"], pinned=echo["pinned"]
+        )
+        if limit is None:
+            continue
+        value = stack_ceiling(echo["sequences_per_s"], limit["sequences_per_s"])
+        made.append(
+            {
+                "group": echo["group"],
+                "target": "ceiling",
+                "name": "stack ceiling",
+                "api": echo["api"],
+                "seq": echo["seq"],
+                "load": "-",
+                "pinned": echo["pinned"],
+                "sequences_per_s": value,
+            }
+        )
+    return made
+
+
+def _num(value: Any, digits: int = 1, scale: float = 1.0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value * scale:.{digits}f}"
+
+
+def _server_side(row: Row) -> tuple[Any, Any, Any, Any]:
+    """(mean batch, queue ms, compute ms per batch, padding) from /metrics or the responses."""
+    metrics = row.get("server_metrics")
+    if metrics and metrics.get("batches"):
+        return (
+            metrics["mean_batch_size"],
+            metrics["mean_queue_ms"],
+            metrics["mean_compute_ms_per_batch"],
+            metrics["mean_padding_ratio"],
+        )
+    timing = row.get("response_timing")
+    if timing:
+        sizes = timing["requests_by_batch_size"]
+        total = sum(sizes.values())
+        mean = sum(int(size) * n for size, n in sizes.items()) / total if total else None
+        return mean, timing["mean_queue_ms"], timing["mean_compute_ms"], None
+    return None, None, None, None
+
+
+COLUMNS = (
+    ("group", 9, "<"),
+    ("target", 10, "<"),
+    ("config", 26, "<"),
+    ("api", 16, "<"),
+    ("seq", 14, "<"),
+    ("load", 10, "<"),
+    ("seq/s", 9, ">"),
+    ("p50 ms", 8, ">"),
+    ("p99 ms", 8, ">"),
+    ("p99.9", 8, ">"),
+    ("batch", 6, ">"),
+    ("queue", 7, ">"),
+    ("compute", 8, ">"),
+    ("pad", 5, ">"),
+    ("CPU ms/seq", 11, ">"),
+    ("err", 6, ">"),
+    ("client", 7, ">"),
+)
+
+
+def _line(cells: Iterable[str]) -> str:
+    return " ".join(
+        f"{c:{align}{width}}" for c, (_, width, align) in zip(cells, COLUMNS, strict=True)
+    )
+
+
+def _inprocess_lines(row: Row) -> list[list[str]]:
+    head = [row["group"], "in-process"]
+    if "strategies" in row:  # mixed lengths: every way of running them, * on the best
+        return [
+            [*head, f"{name}{' *' if name == row['best'] else ''}"[:26], "-", row["seq"], "-",
+             _num(s["sequences_per_s"]), "-", "-", "-", "-", "-", "-", _num(s["padding_ratio"], 2),
+             _num(1000 / s["sequences_per_s"] * row["threads"], 3) if row["threads"] else "-",
+             "-", "-"]
+            for name, s in row["strategies"].items()
+        ]  # fmt: skip
+    best = row["best"]
+    cpu = 1000 / best["sequences_per_s"] * row["threads"] if row["threads"] else None
+    return [
+        [
+            *head,
+            f"{row['name']} b={best['batch_size']}",
+            "-",
+            row["seq"],
+            "-",
+            _num(best["sequences_per_s"]),
+            "-",
+            "-",
+            "-",
+            str(best["batch_size"]),
+            "-",
+            _num(best["ms_per_batch"], 2),
+            "-",
+            _num(cpu, 3),
+            "-",
+            "-",
+        ]
+    ]
+
+
+def _load_line(row: Row) -> list[str]:
+    batch, queue, compute, pad = _server_side(row)
+    failed = sum(row.get("errors", {}).values()) + row.get("rejected", 0)
+    return [
+        row["group"],
+        row["target"],
+        row["name"][:26],
+        row["api"],
+        row["seq"],
+        row["load"],
+        _num(row["sequences_per_s"]),
+        _num(row.get("p50_ms"), 2),
+        _num(row.get("p99_ms"), 2),
+        _num(row.get("p99.9_ms"), 2),
+        _num(batch),
+        _num(queue, 2),
+        _num(compute, 2),
+        _num(pad, 2),
+        _num(row.get("server_cpu_ms_per_sequence"), 3),
+        str(failed),
+        _num(row.get("client_cpu_utilization"), 0, 100) + "%",
+    ]
+
+
+def format_table(rows: list[Row]) -> str:
+    """One line per measurement (in-process mixed runs expand to one line per strategy)."""
+    lines = [_line(name for name, _, _ in COLUMNS)]
+    for row in rows:
+        if row["target"] == "in-process":
+            lines += [_line(cells) for cells in _inprocess_lines(row)]
+        elif row["target"] == "ceiling":
+            lines.append(
+                _line(
+                    [
+                        row["group"],
+                        "ceiling",
+                        row["name"],
+                        row["api"],
+                        row["seq"],
+                        "-",
+                        _num(row["sequences_per_s"]),
+                        *["-"] * 10,
+                    ]
+                )
+            )
+        else:
+            lines.append(_line(_load_line(row)))
+    return "\n".join(lines)
