@@ -25,6 +25,7 @@ from service.client import AsyncAttentionClient, AttendError, AttendResult, Atte
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.settings import Settings
+from service.streaming import StreamCalls, serve_stream
 from tests.reference import attend_alone, layer_for
 from tests.server_process import REPO_ROOT, ServerProcess
 
@@ -516,3 +517,60 @@ def test_sigterm_finishes_a_streams_accepted_requests(small_only: Path) -> None:
         assert sorted(a.request_id for a in answers) == sorted(f"s{i}" for i in range(30))
         assert all(a.WhichOneof("result") == "response" for a in answers)
         assert server.process.wait(30) == 0, server.log
+
+
+# -- the stream machinery alone, behind a real grpc.aio server -------------------------------
+
+
+class _Flaky(attention_pb2_grpc.AttentionServiceServicer):
+    """Answers each request at once, except that 'boom' ones fail unexpectedly."""
+
+    async def AttendStream(self, requests, context) -> None:
+        calls = StreamCalls(
+            api="attention_stream",
+            answer=self._answer,
+            failure=lambda request, code, message: pb.AttendStreamResponse(
+                request_id=request.request_id,
+                error=pb.StreamError(code=code.value[0], message=message),
+            ),
+            model_label=lambda request: "_unknown",
+            request_id=lambda request: request.request_id,
+        )
+        await serve_stream(calls, requests, context, max_inflight=2)
+
+    async def _answer(self, request: pb.AttendRequest, context) -> pb.AttendStreamResponse:
+        if request.request_id.startswith("boom"):
+            raise RuntimeError("the disk is on fire")
+        return pb.AttendStreamResponse(request_id=request.request_id, response=pb.AttendResponse())
+
+
+def test_an_unexpected_error_is_internal_logged_and_the_stream_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def session() -> tuple[list[pb.AttendStreamResponse], grpc.StatusCode]:
+        server = grpc.aio.server()
+        attention_pb2_grpc.add_AttentionServiceServicer_to_server(_Flaky(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                ids = ["a", "boom-1", "b", "c", "boom-2", "d"]
+                call = attention_pb2_grpc.AttentionServiceStub(channel).AttendStream(
+                    iter([pb.AttendRequest(request_id=rid) for rid in ids]), timeout=TIMEOUT_S
+                )
+                return [answer async for answer in call], await call.code()
+        finally:
+            await server.stop(None)
+
+    answers, code = asyncio.run(session())
+    assert code == grpc.StatusCode.OK
+    by_id = {answer.request_id: answer for answer in answers}
+    assert sorted(by_id) == ["a", "b", "boom-1", "boom-2", "c", "d"]
+    for rid in ("boom-1", "boom-2"):
+        assert by_id[rid].error.code == grpc.StatusCode.INTERNAL.value[0]
+        assert by_id[rid].error.message == f"internal error; request_id={rid} is in the server log"
+        assert "disk" not in by_id[rid].error.message
+    assert all(by_id[rid].HasField("response") for rid in "abcd")
+    logged = [r for r in caplog.records if "internal error in attention_stream" in r.getMessage()]
+    assert len(logged) == 2
+    assert all(r.exc_info is not None for r in logged)
