@@ -53,6 +53,11 @@ def _num(value: Any, digits: int = 1, scale: float = 1.0) -> str:
     return f"{value * scale:.{digits}f}"
 
 
+def _percent(fraction: Any) -> str:
+    text = _num(fraction, 0, 100)
+    return text if text == "-" else f"{text}%"
+
+
 def _server_side(row: Row) -> tuple[Any, Any, Any, Any]:
     """(mean batch, queue ms, compute ms per batch, padding) from /metrics or the responses."""
     metrics = row.get("server_metrics")
@@ -153,7 +158,7 @@ def _load_line(row: Row) -> list[str]:
         _num(pad, 2),
         _num(row.get("server_cpu_ms_per_sequence"), 3),
         str(failed),
-        _num(row.get("client_cpu_utilization"), 0, 100) + "%",
+        _percent(row.get("client_cpu_utilization")),
     ]
 
 

@@ -119,9 +119,14 @@ class Runner:
             "--metrics-url", service.metrics_url, "--label", f"{group}/{name}",
             "--progress-s", "10" if c.duration_s >= 30 else "0", "--json", str(out),
         ]  # fmt: skip
-        subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=c.duration_s * 4 + 300)
-        result = json.loads(out.read_text())
         load = f"rate={rate:.0f}" if rate else f"c={concurrency or c.concurrency}"
+        try:
+            subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=c.duration_s * 4 + 300)
+            result = json.loads(out.read_text())
+        except (subprocess.SubprocessError, OSError, ValueError) as err:
+            # One failed run (a server that died, say) costs its row, not the whole run.
+            self.notes.append(f"{group}/{name} {api} seq={seq} {load} failed: {err}")
+            result = {"sequences_per_s": 0.0, "requests": 0, "errors": {"LOADGEN_FAILED": 1}}
         return self._keep(
             result,
             group=group,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from bench.launcher import UNPINNED
 from bench.report import MIXED, SEQS
-from bench.runner import Runner
+from bench.runner import Runner, log
 
 GROUPS = ("headline", "batching", "mixed", "weights", "open", "unpinned", "peers")
 STANDARD = tuple(g for g in GROUPS if g != "peers")
@@ -73,6 +73,9 @@ def default_server(r: Runner, groups: set[str]) -> None:
 
 def open_loop(load: Callable[..., object], capacity_per_s: float) -> None:
     """Poisson arrivals at fractions of the closed-loop capacity just measured."""
+    if capacity_per_s <= 0:
+        log("open loop skipped: the closed-loop capacity run failed")
+        return
     for fraction in OPEN_FRACTIONS:
         load(
             group="open",
