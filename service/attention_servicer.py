@@ -10,7 +10,7 @@ import numpy as np
 
 from service.admission import admit_and_run
 from service.batcher import Batcher
-from service.codec import decode_tensor, encode_tensor, wire_dtype
+from service.codec import decode_tensor, encode_tensor_wire, wire_dtype
 from service.engine import OnnxModel
 from service.errors import InvalidInput
 from service.generated.attention.v1 import attention_pb2 as pb
@@ -20,8 +20,12 @@ from service.rpc import rpc
 from service.settings import Settings
 from service.streaming import StreamCalls, serve_stream
 from service.validation import InputLimits
+from service.wire import WireMessage, settled
 
 API = "attention"
+RESPONSE_OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number
+RESPONSE_WEIGHTS = pb.AttendResponse.DESCRIPTOR.fields_by_name["attention_weights"].number
+STREAM_RESPONSE = pb.AttendStreamResponse.DESCRIPTOR.fields_by_name["response"].number
 STREAM_API = "attention_stream"
 # The setting's default (a dataclass field's default is its class attribute), for a server
 # that does not pass the setting in.
@@ -42,6 +46,10 @@ def model_info(name: str, versions: list[OnnxModel], limits: InputLimits) -> pb.
                 weights_sha256=model.spec.weights_sha256,
                 weights_source=model.spec.weights_source,
                 execution_provider=model.provider,
+                batch_caps=[
+                    pb.BatchCap(max_sequence_length=length, max_batch_size=size)
+                    for length, size in model.batch_caps.caps
+                ],
             )
             for model in versions
         ],
@@ -90,10 +98,8 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     @rpc(API)
     async def Attend(
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AttendResponse:
-        response = pb.AttendResponse()
-        await self._attend(request, context, response)
-        return response
+    ) -> WireMessage:
+        return await settled(await self._attend(request, context))
 
     async def AttendStream(
         self, requests: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
@@ -104,19 +110,18 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
 
     async def _stream_answer(
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AttendStreamResponse:
-        answer = pb.AttendStreamResponse(request_id=request.request_id)
-        await self._attend(request, context, answer.response)
-        return answer
+    ) -> WireMessage:
+        envelope = pb.AttendStreamResponse(request_id=request.request_id)
+        answer = WireMessage.of(envelope).add_message(
+            STREAM_RESPONSE, await self._attend(request, context)
+        )
+        return await settled(answer)
 
     async def _attend(
-        self,
-        request: pb.AttendRequest,
-        context: grpc.aio.ServicerContext,
-        response: pb.AttendResponse,
-    ) -> None:
-        """The one Attend path, unary and streamed. It fills response in place: a streamed
-        answer is built inside its envelope, not copied into it (outputs can be large)."""
+        self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
+    ) -> WireMessage:
+        """The one Attend path, unary and streamed: the AttendResponse, serialized with its
+        tensors' bytes copied once (service.wire)."""
         model = self._registry.resolve(request.model, request.model_version)
         if not request.HasField("embeddings"):
             raise InvalidInput("embeddings is missing; expected a Tensor [seq, d] or [n, seq, d]")
@@ -129,19 +134,29 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             with_weights=request.return_attention_weights,
             context=context,
         )
+        header = pb.AttendResponse(
+            model=model.spec.name,
+            model_version=str(model.spec.version),
+            request_id=request.request_id,
+            timing=pb.ServerTiming(
+                queue_us=round(result.queue_s * 1e6),
+                compute_us=round(result.compute_s * 1e6),
+                batch_size=result.batch_size,
+            ),
+        )
         output = result.output if received.ndim == 3 else result.output[0]
-        response.output.CopyFrom(encode_tensor(output, received.dtype))
-        response.model = model.spec.name
-        response.model_version = str(model.spec.version)
-        response.request_id = request.request_id
-        response.timing.queue_us = round(result.queue_s * 1e6)
-        response.timing.compute_us = round(result.compute_s * 1e6)
-        response.timing.batch_size = result.batch_size
+        response = WireMessage.of(header).add_message(
+            RESPONSE_OUTPUT, encode_tensor_wire(output, received.dtype)
+        )
         if result.attention_weights is not None:
             weights = result.attention_weights
-            response.attention_weights.CopyFrom(
-                encode_tensor(weights if received.ndim == 3 else weights[0], np.dtype("float32"))
+            response.add_message(
+                RESPONSE_WEIGHTS,
+                encode_tensor_wire(
+                    weights if received.ndim == 3 else weights[0], np.dtype("float32")
+                ),
             )
+        return response
 
     @rpc(API)
     async def GetModel(

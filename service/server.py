@@ -21,6 +21,7 @@ from service.engine import CPU, CUDA, choose_providers
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
+from service.handlers import add_servicer
 from service.model_repository import discover
 from service.registry import ModelRegistry
 from service.settings import Settings
@@ -113,11 +114,20 @@ class AttentionServer:
         server = grpc.aio.server(
             options=server_options(receive_bytes=receive_bytes, send_bytes=send_bytes)
         )
-        attention_pb2_grpc.add_AttentionServiceServicer_to_server(
-            AttentionServicer(registry, self._batcher, limits), server
+        add_servicer(
+            server,
+            attention_pb2_grpc.add_AttentionServiceServicer_to_server,
+            AttentionServicer(
+                registry,
+                self._batcher,
+                limits,
+                max_stream_inflight_requests=settings.max_stream_inflight_requests,
+            ),
         )
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceServicer(registry, self._batcher, settings, lambda: self.ready), server
+        add_servicer(
+            server,
+            grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+            InferenceServicer(registry, self._batcher, settings, lambda: self.ready),
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

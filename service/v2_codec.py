@@ -10,8 +10,10 @@ from service.batch_types import Result
 from service.engine import OnnxModel
 from service.errors import InvalidInput
 from service.generated.inference import grpc_service_pb2 as v2
+from service.wire import WireMessage, array_bytes
 
 INPUT_NAME = "embeddings"
+RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
 OUTPUT_NAMES = ("output", "attention_weights")
 V2_DATATYPES: dict[str, np.dtype] = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 V2_NAME_OF = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16"}
@@ -109,25 +111,22 @@ def requested_outputs(request: v2.ModelInferRequest, model: OnnxModel) -> list[s
 
 
 def encode_response(
-    request: v2.ModelInferRequest,
-    model: OnnxModel,
-    names: list[str],
-    result: Result,
-    response: v2.ModelInferResponse | None = None,
-) -> v2.ModelInferResponse:
-    """Fills response (a new one by default) in place, so a streamed answer is built inside
-    its envelope instead of copied into it."""
-    response = v2.ModelInferResponse() if response is None else response
-    response.model_name = model.spec.name
-    response.model_version = str(model.spec.version)
-    response.id = request.id
+    request: v2.ModelInferRequest, model: OnnxModel, names: list[str], result: Result
+) -> WireMessage:
+    """The ModelInferResponse, serialized with each output's bytes copied once (service.wire)."""
+    header = v2.ModelInferResponse(
+        model_name=model.spec.name, model_version=str(model.spec.version), id=request.id
+    )
     arrays = {"output": result.output, "attention_weights": result.attention_weights}
+    raw = []
     for name in names:
         array = arrays[name]
         assert array is not None, "weights were computed because they were requested"
-        little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-        response.outputs.add(
+        header.outputs.add(
             name=name, datatype=V2_NAME_OF[np.dtype(array.dtype)], shape=list(array.shape)
         )
-        response.raw_output_contents.append(little.tobytes())
+        raw.append(array_bytes(array))
+    response = WireMessage.of(header)
+    for data in raw:
+        response.add_bytes(RAW_OUTPUT_CONTENTS, data)
     return response

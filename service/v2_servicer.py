@@ -28,8 +28,12 @@ from service.v2_codec import (
     requested_outputs,
 )
 from service.validation import InputLimits
+from service.wire import WireMessage, settled
 
 API = "v2"
+STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
+    "infer_response"
+].number
 STREAM_API = "v2_stream"
 SERVER_NAME = "attention-serving"
 PLATFORM = "onnxruntime_onnx"
@@ -157,8 +161,17 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                     ),
                 ],
                 dynamic_batching=config.ModelDynamicBatching(
-                    max_queue_delay_microseconds=round(self._settings.max_queue_delay_ms * 1000)
+                    # Triton's preferred sizes: here, the measured caps (see "batch_caps").
+                    preferred_batch_size=sorted({size for _, size in model.batch_caps.caps}),
+                    max_queue_delay_microseconds=round(self._settings.max_queue_delay_ms * 1000),
                 ),
+                parameters={
+                    "batch_caps": config.ModelParameter(
+                        string_value=",".join(
+                            f"{length}:{size}" for length, size in model.batch_caps.caps
+                        )
+                    )
+                },
             )
         )
 
@@ -197,10 +210,8 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     @rpc(API)
     async def ModelInfer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> v2.ModelInferResponse:
-        response = v2.ModelInferResponse()
-        await self._infer(request, context, response)
-        return response
+    ) -> WireMessage:
+        return await settled(await self._infer(request, context))
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[v2.ModelInferRequest], context: grpc.aio.ServicerContext
@@ -214,18 +225,16 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_answer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> v2.ModelStreamInferResponse:
-        answer = v2.ModelStreamInferResponse()
-        await self._infer(request, context, answer.infer_response)
-        return answer
+    ) -> WireMessage:
+        answer = WireMessage().add_message(
+            STREAM_INFER_RESPONSE, await self._infer(request, context)
+        )
+        return await settled(answer)
 
     async def _infer(
-        self,
-        request: v2.ModelInferRequest,
-        context: grpc.aio.ServicerContext,
-        response: v2.ModelInferResponse,
-    ) -> None:
-        """The one ModelInfer path, unary and streamed; fills response in place."""
+        self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> WireMessage:
+        """The one ModelInfer path, unary and streamed."""
         model = self._registry.resolve(request.model_name, request.model_version)
         names = requested_outputs(request, model)
         received = decode_input(request, model)
@@ -237,7 +246,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             with_weights="attention_weights" in names,
             context=context,
         )
-        encode_response(request, model, names, result, response)
+        return encode_response(request, model, names, result)
 
 
 def _stream_error(

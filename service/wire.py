@@ -11,6 +11,7 @@ parses exactly the message the generated code would have produced.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,9 @@ import numpy as np
 from google.protobuf.message import Message
 
 LENGTH_DELIMITED = 2
+# Joining this many bytes takes long enough to stall every other call on the event loop;
+# bytes.join releases the GIL from 1 MiB on, so a worker thread does it alongside the loop.
+OFF_LOOP_BYTES = 1 << 20
 
 Chunk = bytes | memoryview
 
@@ -72,6 +76,14 @@ class WireMessage:
 
     def serialize(self) -> bytes:
         return b"".join(self.chunks)
+
+
+async def settled(message: WireMessage) -> WireMessage:
+    """A large message joined now on a worker thread, so the serializer, which gRPC calls on
+    the event loop, only hands the bytes on (joining one bytes object returns it as is)."""
+    if message.nbytes < OFF_LOOP_BYTES:
+        return message
+    return WireMessage([await asyncio.to_thread(message.serialize)])
 
 
 def serializer_for(
