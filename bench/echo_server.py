@@ -27,7 +27,19 @@ from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 from service.grpc_options import server_options
+from service.handlers import add_servicer
+from service.memory import keep_freed_memory
 from service.settings import EVENT_LOOPS
+from service.wire import WireMessage, settled
+
+TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+RESPONSE_OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number
+RESPONSE_WEIGHTS = pb.AttendResponse.DESCRIPTOR.fields_by_name["attention_weights"].number
+STREAM_RESPONSE = pb.AttendStreamResponse.DESCRIPTOR.fields_by_name["response"].number
+RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
+STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
+    "infer_response"
+].number
 
 log = logging.getLogger("bench.echo_server")
 MODEL_NAME = "mha"
@@ -60,68 +72,76 @@ def echo_limits(
 
 
 class EchoAttention(attention_pb2_grpc.AttentionServiceServicer):
+    """Answers as the real servicer does (service.wire framing), minus the model."""
+
     def __init__(self, heads: int) -> None:
         self._heads = heads
 
-    def answer(self, request: pb.AttendRequest) -> pb.AttendResponse:
+    def answer(self, request: pb.AttendRequest) -> WireMessage:
         shape = list(request.embeddings.shape)
-        response = pb.AttendResponse(
-            output=pb.Tensor(shape=shape, dtype=pb.FLOAT32, data=request.embeddings.data),
+        header = pb.AttendResponse(
             model=request.model or MODEL_NAME,
             model_version=request.model_version or MODEL_VERSION,
             request_id=request.request_id,
             timing=pb.ServerTiming(batch_size=shape[0] if len(shape) == 3 else 1),
         )
+        output = WireMessage.of(pb.Tensor(shape=shape, dtype=pb.FLOAT32)).add_bytes(
+            TENSOR_DATA, request.embeddings.data
+        )
+        response = WireMessage.of(header).add_message(RESPONSE_OUTPUT, output)
         if request.return_attention_weights and len(shape) >= 2:
             wshape = weights_shape(shape, self._heads)
-            response.attention_weights.shape.extend(wshape)
-            response.attention_weights.dtype = pb.FLOAT32
-            response.attention_weights.data = zeros(4 * math.prod(wshape))
+            weights = WireMessage.of(pb.Tensor(shape=wshape, dtype=pb.FLOAT32)).add_bytes(
+                TENSOR_DATA, zeros(4 * math.prod(wshape))
+            )
+            response.add_message(RESPONSE_WEIGHTS, weights)
         return response
 
-    async def Attend(self, request: pb.AttendRequest, context: Any) -> pb.AttendResponse:
-        return self.answer(request)
+    async def Attend(self, request: pb.AttendRequest, context: Any) -> WireMessage:
+        return await settled(self.answer(request))
 
     async def AttendStream(
         self, request_iterator: AsyncIterator[pb.AttendRequest], context: Any
-    ) -> AsyncIterator[pb.AttendStreamResponse]:
+    ) -> AsyncIterator[WireMessage]:
         async for request in request_iterator:
-            yield pb.AttendStreamResponse(
-                request_id=request.request_id, response=self.answer(request)
-            )
+            envelope = WireMessage.of(pb.AttendStreamResponse(request_id=request.request_id))
+            yield await settled(envelope.add_message(STREAM_RESPONSE, self.answer(request)))
 
 
 class EchoInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, heads: int) -> None:
         self._heads = heads
 
-    def answer(self, request: v2.ModelInferRequest) -> v2.ModelInferResponse:
-        response = v2.ModelInferResponse(
+    def answer(self, request: v2.ModelInferRequest) -> WireMessage:
+        header = v2.ModelInferResponse(
             model_name=request.model_name or MODEL_NAME,
             model_version=request.model_version or MODEL_VERSION,
             id=request.id,
         )
-        if not request.inputs:
-            return response
+        if not request.inputs or not request.raw_input_contents:
+            return WireMessage.of(header)
         shape = list(request.inputs[0].shape)
-        response.outputs.add(name="output", datatype="FP32", shape=shape)
-        response.raw_output_contents.extend(request.raw_input_contents[:1])
+        header.outputs.add(name="output", datatype="FP32", shape=shape)
+        raw = [request.raw_input_contents[0]]
         if any(o.name == "attention_weights" for o in request.outputs) and len(shape) >= 2:
             wshape = weights_shape(shape, self._heads)
-            response.outputs.add(name="attention_weights", datatype="FP32", shape=wshape)
-            response.raw_output_contents.append(zeros(4 * math.prod(wshape)))
+            header.outputs.add(name="attention_weights", datatype="FP32", shape=wshape)
+            raw.append(zeros(4 * math.prod(wshape)))
+        response = WireMessage.of(header)
+        for data in raw:
+            response.add_bytes(RAW_OUTPUT_CONTENTS, data)
         return response
 
-    async def ModelInfer(
-        self, request: v2.ModelInferRequest, context: Any
-    ) -> v2.ModelInferResponse:
-        return self.answer(request)
+    async def ModelInfer(self, request: v2.ModelInferRequest, context: Any) -> WireMessage:
+        return await settled(self.answer(request))
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[v2.ModelInferRequest], context: Any
-    ) -> AsyncIterator[v2.ModelStreamInferResponse]:
+    ) -> AsyncIterator[WireMessage]:
         async for request in request_iterator:
-            yield v2.ModelStreamInferResponse(infer_response=self.answer(request))
+            yield await settled(
+                WireMessage().add_message(STREAM_INFER_RESPONSE, self.answer(request))
+            )
 
     async def ServerLive(self, request: Any, context: Any) -> v2.ServerLiveResponse:
         return v2.ServerLiveResponse(live=True)
@@ -141,6 +161,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--event-loop", choices=EVENT_LOOPS, default="auto", help="as the real server's flag"
     )
+    parser.add_argument(
+        "--malloc-reuse", choices=("on", "off"), default="on", help="as the real server's flag"
+    )
     return parser.parse_args(argv)
 
 
@@ -149,9 +172,16 @@ async def serve(args: argparse.Namespace) -> int:
         args.embed_dim, args.num_heads, args.max_batch_size, args.max_seq_len
     )
     server = grpc.aio.server(options=server_options(receive_bytes=receive, send_bytes=send))
-    attention_pb2_grpc.add_AttentionServiceServicer_to_server(EchoAttention(args.num_heads), server)
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        EchoInference(args.num_heads), server
+    # Registered as the real server registers its servicers (WireMessage-aware serializers).
+    add_servicer(
+        server,
+        attention_pb2_grpc.add_AttentionServiceServicer_to_server,
+        EchoAttention(args.num_heads),
+    )
+    add_servicer(
+        server,
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        EchoInference(args.num_heads),
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -176,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     args = parse_args(argv)
+    if args.malloc_reuse == "on":
+        keep_freed_memory()
     # The real server's own choice of event loop, so both sit on the same stack.
     from service.__main__ import event_loop_factory
 

@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from service.memory import keep_freed_memory
 from service.server import AttentionServer, StartupError
 from service.settings import Settings, describe, load_settings
 
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     log.info("settings: %s", describe(settings))
+    if settings.malloc_reuse == "on":
+        log.info("malloc keeps freed memory for reuse: %s", keep_freed_memory())
     loop_factory = event_loop_factory(settings.event_loop)
     log.info("event loop: %s", "uvloop" if loop_factory else "asyncio")
     with asyncio.Runner(loop_factory=loop_factory) as runner:
