@@ -9,7 +9,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,6 +220,22 @@ class AsyncAttentionClient:
 # -- CLI ------------------------------------------------------------------------------------
 
 
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least minimum, so 0 requests or a negative length
+    is refused with a usage error instead of crashing or hanging later."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m service.client",
@@ -229,11 +245,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="", help="model name (default: the server's)")
     parser.add_argument("--model-version", default="", help="version (default: newest)")
     parser.add_argument("--npy", type=Path, help="embeddings [seq, d] or [n, seq, d] from a .npy")
-    parser.add_argument("--seq", type=int, default=16, help="random input: sequence length")
-    parser.add_argument("--n", type=int, default=1, help="random input: sequences per request")
+    parser.add_argument("--seq", type=_count(1), default=16, help="random input: sequence length")
+    parser.add_argument(
+        "--n", type=_count(1), default=1, help="random input: sequences per request"
+    )
     parser.add_argument("--weights", action="store_true", help="ask for attention weights")
-    parser.add_argument("--requests", type=int, default=1, help="requests to send")
-    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    parser.add_argument("--requests", type=_count(1), default=1, help="requests to send")
+    parser.add_argument("--concurrency", type=_count(1), default=1, help="requests in flight")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
