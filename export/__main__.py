@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from export.pipeline import DTYPES, ExportRequest, run_export
-from export.repository import VersionExistsError, existing_versions
+from export.repository import MAX_VERSION, VersionExistsError, existing_versions
 from export.verify import ParityError
 from export.weights import StateDictError
 
@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.version is not None and args.version < 1:
-        print(f"error: --version must be >= 1, got {args.version}", file=sys.stderr)
+    if args.version is not None and not 1 <= args.version <= MAX_VERSION:
+        print(f"error: --version must be 1..{MAX_VERSION}, got {args.version}", file=sys.stderr)
         return 2
     if args.if_missing and existing_versions(args.out / args.name):
         print(f"{args.out / args.name} already has a version; nothing to do")

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+# The server's rule (service/model_repository.py): ASCII digits, no leading zero, at most 18
+# digits, so every folder name is one int64 version and no two names mean the same version.
+VERSION_FOLDER = re.compile(r"[1-9][0-9]{0,17}")
+MAX_VERSION = 10**18 - 1
 
 
 class VersionExistsError(FileExistsError):
@@ -19,7 +25,7 @@ def existing_versions(model_folder: Path) -> list[int]:
     return sorted(
         int(entry.name)
         for entry in model_folder.iterdir()
-        if entry.is_dir() and entry.name.isdigit()
+        if entry.is_dir() and VERSION_FOLDER.fullmatch(entry.name)
     )
 
 
