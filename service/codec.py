@@ -8,6 +8,7 @@ import numpy as np
 
 from service.errors import InvalidInput
 from service.generated.attention.v1 import attention_pb2 as pb
+from service.text import shown_shape
 from service.wire import WireMessage, array_bytes
 
 TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
@@ -31,6 +32,29 @@ def wire_dtype(dtype: np.dtype) -> pb.DataType:
         raise InvalidInput(f"dtype {dtype} cannot be sent; expected float32 or float16") from None
 
 
+MAX_NDIM = 4  # attention weights [n, h, seq, seq]; embeddings have 2 or 3
+
+
+def checked_shape(shape: list[int], name: str) -> list[int]:
+    """shape, once every dimension is known to be at least 1 (and there are few of them).
+
+    With every dimension >= 1, a byte count that matches the product bounds each dimension
+    by the bytes actually sent; a zero dimension next to huge ones ([0, 2**62, 2**62]) would
+    otherwise pass that check and reach numpy's reshape.
+    """
+    if len(shape) > MAX_NDIM:
+        raise InvalidInput(
+            f"{name}.shape {shown_shape(shape)} has {len(shape)} dimensions; expected 2 or 3"
+        )
+    if any(dim < 0 for dim in shape):
+        raise InvalidInput(f"{name}.shape {shown_shape(shape)} has a negative dimension")
+    if 0 in shape:
+        raise InvalidInput(
+            f"{name} is empty (shape {shown_shape(shape)}); every dimension must be at least 1"
+        )
+    return shape
+
+
 def decode_tensor(tensor: pb.Tensor, name: str) -> np.ndarray:
     """A read-only view over the message's bytes (no copy), shaped as declared."""
     if tensor.dtype not in NUMPY_BY_WIRE:
@@ -39,9 +63,7 @@ def decode_tensor(tensor: pb.Tensor, name: str) -> np.ndarray:
         )
         raise InvalidInput(f"{name}.dtype is {received}; expected FLOAT32 or FLOAT16")
     dtype = NUMPY_BY_WIRE[tensor.dtype]
-    shape = list(tensor.shape)
-    if any(dim < 0 for dim in shape):
-        raise InvalidInput(f"{name}.shape {shape} has a negative dimension")
+    shape = checked_shape(list(tensor.shape), name)
     expected_bytes = math.prod(shape) * dtype.itemsize
     if len(tensor.data) != expected_bytes:
         raise InvalidInput(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,18 @@ log = logging.getLogger(__name__)
 
 OUTPUT_GRAPH = "model.onnx"
 WEIGHTS_GRAPH = "model.with_weights.onnx"
+
+
+# One strict rule for version folders and requested versions: ASCII digits, no leading zero,
+# at most 18 digits. str.isdigit() also takes "²" (int() refuses it) and "１" or "١" (int()
+# reads 1), and "01" would name the same version as "1"; all of those are not versions.
+VERSION = re.compile(r"[1-9][0-9]{0,17}")
+VERSION_RULE = "a positive decimal integer in ASCII digits without leading zeros, at most 18"
+
+
+def parse_version(text: str) -> int | None:
+    """The version a folder name or a request names, or None when it breaks the rule."""
+    return int(text) if VERSION.fullmatch(text) else None
 
 
 @dataclass(frozen=True)
@@ -34,8 +47,10 @@ def discover(repository: Path) -> list[VersionFiles]:
         for version_folder in sorted(p for p in model_folder.iterdir() if p.is_dir()):
             if version_folder.name.startswith("."):
                 continue  # staging folders of an export in progress
-            if not version_folder.name.isdigit():
-                log.error("skipping %s: version folders must be numbers", version_folder)
+            version = parse_version(version_folder.name)
+            if version is None:
+                log.error("skipping %r: a version folder's name must be %s", str(version_folder),
+                          VERSION_RULE)  # fmt: skip
                 continue
             output_graph = version_folder / OUTPUT_GRAPH
             if not output_graph.is_file():
@@ -45,7 +60,7 @@ def discover(repository: Path) -> list[VersionFiles]:
             found.append(
                 VersionFiles(
                     name=model_folder.name,
-                    version=int(version_folder.name),
+                    version=version,
                     output_graph=output_graph,
                     weights_graph=weights_graph if weights_graph.is_file() else None,
                 )

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 
 from service.engine import BrokenModel, OnnxModel
 from service.errors import ModelNotFound
-from service.model_repository import VersionFiles
+from service.model_repository import VERSION_RULE, VersionFiles, parse_version
+from service.text import shown
 
 log = logging.getLogger(__name__)
 SERVER_LABEL = "_server"  # metric label of calls that name no model
@@ -69,12 +70,19 @@ class ModelRegistry:
         """Empty name = default model, empty version = newest; else ModelNotFound."""
         name = name or self.default_model
         if name not in self._versions:
-            raise ModelNotFound(f"unknown model {name!r}; this server serves {self.names()}")
+            raise ModelNotFound(f"unknown model {shown(name)}; this server serves {self.names()}")
         versions = self._versions[name]
         if not version:
             return versions[max(versions)]
-        if not version.isdigit() or int(version) not in versions:
+        number = parse_version(version)
+        if number is None:
             raise ModelNotFound(
-                f"model {name!r} has no version {version!r}; available versions: {sorted(versions)}"
+                f"model {shown(name)} has no version {shown(version)}: a version is "
+                f"{VERSION_RULE}; available versions: {sorted(versions)}"
             )
-        return versions[int(version)]
+        if number not in versions:
+            raise ModelNotFound(
+                f"model {shown(name)} has no version {shown(version)}; "
+                f"available versions: {sorted(versions)}"
+            )
+        return versions[number]

@@ -49,6 +49,15 @@ BAD_REQUESTS = {
     "unknown model": (pb.AttendRequest(model="nope", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "unknown model 'nope'; this server serves ['causal', 'half', 'mha', 'small']"),
     "unknown version": (pb.AttendRequest(model_version="9", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '9'; available versions: [1]"),
     "bad version": (pb.AttendRequest(model_version="latest", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version 'latest'"),
+    "superscript version": (pb.AttendRequest(model_version="²", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "a version is a positive decimal integer in ASCII digits"),
+    "fullwidth version": (pb.AttendRequest(model_version="１", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '１'"),
+    "arabic version": (pb.AttendRequest(model_version="١", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '١'"),
+    "leading zero": (pb.AttendRequest(model_version="01", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '01'"),
+    "huge version": (pb.AttendRequest(model_version="9" * 5000, embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "(4936 more characters)"),
+    "huge name": (pb.AttendRequest(model="n\n" * 10000, embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "unknown model 'n\\nn\\n"),
+    "zero by huge": (pb.AttendRequest(embeddings=_tensor([0, 2**62, 2**62], data=b"")), INVALID, "every dimension must be at least 1"),
+    "huge by zero": (pb.AttendRequest(embeddings=_tensor([2**62, 2**62, 0], data=b"")), INVALID, "is empty"),
+    "many dims": (pb.AttendRequest(embeddings=_tensor([1] * 5000, data=b"")), INVALID, "has 5000 dimensions"),
 }  # fmt: skip
 
 
@@ -67,6 +76,7 @@ def test_bad_request_gets_a_clear_status(stub, client: AttentionClient, case: st
     assert caught.value.code() == code
     assert message in caught.value.details()
     assert "Traceback" not in caught.value.details()
+    assert len(caught.value.details()) < 1000  # what the client sent is echoed cut short
     assert client.attend(np.ones((2, D), np.float32)).output.shape == (2, D)
 
 
@@ -139,28 +149,40 @@ def test_bad_requests_do_not_leak_memory(server: ServerProcess, stub) -> None:
     assert grown < 32 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB over 15 rounds"
 
 
+HUGE_DIMS = [0, 2**31, 2**62, 2**63 - 1]
+# Strings that str.isdigit() accepts: superscripts, other scripts' digits, thousands of them.
+DIGIT_STRINGS = st.text(alphabet="0123456789²³¹١٢３４", min_size=1, max_size=30) | st.just(
+    "9" * 5000
+)
+
+
 @settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    shape=st.lists(st.integers(-2, 70), min_size=0, max_size=4),
+    shape=st.lists(st.one_of(st.integers(-2, 70), st.sampled_from(HUGE_DIMS)), max_size=5),
     dtype=st.integers(0, 4),
     extra_bytes=st.integers(-8, 8),
-    model=st.sampled_from(["", "small", "half", "nope"]),
+    model=st.one_of(st.sampled_from(["", "small", "half", "nope"]), st.text(max_size=300)),
+    version=st.one_of(st.sampled_from(["", "1", "2"]), st.text(max_size=30), DIGIT_STRINGS),
+    request_id=st.text(max_size=300),
     weights=st.booleans(),
     fill=st.sampled_from([0.0, 1.0, math.nan, math.inf, 1e30]),
 )
 def test_fuzzed_requests_get_a_clean_status(
-    stub, shape, dtype, extra_bytes, model, weights, fill
+    stub, shape, dtype, extra_bytes, model, version, request_id, weights, fill
 ) -> None:
-    """Arbitrary shapes, dtypes, byte counts and values: OK or a documented status, never
-    INTERNAL, and the server stays up."""
+    """Arbitrary shapes (zero and huge dimensions too), dtypes, byte counts, values, model
+    names, versions and request ids: OK or a documented status, never INTERNAL, and the
+    server stays up."""
     elements = math.prod(shape) if shape and all(d >= 0 for d in shape) else 0
     itemsize = 2 if dtype == pb.FLOAT16 else 4
     size = max(0, min(elements * itemsize, 1 << 20) + extra_bytes)
     data = np.full(size // 4 + 1, fill, np.float32).tobytes()[:size]
     request = pb.AttendRequest(
         model=model,
+        model_version=version,
+        request_id=request_id,
         embeddings=pb.Tensor(shape=shape, dtype=dtype, data=data),
         return_attention_weights=weights,
     )

@@ -1,0 +1,34 @@
+"""Client strings made safe to echo: bounded length, control characters escaped.
+
+A model name or request id goes into error messages (gRPC trailing metadata, limited to a
+few KiB in total, so a long one turned NOT_FOUND into RESOURCE_EXHAUSTED) and into log lines
+(where a newline in it forged a line). Everything a client sends passes through shown()
+before it reaches either.
+"""
+
+from __future__ import annotations
+
+SHOWN_CHARS = 64  # enough for any real name or id; the rest is counted, not echoed
+
+
+def _escape(char: str) -> str:
+    if char.isprintable() and char not in "\\'":
+        return char
+    return char.encode("unicode_escape").decode("ascii") if char != "'" else "\\'"
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """text quoted, with non-printable characters escaped and cut after limit characters."""
+    head = "".join(_escape(char) for char in text[:limit])
+    more = len(text) - limit
+    return f"'{head}'" + (f"... ({more} more characters)" if more > 0 else "")
+
+
+SHOWN_DIMS = 6
+
+
+def shown_shape(shape: list[int]) -> str:
+    """A shape for a message: the first few dimensions of an absurdly long one."""
+    if len(shape) <= SHOWN_DIMS:
+        return str(shape)
+    return f"[{', '.join(map(str, shape[:SHOWN_DIMS]))}, ... ({len(shape)} dimensions)]"
