@@ -15,6 +15,7 @@ import grpc
 from service import metrics
 from service.errors import ServingError
 from service.status import code_for
+from service.text import shown
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
                 raise
             except Exception:
-                request_id = self.request_id(request) or uuid.uuid4().hex[:12]
+                request_id = shown(self.request_id(request) or uuid.uuid4().hex[:12])
                 code = grpc.StatusCode.INTERNAL
                 log.exception(
                     "internal error in %s/%s request_id=%s", api, handler.__name__, request_id

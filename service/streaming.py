@@ -24,6 +24,7 @@ import grpc
 from service import metrics
 from service.errors import ServingError
 from service.status import code_for
+from service.text import shown
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,8 @@ class _Stream(Generic[Request, Response]):
             raise
         except Exception:
             code = grpc.StatusCode.INTERNAL
-            request_id = calls.request_id(request) or uuid.uuid4().hex[:12]
-            log.exception("internal error in %s request_id=%r", calls.api, request_id[:100])
+            request_id = shown(calls.request_id(request) or uuid.uuid4().hex[:12])
+            log.exception("internal error in %s request_id=%s", calls.api, request_id)
             answer = calls.failure(
                 request, code, f"internal error; request_id={request_id} is in the server log"
             )

@@ -20,6 +20,8 @@ from service.registry import ModelRegistry
 from service.rpc import rpc
 from service.validation import InputLimits
 
+FORGED = "bug\n2026-01-01 INFO forged: all is well" + "x" * 20_000
+
 
 class ExplodingServicer(AttentionServicer):
     """Attend fails in ways the real one might: a bug, or a domain error."""
@@ -32,7 +34,7 @@ class ExplodingServicer(AttentionServicer):
     @rpc("attention")
     async def Attend(self, request, context):
         self.calls += 1
-        if request.request_id == "bug":
+        if request.request_id.startswith("bug"):
             raise KeyError("secret internal detail")
         if request.request_id == "busy":
             raise QueueFull("queue full: 1 requests waiting (max_queue_size=1)")
@@ -52,7 +54,7 @@ def test_unexpected_error_is_internal_logged_and_the_server_keeps_serving(
         request = pb.AttendRequest(embeddings=encode_tensor(np.ones((1, 2), np.float32)))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = attention_pb2_grpc.AttentionServiceStub(channel)
-            for request_id in ("bug", "busy", "fine"):
+            for request_id in ("bug", "busy", "fine", FORGED):
                 request.request_id = request_id
                 try:
                     reply = await stub.Attend(request)
@@ -64,13 +66,20 @@ def test_unexpected_error_is_internal_logged_and_the_server_keeps_serving(
 
     with caplog.at_level(logging.ERROR, logger="service.rpc"):
         seen = asyncio.run(scenario())
-    internal, busy, fine = seen
+    internal, busy, fine, forged = seen
     assert internal == (
         grpc.StatusCode.INTERNAL,
-        "internal error; request_id=bug is in the server log",
+        "internal error; request_id='bug' is in the server log",
     )
+    # A forged id: still INTERNAL (not RESOURCE_EXHAUSTED from oversized metadata), echoed
+    # cut short and escaped, and no line of the log starts with the forged text.
+    assert forged[0] == grpc.StatusCode.INTERNAL
+    assert len(forged[1]) < 300
+    assert "'bug\\n2026-01-01 INFO forged" in forged[1]
+    assert not any(line.startswith("2026-01-01") for line in caplog.text.splitlines())
+    assert all(len(record.getMessage()) < 300 for record in caplog.records)
     assert busy[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_queue_size=1" in busy[1]
     assert fine == (grpc.StatusCode.OK, "fine")
-    assert "request_id=bug" in caplog.text
+    assert "request_id='bug'" in caplog.text
     assert "secret internal detail" in caplog.text  # in the log, never in the reply

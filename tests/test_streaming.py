@@ -568,7 +568,9 @@ def test_an_unexpected_error_is_internal_logged_and_the_stream_goes_on(
     assert sorted(by_id) == ["a", "b", "boom-1", "boom-2", "c", "d"]
     for rid in ("boom-1", "boom-2"):
         assert by_id[rid].error.code == grpc.StatusCode.INTERNAL.value[0]
-        assert by_id[rid].error.message == f"internal error; request_id={rid} is in the server log"
+        assert (
+            by_id[rid].error.message == f"internal error; request_id='{rid}' is in the server log"
+        )
         assert "disk" not in by_id[rid].error.message
     assert all(by_id[rid].HasField("response") for rid in "abcd")
     logged = [r for r in caplog.records if "internal error in attention_stream" in r.getMessage()]
