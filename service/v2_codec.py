@@ -7,9 +7,11 @@ import math
 import numpy as np
 
 from service.batch_types import Result
+from service.codec import checked_shape
 from service.engine import OnnxModel
 from service.errors import InvalidInput
 from service.generated.inference import grpc_service_pb2 as v2
+from service.text import shown, shown_shape
 from service.wire import WireMessage, array_bytes
 
 INPUT_NAME = "embeddings"
@@ -17,6 +19,15 @@ RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_outpu
 OUTPUT_NAMES = ("output", "attention_weights")
 V2_DATATYPES: dict[str, np.dtype] = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 V2_NAME_OF = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16"}
+# Parameters that change nothing here and that clients send as a matter of course (the HTTP
+# flavour of tritonclient marks binary data this way); any other parameter asks for something
+# this server does not do (classification, shared memory, sequences, priority, timeout), so
+# it is refused rather than silently ignored.
+TOLERATED_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
+TOLERATED_INPUT_PARAMETERS = frozenset({"binary_data_size"})
+TOLERATED_OUTPUT_PARAMETERS = frozenset({"binary_data"})
+TYPED_FIELDS = ("bool_contents", "int_contents", "int64_contents", "uint_contents",
+                "uint64_contents", "fp64_contents", "bytes_contents")  # fmt: skip
 
 
 def _model_ref(model: OnnxModel) -> str:
@@ -26,23 +37,38 @@ def _model_ref(model: OnnxModel) -> str:
 def _single_input(
     request: v2.ModelInferRequest, model: OnnxModel
 ) -> v2.ModelInferRequest.InferInputTensor:
-    names = [tensor.name for tensor in request.inputs]
-    if len(names) != 1:
+    names = [shown(tensor.name) for tensor in request.inputs[:4]]
+    if len(request.inputs) != 1:
         raise InvalidInput(
-            f"expected 1 input ('{INPUT_NAME}') for {_model_ref(model)}, got {len(names)}: {names}"
+            f"expected 1 input ('{INPUT_NAME}') for {_model_ref(model)}, got "
+            f"{len(request.inputs)}: {', '.join(names)}{' ...' if len(request.inputs) > 4 else ''}"
         )
-    if names[0] != INPUT_NAME:
+    if request.inputs[0].name != INPUT_NAME:
         raise InvalidInput(
-            f"unexpected inference input '{names[0]}' for {_model_ref(model)};"
+            f"unexpected inference input {names[0]} for {_model_ref(model)};"
             f" expected '{INPUT_NAME}'"
         )
     return request.inputs[0]
 
 
+def refuse_parameters(request: v2.ModelInferRequest) -> None:
+    """InvalidInput naming the first parameter this server would otherwise ignore."""
+    places = [("request", request.parameters, TOLERATED_REQUEST_PARAMETERS)]
+    places += [(f"input {shown(t.name)}", t.parameters, TOLERATED_INPUT_PARAMETERS)
+               for t in request.inputs]  # fmt: skip
+    places += [(f"output {shown(t.name)}", t.parameters, TOLERATED_OUTPUT_PARAMETERS)
+               for t in request.outputs]  # fmt: skip
+    for place, parameters, tolerated in places:
+        unknown = sorted(set(parameters) - tolerated)
+        if unknown:
+            raise InvalidInput(
+                f"{place} has parameter {shown(unknown[0])}, which this server does not "
+                f"implement; parameters accepted (and ignored): {sorted(tolerated)}"
+            )
+
+
 def _input_array(request: v2.ModelInferRequest, tensor, dtype: np.dtype) -> np.ndarray:
-    shape = list(tensor.shape)
-    if any(dim < 0 for dim in shape):
-        raise InvalidInput(f"input '{INPUT_NAME}' has shape {shape}; dimensions must be >= 0")
+    shape = checked_shape(list(tensor.shape), f"input '{INPUT_NAME}'")
     elements = math.prod(shape)
     has_typed = tensor.HasField("contents")
     if request.raw_input_contents and has_typed:
@@ -69,6 +95,12 @@ def _input_array(request: v2.ModelInferRequest, tensor, dtype: np.dtype) -> np.n
                 f" send {tensor.datatype} as raw_input_contents"
             )
         values = tensor.contents.fp32_contents
+        misplaced = [f for f in TYPED_FIELDS if len(getattr(tensor.contents, f))]
+        if misplaced:
+            raise InvalidInput(
+                f"input '{INPUT_NAME}' carries its values in contents.{misplaced[0]}; "
+                f"{tensor.datatype} values go in contents.fp32_contents or raw_input_contents"
+            )
         if len(values) != elements:
             raise InvalidInput(
                 f"input '{INPUT_NAME}' has {len(values)} fp32_contents values;"
@@ -80,19 +112,25 @@ def _input_array(request: v2.ModelInferRequest, tensor, dtype: np.dtype) -> np.n
     )
 
 
+def _datatype(name: str) -> str:
+    if not name:
+        return "(empty)"
+    return name if name.isascii() and name.isalnum() and len(name) <= 16 else shown(name)
+
+
 def decode_input(request: v2.ModelInferRequest, model: OnnxModel) -> np.ndarray:
     """The embeddings [n, seq, d] as sent (a view over raw bytes when raw)."""
     tensor = _single_input(request, model)
     accepted = ["FP32"] if model.spec.dtype == np.float32 else ["FP16", "FP32"]
     if tensor.datatype not in accepted:
         raise InvalidInput(
-            f"input '{INPUT_NAME}' has datatype {tensor.datatype or '(empty)'};"
+            f"input '{INPUT_NAME}' has datatype {_datatype(tensor.datatype)};"
             f" {_model_ref(model)} expects {' or '.join(accepted)}"
         )
     d = model.spec.embed_dim
     if len(tensor.shape) != 3:
         raise InvalidInput(
-            f"input '{INPUT_NAME}' has shape {list(tensor.shape)};"
+            f"input '{INPUT_NAME}' has shape {shown_shape(list(tensor.shape))};"
             f" {_model_ref(model)} expects [n, seq, {d}]"
         )
     return _input_array(request, tensor, V2_DATATYPES[tensor.datatype])
@@ -104,7 +142,7 @@ def requested_outputs(request: v2.ModelInferRequest, model: OnnxModel) -> list[s
     for name in names:
         if name not in OUTPUT_NAMES:
             raise InvalidInput(
-                f"unexpected inference output '{name}' for {_model_ref(model)};"
+                f"unexpected inference output {shown(name)} for {_model_ref(model)};"
                 f" outputs are {list(OUTPUT_NAMES)}"
             )
     return names

@@ -25,6 +25,7 @@ from service.v2_codec import (
     V2_NAME_OF,
     decode_input,
     encode_response,
+    refuse_parameters,
     requested_outputs,
 )
 from service.validation import InputLimits
@@ -236,6 +237,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> WireMessage:
         """The one ModelInfer path, unary and streamed."""
         model = self._registry.resolve(request.model_name, request.model_version)
+        refuse_parameters(request)
         names = requested_outputs(request, model)
         received = decode_input(request, model)
         result = await admit_and_run(

@@ -164,6 +164,10 @@ BAD = {
     "model": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"model_name": "nope"}, "StatusCode.NOT_FOUND", "unknown model 'nope'"),
     "version": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"model_version": "7"}, "StatusCode.NOT_FOUND", "no version '7'"),
     "nan": (lambda: [_input(np.full((1, 2, 64), np.nan, np.float32))], {}, "StatusCode.INVALID_ARGUMENT", "non-finite"),
+    "class_count": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"outputs": [triton.InferRequestedOutput("output", class_count=3)]}, "StatusCode.INVALID_ARGUMENT", "output 'output' has parameter 'classification', which this server does not implement"),
+    "priority": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"priority": 2}, "StatusCode.INVALID_ARGUMENT", "request has parameter 'priority'"),
+    "odd version": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"model_version": "²"}, "StatusCode.NOT_FOUND", "no version '²'"),
+    "long model name": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"model_name": "m" * 20000}, "StatusCode.NOT_FOUND", "(19936 more characters)"),
 }  # fmt: skip
 
 
@@ -180,6 +184,23 @@ def test_bad_v2_requests_fail_clearly(v2: triton.InferenceServerClient, case: st
     ).shape == (1, 2, 64)
 
 
+def _typed_elsewhere() -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="small")
+    tensor = request.inputs.add(name="embeddings", datatype="FP32", shape=[1, 1, 64])
+    tensor.contents.int_contents.extend([1] * 64)
+    return request
+
+
+def _zero_by_huge(raw: bool) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="small")
+    tensor = request.inputs.add(name="embeddings", datatype="FP32", shape=[0, 2**62, 2**62])
+    if raw:
+        request.raw_input_contents.append(b"")
+    else:
+        tensor.contents.SetInParent()
+    return request
+
+
 def test_byte_count_and_double_contents_are_rejected(server: ServerProcess) -> None:
     short = service_pb2.ModelInferRequest(model_name="small")
     short.inputs.add(name="embeddings", datatype="FP32", shape=[1, 2, 64])
@@ -189,6 +210,9 @@ def test_byte_count_and_double_contents_are_rejected(server: ServerProcess) -> N
         for request, message in (
             (short, "has 10 bytes of raw data; shape [1, 2, 64] of FP32 needs 512 bytes"),
             (_raw_and_typed(), "both raw_input_contents and typed contents"),
+            (_typed_elsewhere(), "carries its values in contents.int_contents"),
+            (_zero_by_huge(raw=True), "every dimension must be at least 1"),
+            (_zero_by_huge(raw=False), "every dimension must be at least 1"),
         ):
             with pytest.raises(grpc.RpcError) as caught:
                 stub.ModelInfer(request)
@@ -257,17 +281,21 @@ def test_both_apis_batch_together(model_repository) -> None:
 @given(
     name=st.sampled_from(["embeddings", "x", ""]),
     datatype=st.sampled_from(["FP32", "FP16", "FP64", "INT8", "BYTES", ""]),
-    shape=st.lists(st.integers(-1, 40), min_size=0, max_size=4),
+    shape=st.lists(st.one_of(st.integers(-1, 40), st.sampled_from([0, 2**62])), max_size=4),
     extra=st.integers(-4, 4),
     raw=st.booleans(),
     outputs=st.lists(st.sampled_from(["output", "attention_weights", "nope"]), max_size=3),
-    model=st.sampled_from(["small", "half", "", "nope"]),
+    model=st.one_of(st.sampled_from(["small", "half", "", "nope"]), st.text(max_size=200)),
+    version=st.one_of(st.sampled_from(["", "1", "2"]), st.text("0123456789²١３", max_size=25)),
+    parameter=st.sampled_from(["", "binary_data_output", "priority", "timeout"]),
 )
 def test_fuzzed_v2_requests_get_a_clean_status(
-    server: ServerProcess, name, datatype, shape, extra, raw, outputs, model
+    server: ServerProcess, name, datatype, shape, extra, raw, outputs, model, version, parameter
 ) -> None:
     elements = math.prod(shape) if shape and all(d >= 0 for d in shape) else 0
-    request = service_pb2.ModelInferRequest(model_name=model)
+    request = service_pb2.ModelInferRequest(model_name=model, model_version=version)
+    if parameter:
+        request.parameters[parameter].int64_param = 1
     tensor = request.inputs.add(name=name, datatype=datatype, shape=shape)
     for output in outputs:
         request.outputs.add(name=output)
