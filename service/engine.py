@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.batch_caps import BatchCaps, measure_caps
+from service.golden import GoldenMismatch, check_golden, golden_path
 from service.model_repository import VersionFiles
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,21 @@ class OnnxModel:
         self.provider = self._plain.get_providers()[0]
         # Until measure_batch_caps() runs, only --max-batch-size limits a batch.
         self.batch_caps = BatchCaps.uniform(2**31 - 1, 2**31 - 1)
+        self._check_golden(files)
+
+    def _check_golden(self, files: VersionFiles) -> None:
+        """Refuse a version that does not reproduce its exporter's answer here (this provider,
+        this dtype); versions exported before golden files existed are served unverified."""
+        path = golden_path(files.output_graph.parent)
+        if not path.is_file():
+            log.warning("%s: no %s, served without a load-time check", self.key, path.name)
+            return
+        try:
+            error = check_golden(path, self.run, self.spec.dtype,
+                                 has_weights_graph=self.has_weights_graph)  # fmt: skip
+        except GoldenMismatch as err:
+            raise BrokenModel(f"golden check failed on {self.provider}: {err}") from err
+        log.info("%s: golden check passed on %s (max error %.2e)", self.key, self.provider, error)
 
     @property
     def label(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from export import pipeline
 from export.pipeline import ExportRequest, ExportResult, run_export
 from export.verify import ParityError, reference_forward
 from tests.reference import cpu_session, layer_for
@@ -160,9 +163,20 @@ def test_export_is_deterministic_and_never_overwrites(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["1", "2"]
 
 
-def test_failed_verification_writes_nothing(tmp_path: Path) -> None:
-    with pytest.raises(ParityError, match="tolerance"):
-        run_export(ExportRequest(name="m", embed_dim=16, num_heads=2, tolerance=-1.0, out=tmp_path))
+def test_failed_verification_writes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A wrong graph (query and key projections swapped) fails, and nothing is published."""
+    real_export = pipeline.export_graphs
+
+    def swapped(module, folder, metadata):
+        broken = copy.deepcopy(module)
+        with torch.no_grad():
+            q, k, v = broken.in_proj_weight.detach().clone().chunk(3)
+            broken.in_proj_weight.copy_(torch.cat([k, q, v]))
+        return real_export(broken, folder, metadata)
+
+    monkeypatch.setattr(pipeline, "export_graphs", swapped)
+    with pytest.raises(ParityError, match="disagrees"):
+        run_export(ExportRequest(name="m", embed_dim=16, num_heads=2, out=tmp_path))
     assert list((tmp_path / "m").iterdir()) == []
 
 
