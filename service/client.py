@@ -254,7 +254,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=_count(1), default=1, help="requests in flight")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--plot", type=Path, help="with --weights: heatmap PNG of the first answer, one per head"
+    )
+    parser.add_argument(
+        "--tokens", help="labels for --plot: the sequence's tokens, space-separated"
+    )
+    parser.add_argument("--save", type=Path, help="save the first answer (output, weights) as .npz")
+    args = parser.parse_args(argv)
+    if args.plot is not None and not args.weights:
+        parser.error("--plot draws the attention weights: add --weights")
+    return args
 
 
 def _input(args: argparse.Namespace, embed_dim: int) -> np.ndarray:
@@ -322,7 +332,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
     print(_summary(results, time.perf_counter() - started))
+    _keep(args, results[0][1])
     return 0
+
+
+def _keep(args: argparse.Namespace, result: AttendResult) -> None:
+    """--save and --plot, from the first answer (its first sequence for the plot)."""
+    weights = result.attention_weights
+    if args.save is not None:
+        arrays: dict[str, Any] = {"output": result.output}
+        if weights is not None:
+            arrays["attention_weights"] = weights
+        np.savez(args.save, **arrays)
+        print(f"saved {', '.join(arrays)} to {args.save}")
+    if args.plot is not None and weights is not None:
+        from service.plot import plot_attention  # matplotlib: only when plotting
+
+        tokens = args.tokens.split() if args.tokens else None
+        first = weights if weights.ndim == 3 else weights[0]
+        plot_attention(first, args.plot, tokens=tokens,
+                       title=f"{result.model} version {result.model_version}")  # fmt: skip
+        print(f"wrote {args.plot} ({first.shape[0]} heads)")
 
 
 if __name__ == "__main__":
