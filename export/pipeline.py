@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from export.golden import write_golden
-from export.hf_bert import block_reference, load_hf_layer
 from export.model import MultiHeadSelfAttention
 from export.onnx_graphs import OPSET, OUTPUT_FILE, WITH_WEIGHTS_FILE, GraphFiles, export_graphs
 from export.repository import next_version, write_version
@@ -120,6 +119,10 @@ def load_source(request: ExportRequest) -> Source:
             "--hf-model takes its weights and masking from the model folder; "
             "it cannot be combined with --causal, --no-bias or --state-dict"
         )
+    # Imported here: safetensors is needed only for --hf-model (the Docker export stage,
+    # which builds the default model, does not install it).
+    from export.hf_bert import block_reference, load_hf_layer
+
     hf = load_hf_layer(request.hf_model, request.hf_layer)
     module = MultiHeadSelfAttention(hf.embed_dim, hf.num_heads)
     module.load_state_dict(hf.state, strict=True)
