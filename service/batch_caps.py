@@ -17,9 +17,15 @@ from dataclasses import dataclass
 # batch: the same compute per sequence, and the server's per-batch work (scheduling, thread
 # hand-off, futures), which this timing leaves out, is shared by more sequences.
 TIE_TOLERANCE = 0.05
-# Repeat short timings (noise); one run of a long batch is already a good average.
-REPEAT_UNDER_S = 0.02
-REPEATS = 3
+# Growing the batch stops after two sizes in a row cost this much more than the best: far
+# beyond timing noise, and on every device measured, costs only rise from there.
+CLEARLY_WORSE = 0.25
+# Each timing is the best of repeated runs: at least MIN_REPEATS runs and MIN_TIMED_S of
+# runs for short batches (noise is large there); two runs for batches of LONG_RUN_S or more.
+MIN_REPEATS = 3
+MIN_TIMED_S = 0.01
+LONG_RUN_S = 0.05
+MAX_REPEATS = 20
 
 
 @dataclass(frozen=True)
@@ -84,14 +90,27 @@ Clock = Callable[[], float]
 def time_batch(
     run: Callable[[int, int], None], size: int, length: int, clock: Clock = time.perf_counter
 ) -> float:
-    """Seconds per sequence of one batch of `size` sequences of `length` (best of a few:
-    the first run of a shape also allocates, and short runs are noisy)."""
+    """Seconds per sequence of one batch of `size` sequences of `length`: the best of
+    repeated runs (the first run of a shape also allocates, and short runs are noisy)."""
     timings: list[float] = []
-    while len(timings) < 2 or (len(timings) < REPEATS and min(timings) < REPEAT_UNDER_S):
+    while len(timings) < MAX_REPEATS:
         started = clock()
         run(size, length)
         timings.append(clock() - started)
+        if len(timings) >= 2 and min(timings) >= LONG_RUN_S:
+            break
+        if len(timings) >= MIN_REPEATS and sum(timings) >= MIN_TIMED_S:
+            break
     return min(timings) / size
+
+
+@dataclass(frozen=True)
+class BucketTiming:
+    """Seconds per sequence by batch size at one length, and whether the sizes left out are
+    known to be worse (the measurement saw costs rise) or merely unmeasured (budget spent)."""
+
+    costs: dict[int, float]
+    conclusive: bool
 
 
 def measure_bucket(
@@ -100,18 +119,20 @@ def measure_bucket(
     sizes: Sequence[int],
     give_up: float,
     clock: Clock = time.perf_counter,
-) -> dict[int, float]:
-    """Seconds per sequence by batch size at one length, growing the size until the budget
-    ends or two sizes in a row cost clearly more than the best (they only get worse)."""
+) -> BucketTiming:
+    """Grow the batch size until every size is measured, two sizes in a row cost clearly
+    more than the best, or the budget ends."""
     costs: dict[int, float] = {}
     worse_in_a_row = 0
     for size in sizes:
-        if costs and (clock() >= give_up or worse_in_a_row >= 2):
-            break
+        if worse_in_a_row >= 2:
+            return BucketTiming(costs, conclusive=True)
+        if costs and clock() >= give_up:
+            return BucketTiming(costs, conclusive=False)
         costs[size] = time_batch(run, size, length, clock)
-        clearly_worse = costs[size] > min(costs.values()) * (1 + 2 * TIE_TOLERANCE)
+        clearly_worse = costs[size] > min(costs.values()) * (1 + CLEARLY_WORSE)
         worse_in_a_row = worse_in_a_row + 1 if clearly_worse else 0
-    return costs
+    return BucketTiming(costs, conclusive=True)
 
 
 def measure_caps(
@@ -124,19 +145,23 @@ def measure_caps(
 ) -> BatchCaps:
     """Time run(batch_size, seq_len) per length bucket; cap each bucket at its best size.
 
-    Once the budget is spent, longer buckets are not measured and keep the cap of the last
-    measured one (on the devices measured so far, longer sequences never favour larger
-    batches more than shorter ones do).
+    Caps never grow with length: a longer sequence costs at least as much per position, so
+    a batch that did not pay off for shorter ones does not for longer ones either. What the
+    budget leaves unknown is never guessed smaller: a bucket whose measurement stopped early
+    keeps the cap of the shorter bucket before it (max_batch_size for the first), and
+    buckets left unmeasured do the same.
     """
     give_up = clock() + budget_s
     sizes = batch_sizes(max_batch_size)
     caps: list[tuple[int, int]] = []
     for length in length_buckets(max_seq_len):
+        shorter = caps[-1][1] if caps else max_batch_size
         if caps and clock() >= give_up:
-            caps.append((length, caps[-1][1]))
+            caps.append((length, shorter))
             continue
-        costs = measure_bucket(run, length, sizes, give_up, clock)
-        caps.append((length, best_batch_size(costs)))
+        timing = measure_bucket(run, length, sizes, give_up, clock)
+        best = best_batch_size(timing.costs) if timing.conclusive else shorter
+        caps.append((length, min(best, shorter)))
     return BatchCaps(merge_equal(caps))
 
 

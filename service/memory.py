@@ -6,7 +6,9 @@ more than ~128 KiB free, so the next request faults every page in again: measure
 echo server at seq 128, about a third of its CPU per request. Keeping up to
 TRIM_THRESHOLD_BYTES of freed heap for reuse removes those faults; allocations of
 MMAP_THRESHOLD_BYTES and more (huge attention-weights answers) still go straight back to
-the kernel when freed, so a rare giant response does not stay resident.
+the kernel when freed, so a rare giant response does not stay resident. glibc applies the
+trim threshold to each malloc arena (one per thread that allocates, at most 8 per core), so
+the memory kept is bounded by TRIM_THRESHOLD_BYTES per arena, not in total.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def keep_freed_memory() -> bool:
         (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
         (M_TOP_PAD, TOP_PAD_BYTES),
     )
-    applied = all(mallopt(param, value) == 1 for param, value in settings)
-    if not applied:
-        log.warning("mallopt refused the malloc settings; freed memory goes back at once")
-    return applied
+    refused = [param for param, value in settings if mallopt(param, value) != 1]
+    if refused:
+        log.warning("mallopt refused parameters %s; glibc's defaults stay for those", refused)
+    return not refused

@@ -18,6 +18,7 @@ from service.batch_caps import (
     length_buckets,
     measure_caps,
     merge_equal,
+    time_batch,
 )
 from service.batch_types import BatchLimits
 from service.batcher import Batcher
@@ -76,8 +77,8 @@ def test_cpu_like_device_gets_big_batches_short_and_small_batches_long() -> None
     assert caps.cap_for(32) == 32
     assert caps.cap_for(128) == 1
     assert caps.cap_for(512) == 1
-    # Long buckets stop growing once two sizes in a row are clearly worse.
-    assert max(size for size, length in device.calls if length == 512) == 8
+    # Long buckets stop growing once two sizes in a row are clearly worse (+30 %, +40 %).
+    assert max(size for size, length in device.calls if length == 512) == 16
 
 
 def test_gpu_like_device_fills_every_bucket() -> None:
@@ -88,14 +89,58 @@ def test_gpu_like_device_fills_every_bucket() -> None:
     assert caps.caps == ((512, 64),)
 
 
-def test_a_spent_budget_stops_measuring_and_longer_buckets_inherit() -> None:
+def test_a_spent_budget_never_caps_what_it_did_not_measure() -> None:
+    """With no time to see costs rise, no bucket is capped: batching stays as without caps."""
     device = FakeDevice(cpu_like)
     caps = measure_caps(
         device.run, max_batch_size=32, max_seq_len=512, budget_s=0.0, clock=device.clock
     )
-    # Only size 1 of the first bucket was measured; every bucket inherits its cap.
-    assert {length for _, length in device.calls} == {16}
+    assert {length for _, length in device.calls} == {16}  # only the first timing ran
+    assert caps.caps == ((512, 32),)
+
+
+def test_an_interrupted_bucket_keeps_the_shorter_bucket_cap() -> None:
+    """The budget ends just after seq 16 was measured (cap 4): seq 32 gets one timing, at
+    batch size 1, which alone proves nothing, so it and every longer bucket keep cap 4."""
+
+    def cost(size: int, length: int) -> float:
+        return 1e-3 * {1: 1.0, 2: 0.8, 4: 0.6, 8: 1.0, 16: 1.2, 32: 1.5}[size]
+
+    first_bucket = FakeDevice(cost)
+    measure_caps(
+        first_bucket.run, max_batch_size=32, max_seq_len=16, budget_s=1e9, clock=first_bucket.clock
+    )
+    device = FakeDevice(cost)
+    caps = measure_caps(
+        device.run,
+        max_batch_size=32,
+        max_seq_len=512,
+        budget_s=first_bucket.now + 1e-9,
+        clock=device.clock,
+    )
+    assert {(size, length) for size, length in device.calls if length > 16} == {(1, 32)}
+    assert caps.caps == ((512, 4),)
+
+
+def test_caps_never_grow_with_length() -> None:
+    """A noisy device that seems to favour big batches only at seq 128 gets no such cap."""
+
+    def bumpy(size: int, length: int) -> float:
+        if length == 128:
+            return 1e-3 / size
+        return 1e-3 * (1 + 0.5 * np.log2(size))
+
+    device = FakeDevice(bumpy)
+    caps = measure_caps(
+        device.run, max_batch_size=32, max_seq_len=512, budget_s=1e9, clock=device.clock
+    )
     assert caps.caps == ((512, 1),)
+
+
+def test_timing_takes_the_best_of_repeated_runs() -> None:
+    noisy = iter([5.0, 1.0, 1.0, 1.0] + [1.0] * 100)
+    device = FakeDevice(lambda size, length: next(noisy) * 1e-3)
+    assert time_batch(device.run, 1, 16, device.clock) == pytest.approx(1e-3)
 
 
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=8), st.integers(1, 2048))
