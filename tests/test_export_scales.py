@@ -127,3 +127,11 @@ def test_a_non_finite_output_fails_even_when_the_reference_is_fine(tmp_path: Pat
 
 def test_verified_length_is_the_servers_default_limit() -> None:
     assert Settings().max_seq_len == MAX_VERIFIED_SEQ
+
+
+def test_tolerance_scales_with_the_output_and_float32() -> None:
+    tolerance = DEFAULT_TOLERANCE["float32"]
+    assert tolerance.bound(1.0, 0.0) == pytest.approx(1e-6 + 1e-4)
+    assert tolerance.bound(500.0, 0.0) == pytest.approx(1e-6 + 5e-2)
+    assert tolerance.bound(1.0, 1.0) == pytest.approx(4.0)  # float32 itself is this far off
+    assert tolerance.bound(1.0, float("inf")) == pytest.approx(1e-6 + 1e-4)  # no slack
