@@ -115,6 +115,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         max_seq_len=settings.max_seq_len,
         provider=args.provider,
         event_loop=settings.event_loop,
+        malloc_reuse=settings.malloc_reuse,
+        max_stream_inflight_requests=settings.max_stream_inflight_requests,
         server_flags=tuple(args.server_flag),
         pinning=pinning,
     )
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     # Grouped as the scenarios are listed (stable: a group keeps its order of measurement).
     order = {group: index for index, group in enumerate(scenarios.GROUPS)}
     rows = sorted(runner.rows + report.ceiling_rows(runner.rows), key=lambda r: order[r["group"]])
-    found = ratios.all_ratios(rows, config.api, groups)
+    found = ratios.all_ratios(rows, config.api, groups, pinned=config.pinning.pinned)
     about = machine(config)
     elapsed = time.monotonic() - started
     print(f"\n{header(about, config)}\n")

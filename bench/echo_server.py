@@ -3,7 +3,10 @@
 Serves Attend, AttendStream, ModelInfer and ModelStreamInfer with the real server's
 protobufs and gRPC options (service.grpc_options, message limits computed as the real
 server computes them) and answers every request with its own input bytes, so its
-requests/s is the floor that Python gRPC alone puts under any server on this core.
+requests/s is the floor that Python gRPC alone puts under any server on this core. The
+streaming calls go through the real server's stream machinery (service.streaming: a reader
+task, a task per request, the in-flight bound, one writer), so the echo differs from the real
+server only by the model compute.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from service.generated.inference import grpc_service_pb2_grpc
 from service.grpc_options import server_options
 from service.handlers import add_servicer
 from service.memory import keep_freed_memory
-from service.settings import EVENT_LOOPS
+from service.settings import EVENT_LOOPS, Settings
+from service.streaming import StreamCalls, serve_stream
 from service.wire import WireMessage, settled
 
 TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
@@ -71,11 +75,24 @@ def echo_limits(
     return message_limits(cast(Any, registry), cast(Any, settings))
 
 
+def _model_label(request: Any) -> str:
+    return MODEL_NAME
+
+
 class EchoAttention(attention_pb2_grpc.AttentionServiceServicer):
     """Answers as the real servicer does (service.wire framing), minus the model."""
 
-    def __init__(self, heads: int) -> None:
+    def __init__(self, heads: int, max_stream_inflight: int) -> None:
         self._heads = heads
+        self._max_stream_inflight = max_stream_inflight
+        # As service/attention_servicer.py plugs AttendStream into the stream machinery.
+        self._stream_calls = StreamCalls(
+            api="attention_stream",
+            answer=self._stream_answer,
+            failure=_attend_stream_error,
+            model_label=_model_label,
+            request_id=lambda request: request.request_id,
+        )
 
     def answer(self, request: pb.AttendRequest) -> WireMessage:
         shape = list(request.embeddings.shape)
@@ -101,16 +118,50 @@ class EchoAttention(attention_pb2_grpc.AttentionServiceServicer):
         return await settled(self.answer(request))
 
     async def AttendStream(
-        self, request_iterator: AsyncIterator[pb.AttendRequest], context: Any
-    ) -> AsyncIterator[WireMessage]:
-        async for request in request_iterator:
-            envelope = WireMessage.of(pb.AttendStreamResponse(request_id=request.request_id))
-            yield await settled(envelope.add_message(STREAM_RESPONSE, self.answer(request)))
+        self, requests: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await serve_stream(
+            self._stream_calls, requests, context, max_inflight=self._max_stream_inflight
+        )
+
+    async def _stream_answer(
+        self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
+    ) -> WireMessage:
+        envelope = WireMessage.of(pb.AttendStreamResponse(request_id=request.request_id))
+        return await settled(envelope.add_message(STREAM_RESPONSE, self.answer(request)))
+
+
+def _attend_stream_error(
+    request: pb.AttendRequest, code: grpc.StatusCode, message: str
+) -> pb.AttendStreamResponse:
+    return pb.AttendStreamResponse(
+        request_id=request.request_id, error=pb.StreamError(code=code.value[0], message=message)
+    )
+
+
+def _v2_stream_error(
+    request: v2.ModelInferRequest, code: grpc.StatusCode, message: str
+) -> v2.ModelStreamInferResponse:
+    return v2.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=v2.ModelInferResponse(
+            id=request.id, model_name=request.model_name, model_version=request.model_version
+        ),
+    )
 
 
 class EchoInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, heads: int) -> None:
+    def __init__(self, heads: int, max_stream_inflight: int) -> None:
         self._heads = heads
+        self._max_stream_inflight = max_stream_inflight
+        # As service/v2_servicer.py plugs ModelStreamInfer into the stream machinery.
+        self._stream_calls = StreamCalls(
+            api="v2_stream",
+            answer=self._stream_answer,
+            failure=_v2_stream_error,
+            model_label=_model_label,
+            request_id=lambda request: request.id,
+        )
 
     def answer(self, request: v2.ModelInferRequest) -> WireMessage:
         header = v2.ModelInferResponse(
@@ -136,12 +187,16 @@ class EchoInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return await settled(self.answer(request))
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[v2.ModelInferRequest], context: Any
-    ) -> AsyncIterator[WireMessage]:
-        async for request in request_iterator:
-            yield await settled(
-                WireMessage().add_message(STREAM_INFER_RESPONSE, self.answer(request))
-            )
+        self, requests: AsyncIterator[v2.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await serve_stream(
+            self._stream_calls, requests, context, max_inflight=self._max_stream_inflight
+        )
+
+    async def _stream_answer(
+        self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> WireMessage:
+        return await settled(WireMessage().add_message(STREAM_INFER_RESPONSE, self.answer(request)))
 
     async def ServerLive(self, request: Any, context: Any) -> v2.ServerLiveResponse:
         return v2.ServerLiveResponse(live=True)
@@ -164,6 +219,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--malloc-reuse", choices=("on", "off"), default="on", help="as the real server's flag"
     )
+    parser.add_argument(
+        "--max-stream-inflight-requests",
+        type=int,
+        default=Settings.max_stream_inflight_requests,
+        help="as the real server's flag: unanswered requests one stream may have",
+    )
     return parser.parse_args(argv)
 
 
@@ -172,16 +233,17 @@ async def serve(args: argparse.Namespace) -> int:
         args.embed_dim, args.num_heads, args.max_batch_size, args.max_seq_len
     )
     server = grpc.aio.server(options=server_options(receive_bytes=receive, send_bytes=send))
+    inflight = args.max_stream_inflight_requests
     # Registered as the real server registers its servicers (WireMessage-aware serializers).
     add_servicer(
         server,
         attention_pb2_grpc.add_AttentionServiceServicer_to_server,
-        EchoAttention(args.num_heads),
+        EchoAttention(args.num_heads, inflight),
     )
     add_servicer(
         server,
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-        EchoInference(args.num_heads),
+        EchoInference(args.num_heads, inflight),
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,13 @@ from service.engine import choose_providers
 from service.settings import PROVIDERS
 
 Feeds = dict[str, np.ndarray]
+# ONNX type strings of the graph's inputs -> numpy dtypes (a float16 export takes float16).
+ONNX_DTYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(bool)": np.bool_,
+}
 
 
 def session(model: Path, threads: int, provider: str) -> ort.InferenceSession:
@@ -38,11 +45,25 @@ def embed_dim(sess: ort.InferenceSession) -> int:
     return int(sess.get_modelmeta().custom_metadata_map["embed_dim"])
 
 
-def padded_feeds(rows: Sequence[np.ndarray], d: int) -> Feeds:
-    """Sequences padded to the longest, key_padding_mask true on the padding (as the server)."""
+def input_dtypes(sess: ort.InferenceSession) -> dict[str, np.dtype[Any]]:
+    """Each graph input's numpy dtype, read from the session (float32 or float16 models)."""
+    found = {}
+    for node in sess.get_inputs():
+        if node.type not in ONNX_DTYPES:
+            raise ValueError(f"input {node.name} has type {node.type}, not one the bench feeds")
+        found[node.name] = np.dtype(ONNX_DTYPES[node.type])
+    return found
+
+
+def padded_feeds(
+    rows: Sequence[np.ndarray], d: int, dtypes: Mapping[str, np.dtype[Any]] | None = None
+) -> Feeds:
+    """Sequences padded to the longest, key_padding_mask true on the padding (as the server),
+    each input in the graph's own dtype (dtypes from input_dtypes; float32 and bool if None)."""
+    dtypes = dtypes or {}
     longest = max(len(row) for row in rows)
-    x = np.zeros((len(rows), longest, d), np.float32)
-    mask = np.ones((len(rows), longest), bool)
+    x = np.zeros((len(rows), longest, d), dtypes.get("embeddings", np.dtype(np.float32)))
+    mask = np.ones((len(rows), longest), dtypes.get("key_padding_mask", np.dtype(np.bool_)))
     for i, row in enumerate(rows):
         x[i, : len(row)] = row
         mask[i, : len(row)] = False
@@ -86,10 +107,12 @@ def batch_sweep(
     seconds: float,
 ) -> dict[str, Any]:
     rng = np.random.default_rng(0)
-    d = embed_dim(sess)
+    d, dtypes = embed_dim(sess), input_dtypes(sess)
     points = []
     for batch in batch_sizes:
-        feeds = padded_feeds(list(rng.standard_normal((batch, seq, d), dtype=np.float32)), d)
+        feeds = padded_feeds(
+            list(rng.standard_normal((batch, seq, d), dtype=np.float32)), d, dtypes
+        )
 
         def run_batch(feeds: Feeds = feeds, batch: int = batch) -> int:
             sess.run(outputs, feeds)
@@ -107,7 +130,7 @@ def mixed(
     sess: ort.InferenceSession, lengths: Lengths, count: int, outputs: list[str], seconds: float
 ) -> dict[str, Any]:
     rng = np.random.default_rng(0)
-    d = embed_dim(sess)
+    d, dtypes = embed_dim(sess), input_dtypes(sess)
     drawn = [int(n) for n in lengths.draw(rng, count)]
     rows = [rng.standard_normal((n, d), dtype=np.float32) for n in drawn]
     plans = {
@@ -117,7 +140,7 @@ def mixed(
     }
     strategies = {}
     for name, groups in plans.items():
-        batches = [padded_feeds([rows[i] for i in group], d) for group in groups]
+        batches = [padded_feeds([rows[i] for i in group], d, dtypes) for group in groups]
 
         def run_all(batches: list[Feeds] = batches) -> int:
             for feeds in batches:

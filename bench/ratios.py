@@ -5,7 +5,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.report import MIXED, SEQS, Row, find, seq_per_s
+from bench.report import (
+    GROUPING_OFF,
+    GROUPING_OFF_FALLBACK,
+    GROUPING_ON,
+    MIXED,
+    SEQS,
+    Row,
+    failed,
+    find,
+    seq_per_s,
+)
 from bench.stats import ratio
 
 
@@ -17,13 +27,21 @@ def at_least(value: float | None, goal: float) -> bool | None:
     return None if value is None else value >= goal
 
 
-def headline(rows: list[Row], unary: str) -> list[Row]:
+def measured(row: Row | None) -> Row | None:
+    """The row, or None where its run failed: either way the ratio reads "not measured"."""
+    return None if row is None or failed(row) else row
+
+
+def headline(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
+    """Rows of the run's own pinning mode (pinned, or all unpinned with --no-pin)."""
     out = []
     for seq in SEQS:
-        limit = find(rows, group="headline", target="in-process", seq=seq, pinned=True)
+        limit = measured(find(rows, group="headline", target="in-process", seq=seq, pinned=pinned))
         for api in (unary, f"{unary}_stream"):
-            server = find(rows, group="headline", target="server", api=api, seq=seq)
-            ceiling = find(rows, target="ceiling", api=api, seq=seq, pinned=True)
+            server = measured(
+                find(rows, group="headline", target="server", api=api, seq=seq, pinned=pinned)
+            )
+            ceiling = find(rows, target="ceiling", api=api, seq=seq, pinned=pinned)
             value = ratio(seq_per_s(server), seq_per_s(ceiling))
             out.append(
                 entry(
@@ -39,15 +57,20 @@ def headline(rows: list[Row], unary: str) -> list[Row]:
                     ratio(seq_per_s(server), seq_per_s(limit)),
                 )
             )
-            echo = find(rows, target="echo", api=api, seq=seq, pinned=True)
-            if echo and echo.get("requests"):
+            echo = measured(find(rows, target="echo", api=api, seq=seq, pinned=pinned))
+            if echo and echo.get("requests") and echo.get("server_cpu_ms_per_request") is not None:
                 out.append(
                     entry(
                         f"seq {seq} {api}: echo server CPU us per request",
                         echo["server_cpu_ms_per_request"] * 1000,
                     )
                 )
-            if server and limit and server.get("server_cpu_ms_per_sequence") is not None:
+            if (
+                server
+                and limit
+                and server.get("server_cpu_ms_per_sequence") is not None
+                and limit.get("sequences_per_s")
+            ):
                 out.append(
                     entry(
                         f"seq {seq} {api}: server CPU / in-process CPU per sequence",
@@ -59,7 +82,7 @@ def headline(rows: list[Row], unary: str) -> list[Row]:
     return out
 
 
-def batching(rows: list[Row], unary: str) -> list[Row]:
+def batching(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
     out = []
     for seq in SEQS:
         for load in ("c=1", "c=16", "c=64"):
@@ -68,35 +91,58 @@ def batching(rows: list[Row], unary: str) -> list[Row]:
                 if load == "c=64"
                 else find(rows, group="batching", name="batching on", seq=seq, load=load)
             )
-            off = find(rows, group="batching", name="batching off", seq=seq, load=load)
+            on = on if on and on.get("pinned") == pinned else None
+            off = find(
+                rows, group="batching", name="batching off", seq=seq, load=load, pinned=pinned
+            )
             value = ratio(seq_per_s(on), seq_per_s(off))
             out.append(
                 entry(f"seq {seq} {load}: batching on / off", value, ">= 1.0", at_least(value, 1.0))
             )
-    c1 = find(rows, group="batching", name="batching on", seq="16", load="c=1")
-    limit = find(rows, group="headline", target="in-process", seq="16", pinned=True)
-    if c1 and limit:
-        first = limit["points"][0]["ms_per_batch"]  # batch size 1: one call
-        extra = c1["p50_ms"] - first
-        out.append(
-            entry("seq 16 c=1: server p50 - in-process call (ms)", extra, "<= 0.5", extra <= 0.5)
+    c1 = measured(
+        find(rows, group="batching", name="batching on", seq="16", load="c=1", pinned=pinned)
+    )
+    limit = measured(find(rows, group="headline", target="in-process", seq="16", pinned=pinned))
+    points = (limit or {}).get("points") or []
+    p50 = (c1 or {}).get("p50_ms")
+    extra = None
+    if points and p50 is not None and not math.isnan(p50):
+        extra = p50 - points[0]["ms_per_batch"]  # batch size 1: one call
+    out.append(
+        entry(
+            "seq 16 c=1: server p50 - in-process call (ms)",
+            extra,
+            "<= 0.5",
+            None if extra is None else extra <= 0.5,
         )
+    )
     return out
 
 
-def mixed(rows: list[Row]) -> list[Row]:
-    on = find(rows, group="mixed", name="grouping on")
-    off = find(rows, group="mixed", name="grouping off")
-    limit = find(rows, group="mixed", target="in-process", seq=MIXED)
+def mixed(rows: list[Row], pinned: bool = True) -> list[Row]:
+    on = measured(find(rows, group="mixed", name=GROUPING_ON, pinned=pinned))
+    off = find(rows, group="mixed", name=GROUPING_OFF, pinned=pinned)
+    # A server without --length-grouping ran the fallback (still sorted by length): say so.
+    off_name = "off (first-come)"
+    if off is None and find(rows, group="mixed", name=GROUPING_OFF_FALLBACK, pinned=pinned):
+        off = find(rows, group="mixed", name=GROUPING_OFF_FALLBACK, pinned=pinned)
+        off_name = "pad 1.0 (fallback)"
+    off = measured(off)
+    limit = measured(find(rows, group="mixed", target="in-process", seq=MIXED, pinned=pinned))
     value = ratio(seq_per_s(on), seq_per_s(limit))
     out = [
-        entry("mixed: grouping on / off", ratio(seq_per_s(on), seq_per_s(off))),
+        entry(f"mixed: grouping on / {off_name}", ratio(seq_per_s(on), seq_per_s(off))),
         entry("mixed: server / best in-process way", value, ">= 0.75", at_least(value, 0.75)),
     ]
     pad_on, pad_off = (_padding(row) for row in (on, off))
     pad = ratio(pad_on, pad_off)
     out.append(
-        entry("mixed: padding ratio on / off", pad, "<= 0.5", None if pad is None else pad <= 0.5)
+        entry(
+            f"mixed: padding ratio on / {off_name}",
+            pad,
+            "<= 0.5",
+            None if pad is None else pad <= 0.5,
+        )
     )
     return out
 
@@ -106,9 +152,11 @@ def _padding(row: Row | None) -> float | None:
     return metrics.get("mean_padding_ratio")
 
 
-def weights(rows: list[Row], unary: str) -> list[Row]:
-    with_weights = find(rows, group="weights", target="server")
-    none = find(rows, group="headline", target="server", api=unary, seq="128")
+def weights(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
+    with_weights = measured(find(rows, group="weights", target="server", pinned=pinned))
+    none = measured(
+        find(rows, group="headline", target="server", api=unary, seq="128", pinned=pinned)
+    )
     return [
         entry("seq 128: weights / none (seq/s)", ratio(seq_per_s(with_weights), seq_per_s(none)))
     ]
@@ -117,8 +165,8 @@ def weights(rows: list[Row], unary: str) -> list[Row]:
 def unpinned(rows: list[Row]) -> list[Row]:
     out = []
     for seq in SEQS:
-        server = find(rows, group="unpinned", target="server", seq=seq)
-        limit = find(rows, group="unpinned", target="in-process", seq=seq)
+        server = measured(find(rows, group="unpinned", target="server", seq=seq))
+        limit = measured(find(rows, group="unpinned", target="in-process", seq=seq))
         out.append(
             entry(
                 f"unpinned seq {seq}: server / in-process",
@@ -130,20 +178,26 @@ def unpinned(rows: list[Row]) -> list[Row]:
 
 def best_peer(rows: list[Row], seq: str) -> Row | None:
     """The peer configuration with the most sequences/s at this length."""
-    peers = [r for r in rows if r["group"] == "peers" and r["seq"] == seq]
+    peers = [
+        r
+        for r in rows
+        if r["group"] == "peers" and r["seq"] == seq and measured(r) and r.get("sequences_per_s")
+    ]
     return max(peers, key=lambda r: r["sequences_per_s"], default=None)
 
 
-def peers(rows: list[Row], unary: str) -> list[Row]:
+def peers(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
     out = []
     goals = {"16": 2.8, "128": 3.0}
     for seq in SEQS:
-        server = find(rows, group="headline", target="server", api=unary, seq=seq)
+        server = measured(
+            find(rows, group="headline", target="server", api=unary, seq=seq, pinned=pinned)
+        )
         peer = best_peer(rows, seq)
         value = ratio(seq_per_s(server), seq_per_s(peer))
         name = f"seq {seq}: server / {peer['name'] if peer else 'peer'} (seq/s)"
         out.append(entry(name, value, f">= {goals[seq]}", at_least(value, goals[seq])))
-        p99 = ratio(server and server.get("p99_ms"), peer and peer.get("p99_ms"))
+        p99 = ratio((server or {}).get("p99_ms"), (peer or {}).get("p99_ms"))
         out.append(
             entry(
                 f"seq {seq}: server p99 / peer p99",
@@ -155,14 +209,36 @@ def peers(rows: list[Row], unary: str) -> list[Row]:
     return out
 
 
-def all_ratios(rows: list[Row], unary: str, groups: set[str]) -> list[Row]:
+def open_loop(rows: list[Row], pinned: bool = True) -> list[Row]:
+    """Each open-loop rate: what the load generator rejected itself (at --max-outstanding)
+    apart from what the server failed (a gRPC status other than OK)."""
+    out = []
+    for row in rows:
+        if row["group"] != "open" or row.get("pinned") != pinned:
+            continue
+        if failed(row):
+            out.append(entry(f"open {row['name']}: not measured (run failed)", None))
+            continue
+        server_failed = sum((row.get("errors") or {}).values())
+        out.append(entry(f"open {row['name']}: p99 ms", row.get("p99_ms")))
+        out.append(
+            entry(f"open {row['name']}: rejected by load generator", row.get("rejected") or 0)
+        )
+        out.append(entry(f"open {row['name']}: failed by server", server_failed))
+    return out
+
+
+def all_ratios(rows: list[Row], unary: str, groups: set[str], pinned: bool = True) -> list[Row]:
+    """Every section the groups asked for, from rows of the run's pinning mode (pinned=False
+    for a run that was unpinned, by --no-pin or for want of taskset)."""
     sections: dict[str, Any] = {
-        "headline": lambda: headline(rows, unary),
-        "batching": lambda: batching(rows, unary),
-        "mixed": lambda: mixed(rows),
-        "weights": lambda: weights(rows, unary),
+        "headline": lambda: headline(rows, unary, pinned),
+        "batching": lambda: batching(rows, unary, pinned),
+        "mixed": lambda: mixed(rows, pinned),
+        "weights": lambda: weights(rows, unary, pinned),
+        "open": lambda: open_loop(rows, pinned),
         "unpinned": lambda: unpinned(rows),
-        "peers": lambda: peers(rows, unary),
+        "peers": lambda: peers(rows, unary, pinned),
     }
     return [item for name, make in sections.items() if name in groups for item in make()]
 
@@ -171,7 +247,12 @@ def format_ratios(entries: list[Row]) -> str:
     lines = []
     for item in entries:
         missing = item["value"] is None or math.isnan(item["value"])
-        value = "-" if missing else f"{item['value']:.2f}"
+        if missing:
+            value = "-"
+        elif isinstance(item["value"], int):  # a count
+            value = str(item["value"])
+        else:
+            value = f"{item['value']:.2f}"
         verdict = {True: "met", False: "MISSED", None: "not measured"}[item["met"]]
         goal = f"(target {item['target']}: {verdict})" if item["target"] else ""
         lines.append(f"  {item['name']:<62} {value:>8}  {goal}")

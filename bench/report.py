@@ -11,6 +11,11 @@ from bench.stats import stack_ceiling
 Row = dict[str, Any]
 SEQS = ("16", "128")
 MIXED = "uniform:16:256"
+# Names of the mixed-lengths server rows (the ratios find them by these).
+GROUPING_ON = "grouping on"
+GROUPING_OFF = "grouping off (first-come)"  # --length-grouping off
+# A server without --length-grouping: --max-padding-ratio 1.0, which still sorts by length.
+GROUPING_OFF_FALLBACK = "grouping ~off (pad 1.0)"
 
 
 def find(rows: Iterable[Row], **criteria: Any) -> Row | None:
@@ -22,16 +27,21 @@ def seq_per_s(row: Row | None) -> float | None:
     return row.get("sequences_per_s") if row else None
 
 
+def failed(row: Row | None) -> bool:
+    """A row whose run did not finish (its measured keys are None)."""
+    return bool(row and row.get("failed"))
+
+
 def ceiling_rows(rows: list[Row]) -> list[Row]:
     """A stack-ceiling row for each echo row that has a pinned in-process limit beside it."""
     made = []
     for echo in (r for r in rows if r["target"] == "echo"):
-        limit = find(
-            rows, target="in-process", name="in-process", seq=echo["seq"], pinned=echo["pinned"]
-        )
+        limit = find(rows, group=echo["group"], target="in-process", name="in-process",
+                     seq=echo["seq"], pinned=echo["pinned"])  # fmt: skip
         if limit is None:
             continue
-        value = stack_ceiling(echo["sequences_per_s"], limit["sequences_per_s"])
+        both = (seq_per_s(echo), seq_per_s(limit))
+        value = None if None in both else stack_ceiling(*both)  # type: ignore[arg-type]
         made.append(
             {
                 "group": echo["group"],
@@ -93,7 +103,8 @@ COLUMNS = (
     ("compute", 8, ">"),
     ("pad", 5, ">"),
     ("CPU ms/seq", 11, ">"),
-    ("err", 6, ">"),
+    ("err", 6, ">"),  # failed by the server (a gRPC status other than OK)
+    ("rej", 6, ">"),  # rejected by the load generator (open loop at --max-outstanding)
     ("client", 7, ">"),
 )
 
@@ -106,12 +117,14 @@ def _line(cells: Iterable[str]) -> str:
 
 def _inprocess_lines(row: Row) -> list[list[str]]:
     head = [row["group"], "in-process"]
+    if failed(row) or not row.get("best"):
+        return [[*head, f"{row['name']} FAILED"[:26], "-", row["seq"], "-", *["-"] * 12]]
     if "strategies" in row:  # mixed lengths: every way of running them, * on the best
         return [
             [*head, f"{name}{' *' if name == row['best'] else ''}"[:26], "-", row["seq"], "-",
              _num(s["sequences_per_s"]), "-", "-", "-", "-", "-", "-", _num(s["padding_ratio"], 2),
              _num(1000 / s["sequences_per_s"] * row["threads"], 3) if row["threads"] else "-",
-             "-", "-"]
+             "-", "-", "-"]
             for name, s in row["strategies"].items()
         ]  # fmt: skip
     best = row["best"]
@@ -134,13 +147,18 @@ def _inprocess_lines(row: Row) -> list[list[str]]:
             _num(cpu, 3),
             "-",
             "-",
+            "-",
         ]
     ]
 
 
 def _load_line(row: Row) -> list[str]:
     batch, queue, compute, pad = _server_side(row)
-    failed = sum(row.get("errors", {}).values()) + row.get("rejected", 0)
+    if failed(row):
+        errors = rejected = "FAIL"
+    else:
+        errors = str(sum((row.get("errors") or {}).values()))
+        rejected = str(row.get("rejected") or 0)
     return [
         row["group"],
         row["target"],
@@ -148,7 +166,7 @@ def _load_line(row: Row) -> list[str]:
         row["api"],
         row["seq"],
         row["load"],
-        _num(row["sequences_per_s"]),
+        _num(row.get("sequences_per_s")),
         _num(row.get("p50_ms"), 2),
         _num(row.get("p99_ms"), 2),
         _num(row.get("p99.9_ms"), 2),
@@ -157,7 +175,8 @@ def _load_line(row: Row) -> list[str]:
         _num(compute, 2),
         _num(pad, 2),
         _num(row.get("server_cpu_ms_per_sequence"), 3),
-        str(failed),
+        errors,
+        rejected,
         _percent(row.get("client_cpu_utilization")),
     ]
 
@@ -179,7 +198,7 @@ def format_table(rows: list[Row]) -> str:
                         row["seq"],
                         "-",
                         _num(row["sequences_per_s"]),
-                        *["-"] * 10,
+                        *["-"] * 11,
                     ]
                 )
             )

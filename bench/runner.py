@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.launcher import REPO_ROOT, Pinning, Service
+from service.settings import Settings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,9 +39,61 @@ class BenchConfig:
     max_seq_len: int
     provider: str  # auto | cpu | cuda, for the server and the in-process limit
     event_loop: str  # the server's --event-loop, used by the echo server too
-    server_flags: tuple[str, ...]  # passed through to python -m service, last
+    server_flags: tuple[str, ...]  # passed through to python -m service, before a scenario's
     pinning: Pinning
+    malloc_reuse: str = "on"  # the server's --malloc-reuse, used by the echo server too
+    # the server's, used by the echo server too
+    max_stream_inflight_requests: int = Settings.max_stream_inflight_requests
     ready_timeout_s: float = 300.0
+
+
+# What a consumer reads from a load row; a failed run carries each of them as None.
+MEASURED_KEYS = (
+    "window_s",
+    "requests_per_s",
+    "sequences_per_s",
+    "p50_ms",
+    "p90_ms",
+    "p99_ms",
+    "p99.9_ms",
+    "mean_ms",
+    "client_cpu_utilization",
+    "server_cpu_s",
+    "server_cpu_ms_per_request",
+    "server_cpu_ms_per_sequence",
+    "server_cpu_utilization",
+    "server_metrics",
+    "response_timing",
+)
+
+
+def failed_result(reason: str) -> dict[str, Any]:
+    """The row of a load run that did not finish: nothing measured (None), nothing counted,
+    and why; every consumer reads it as "not measured"."""
+    return {
+        **dict.fromkeys(MEASURED_KEYS),
+        "requests": 0,
+        "errors": {},
+        "rejected": 0,
+        "failed": reason,
+    }
+
+
+def failed_inprocess(reason: str, threads: int) -> dict[str, Any]:
+    """The row of an in-process run that did not finish: no limit, no points, and why."""
+    return {"sequences_per_s": None, "best": None, "points": [], "threads": threads,
+            "failed": reason}  # fmt: skip
+
+
+def flag_name(token: str) -> str | None:
+    """--max-batch-size of "--max-batch-size" or "--max-batch-size=8"; None for a value."""
+    return token.split("=", 1)[0] if token.startswith("--") else None
+
+
+def overridden_flags(passthrough: Sequence[str], scenario: Sequence[str]) -> list[str]:
+    """The passthrough flags a scenario sets itself (its own win: they define the scenario)."""
+    own = {name for name in map(flag_name, scenario) if name}
+    return [name for name in dict.fromkeys(map(flag_name, passthrough)) if name in own]
 
 
 def log(message: str) -> None:
@@ -57,33 +110,51 @@ class Runner:
     # -- servers ----------------------------------------------------------------------------
 
     def server_command(self, flags: Sequence[str], pinning: Pinning) -> list[str]:
+        """The passthrough flags first, the scenario's flags last: the last of a repeated
+        flag wins, and a scenario's flags define it (batching off stays off)."""
         c = self.config
         return [
             *pinning.prefix(pinning.server_cpus), sys.executable, "-m", "service",
             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
             "--model-repository", str(c.model_repository),
             "--intra-op-threads", str(pinning.server_threads),
-            "--provider", c.provider, *flags, *c.server_flags,
+            "--provider", c.provider, *c.server_flags, *flags,
         ]  # fmt: skip
+
+    def note(self, message: str) -> None:
+        """A line for the report's notes (once), logged as it happens."""
+        log(f"note: {message}")
+        if message not in self.notes:
+            self.notes.append(message)
 
     @contextmanager
     def server(self, name: str, flags: Sequence[str], pinning: Pinning) -> Iterator[Service]:
-        """Our server with these flags (then the passthrough ones), ready to take load."""
+        """Our server with the passthrough flags, then this scenario's, ready to take load."""
+        for flag in overridden_flags(self.config.server_flags, flags):
+            self.note(
+                f"{name}: the scenario's own {flag} ({' '.join(flags)}) overrides "
+                f"--server-flag {flag} for this server"
+            )
         with Service(name, self.server_command(flags, pinning)) as service:
             service.wait_ready(self.config.ready_timeout_s)
             log(f"{name}: pid {service.pid} on {service.target} {' '.join(flags)}")
             yield service
 
-    @contextmanager
-    def echo(self, pinning: Pinning) -> Iterator[Service]:
+    def echo_command(self, pinning: Pinning) -> list[str]:
+        """The echo server with every server setting it mirrors, as the server resolves them
+        (defaults, environment, passthrough flags)."""
         c = self.config
-        command = [
+        return [
             *pinning.prefix(pinning.server_cpus), sys.executable, "-m", "bench.echo_server",
             "--embed-dim", str(c.embed_dim), "--num-heads", str(c.num_heads),
             "--max-batch-size", str(c.max_batch_size), "--max-seq-len", str(c.max_seq_len),
-            "--event-loop", c.event_loop,
+            "--event-loop", c.event_loop, "--malloc-reuse", c.malloc_reuse,
+            "--max-stream-inflight-requests", str(c.max_stream_inflight_requests),
         ]  # fmt: skip
-        with Service("echo", command) as service:
+
+    @contextmanager
+    def echo(self, pinning: Pinning) -> Iterator[Service]:
+        with Service("echo", self.echo_command(pinning)) as service:
             service.wait_ready(60)
             yield service
 
@@ -125,8 +196,8 @@ class Runner:
             result = json.loads(out.read_text())
         except (subprocess.SubprocessError, OSError, ValueError) as err:
             # One failed run (a server that died, say) costs its row, not the whole run.
-            self.notes.append(f"{group}/{name} {api} seq={seq} {load} failed: {err}")
-            result = {"sequences_per_s": 0.0, "requests": 0, "errors": {"LOADGEN_FAILED": 1}}
+            self.note(f"{group}/{name} {api} seq={seq} {load} failed: {err}")
+            result = failed_result(str(err))
         return self._keep(
             result,
             group=group,
@@ -152,8 +223,12 @@ class Runner:
             "--seconds", str(c.inprocess_seconds), "--json", str(out),
             *(["--weights"] if weights else []),
         ]  # fmt: skip
-        subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=1800)
-        result = json.loads(out.read_text())
+        try:
+            subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=1800)
+            result = json.loads(out.read_text())
+        except (subprocess.SubprocessError, OSError, ValueError) as err:
+            self.note(f"{group} in-process seq={seq} failed: {err}")
+            result = failed_inprocess(str(err), pinning.server_threads)
         name = "in-process" + (" +weights" if weights else "")
         return self._keep(
             result,
@@ -170,11 +245,21 @@ class Runner:
         """Store a result as a row; the scenario's labels (seq as text) win over its keys."""
         row = {**result, **labels}
         self.rows.append(row)
-        p99 = (
-            f", p99 {row['p99_ms']:.1f} ms, errors {row['errors'] or 0}" if "p99_ms" in row else ""
-        )
-        log(
-            f"{row['group']}/{row['name']} {row['api']} seq={row['seq']} {row['load']}: "
-            f"{row['sequences_per_s']:.1f} seq/s{p99}"
-        )
+        log(f"{row['group']}/{row['name']} {row['api']} seq={row['seq']} {row['load']}: "
+            f"{describe(row)}")  # fmt: skip
         return row
+
+
+def describe(row: dict[str, Any]) -> str:
+    """A row in a few words for the log: throughput, p99, what failed where."""
+    if row.get("failed"):
+        return "FAILED (not measured)"
+    text = f"{row['sequences_per_s']:.1f} seq/s"
+    if "p99_ms" in row:
+        text += (
+            f", p99 {row['p99_ms']:.1f} ms, failed by the server {sum(row['errors'].values())}"
+            f" {row['errors'] or ''}".rstrip()
+        )
+        if row.get("config", {}).get("loop") == "open":
+            text += f", rejected by the load generator {row.get('rejected', 0)}"
+    return text

@@ -3,16 +3,52 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from collections.abc import Callable
 
-from bench.launcher import UNPINNED
-from bench.report import MIXED, SEQS
+from bench.launcher import REPO_ROOT, UNPINNED
+from bench.report import GROUPING_OFF, GROUPING_OFF_FALLBACK, GROUPING_ON, MIXED, SEQS, Row
 from bench.runner import Runner, log
 
 GROUPS = ("headline", "batching", "mixed", "weights", "open", "unpinned", "peers")
 STANDARD = tuple(g for g in GROUPS if g != "peers")
 OPEN_FRACTIONS = (0.5, 0.8, 1.0, 1.2)
 BATCHING_CONCURRENCY = (1, 16)  # and the headline concurrency, measured in "headline"
+LENGTH_GROUPING_FLAG = "--length-grouping"
+
+
+def capacity_of(row: Row) -> float:
+    """Requests/s of a closed-loop run; 0.0 (no capacity known) when the run failed."""
+    value = row.get("requests_per_s")
+    return float(value) if value else 0.0
+
+
+@functools.cache
+def server_has_flag(flag: str) -> bool:
+    """Whether `python -m service --help` lists flag (asked once per run)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "service", "--help"],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    except (subprocess.SubprocessError, OSError):
+        return False
+    return flag in done.stdout.split() or f"{flag} " in done.stdout
+
+
+def grouping_off(has_flag: bool) -> tuple[str, list[str], str]:
+    """(row name, server flags, note) of the mixed-lengths "grouping off" server: candidates
+    first-come, only max_batch_size, the caps and the padding limit (at its default) apply.
+    A server without the flag gets the old approximation, and the report says so."""
+    if has_flag:
+        return GROUPING_OFF, [LENGTH_GROUPING_FLAG, "off"], ""
+    note = (
+        f"mixed: the server has no {LENGTH_GROUPING_FLAG} flag yet, so 'grouping off' ran "
+        "as --max-padding-ratio 1.0, which still sorts candidates by length (not first-come): "
+        f"its row is '{GROUPING_OFF_FALLBACK}', so grouping on / off is not against first-come"
+    )
+    return GROUPING_OFF_FALLBACK, ["--max-padding-ratio", "1.0"], note
 
 
 def limits(r: Runner, groups: set[str]) -> None:
@@ -57,14 +93,14 @@ def default_server(r: Runner, groups: set[str]) -> None:
         for seq in SEQS:
             if groups & {"headline", "batching", "weights", "open", "peers"}:
                 row = load(group="headline", name="server", seq=seq)
-                capacity = capacity or float(row["requests_per_s"])  # seq 16 comes first
+                capacity = capacity or capacity_of(row)  # seq 16 comes first
             if "headline" in groups:
                 load(group="headline", name="server", seq=seq, api=f"{unary}_stream")
             if "batching" in groups:
                 for concurrency in BATCHING_CONCURRENCY:
                     load(group="batching", name="batching on", seq=seq, concurrency=concurrency)
         if "mixed" in groups:
-            load(group="mixed", name="grouping on", seq=MIXED)
+            load(group="mixed", name=GROUPING_ON, seq=MIXED)
         if "weights" in groups:
             load(group="weights", name="weights", seq="128", weights=1.0)
         if "open" in groups:
@@ -103,12 +139,15 @@ def other_servers(r: Runner, groups: set[str]) -> None:
                         pinning=pinning,
                     )
     if "mixed" in groups:
-        with r.server("grouping off", ["--max-padding-ratio", "1.0"], pinning) as service:
+        name, flags, note = grouping_off(server_has_flag(LENGTH_GROUPING_FLAG))
+        if note:
+            r.note(note)
+        with r.server(name, flags, pinning) as service:
             r.load(
                 service,
                 group="mixed",
                 target="server",
-                name="grouping off",
+                name=name,
                 api=unary,
                 seq=MIXED,
                 pinning=pinning,

@@ -3,17 +3,25 @@ Nothing here asserts on speed."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
+import grpc
 import numpy as np
 import pytest
 
-from bench import cputime, inprocess, ratios, report, scrape
+from bench import __main__ as bench_main
+from bench import cputime, inprocess, ratios, report, scenarios, scrape
+from bench import echo_server as echo_module
 from bench.launcher import REPO_ROOT, Pinning, Service, choose_pinning, cpu_count
 from bench.payloads import (
     attend_stream_reply,
@@ -23,6 +31,14 @@ from bench.payloads import (
     v2_stream_reply,
     with_id,
 )
+from bench.runner import (
+    BenchConfig,
+    Runner,
+    describe,
+    failed_inprocess,
+    failed_result,
+    overridden_flags,
+)
 from bench.stats import (
     Lengths,
     bucket_counts,
@@ -31,8 +47,10 @@ from bench.stats import (
     poisson_arrivals,
     stack_ceiling,
 )
+from export.pipeline import ExportRequest, run_export
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2
+from service.streaming import StreamCalls
 
 # -- statistics --------------------------------------------------------------------------------
 
@@ -304,13 +322,264 @@ def test_table_has_a_line_per_row_and_dashes_for_gaps() -> None:
     assert "not measured" in text
 
 
+# -- reviewed defects: failed rows, pinning mode, flags, dtypes, rejections --------------------
+
+
+def _config(**overrides: Any) -> BenchConfig:
+    values: dict[str, Any] = {
+        "model_repository": Path("models"), "model": "mha", "model_path": Path("m.onnx"),
+        "embed_dim": 16, "num_heads": 2, "duration_s": 1.0, "warmup_s": 0.5,
+        "inprocess_seconds": 0.1, "mixed_count": 8, "concurrency": 64, "api": "v2",
+        "channels": 1, "max_outstanding": 256, "max_batch_size": 32, "max_seq_len": 512,
+        "provider": "cpu", "event_loop": "auto", "server_flags": (),
+        "pinning": Pinning("1", "0"),
+    }  # fmt: skip
+    return BenchConfig(**(values | overrides))
+
+
+class FakeRunner(Runner):
+    """The scenarios' view of a Runner, with no process started: servers and loads are
+    recorded, and every load run fails (the placeholder the real Runner keeps)."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        super().__init__(config, scratch=Path("unused"))
+        self.servers: list[tuple[str, list[str]]] = []
+
+    @contextmanager
+    def server(self, name: str, flags: Sequence[str], pinning: Pinning) -> Iterator[Any]:
+        self.servers.append((name, list(flags)))
+        yield None
+
+    def load(self, service: Any, **labels: Any) -> dict[str, Any]:
+        pinning = labels.pop("pinning")
+        load = f"rate={labels['rate']:.0f}" if labels.get("rate") else "c=64"
+        for key in ("concurrency", "weights", "model", "embed_dim", "rate"):
+            labels.pop(key, None)
+        return self._keep(failed_result("server died"), **labels, load=load, pinned=pinning.pinned)
+
+    def inprocess(self, **labels: Any) -> dict[str, Any]:
+        pinning = labels.pop("pinning")
+        weights = labels.pop("weights", False)
+        return self._keep(
+            failed_inprocess("crashed", pinning.server_threads),
+            **labels, target="in-process", name="in-process" + (" +weights" if weights else ""),
+            api="-", load="-", pinned=pinning.pinned,
+        )  # fmt: skip
+
+
+def test_failed_rows_go_through_scenarios_ratios_and_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(scenarios, "server_has_flag", lambda flag: True)
+    runner = FakeRunner(_config())
+    groups = set(scenarios.STANDARD) | {"peers"}
+    scenarios.limits(runner, groups)
+    scenarios.echo(runner, groups)
+    scenarios.default_server(runner, groups)  # the capacity run failed: no crash
+    scenarios.other_servers(runner, groups)
+    assert not any(row["group"] == "open" for row in runner.rows)  # no capacity, no open loop
+    assert all(row["failed"] for row in runner.rows)
+    placeholder = failed_result("x")
+    for key in ("requests_per_s", "sequences_per_s", "p50_ms", "p99_ms", "p99.9_ms",
+                "server_cpu_ms_per_request", "server_cpu_ms_per_sequence"):  # fmt: skip
+        assert key in placeholder
+        assert placeholder[key] is None
+    rows = runner.rows + report.ceiling_rows(runner.rows)
+    for pinned in (True, False):
+        found = ratios.all_ratios(rows, "v2", groups, pinned=pinned)
+        assert found
+        assert all(item["value"] is None and item["met"] is None for item in found)
+        assert "MISSED" not in ratios.format_ratios(found)
+    for section in (ratios.headline, ratios.batching, ratios.weights, ratios.peers):
+        assert all(item["value"] is None for item in section(rows, "v2"))
+    for simple in (ratios.mixed, ratios.unpinned, ratios.open_loop):
+        assert all(item["value"] is None for item in simple(rows))
+    table = report.format_table(rows)
+    assert table.count("FAIL") >= len(rows) - len(report.ceiling_rows(runner.rows))
+
+
+def test_a_failed_row_among_measured_ones_reads_not_measured() -> None:
+    rows = _rows()
+    rows[2] = {**rows[2], **failed_result("server died")}  # the server at seq 16
+    rows.append({**rows[2], "group": "batching", "name": "batching on", "load": "c=1"})
+    found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline", "batching"})}
+    assert found["seq 16 v2: server / in-process"]["value"] is None
+    assert found["seq 16 c=1: server p50 - in-process call (ms)"]["met"] is None
+    assert scenarios.capacity_of(rows[2]) == 0.0
+    assert scenarios.capacity_of({"requests_per_s": 812.5}) == 812.5
+
+
+def test_no_pin_ratios_come_from_unpinned_rows() -> None:
+    rows = [{**row, "pinned": False} for row in _rows()]
+    rows += report.ceiling_rows(rows)
+    found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline"}, pinned=False)}
+    value = found["seq 16 v2: server / stack ceiling"]["value"]
+    assert value == pytest.approx(1500.0 / stack_ceiling(4000.0, 3000.0))
+    assert found["seq 16 v2: server / in-process"]["value"] == pytest.approx(0.5)
+    pinned_view = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline"})}
+    assert pinned_view["seq 16 v2: server / stack ceiling"]["value"] is None
+
+
+def test_grouping_off_is_first_come_or_a_noted_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    name, flags, note = scenarios.grouping_off(True)
+    assert (name, flags, note) == (report.GROUPING_OFF, ["--length-grouping", "off"], "")
+    assert "--max-padding-ratio" not in flags  # the padding limit stays at its default
+    name, flags, note = scenarios.grouping_off(False)
+    assert name == report.GROUPING_OFF_FALLBACK
+    assert flags == ["--max-padding-ratio", "1.0"]
+    assert "--length-grouping" in note
+    monkeypatch.setattr(scenarios, "server_has_flag", lambda flag: False)
+    runner = FakeRunner(_config())
+    scenarios.other_servers(runner, {"mixed"})
+    assert runner.servers == [(report.GROUPING_OFF_FALLBACK, ["--max-padding-ratio", "1.0"])]
+    assert any("--length-grouping" in note for note in runner.notes)
+    rows = [{**row, "group": "mixed", "name": report.GROUPING_ON, "sequences_per_s": 200.0}
+            for row in _rows()[1:2]]  # fmt: skip
+    rows.append({**rows[0], "name": report.GROUPING_OFF_FALLBACK, "sequences_per_s": 100.0})
+    found = {r["name"]: r for r in ratios.mixed(rows)}
+    assert found["mixed: grouping on / pad 1.0 (fallback)"]["value"] == 2.0
+
+
+def test_server_has_flag_reads_the_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    help_text = (
+        "usage: python -m service [--max-batch-size N]\n  --length-grouping LENGTH_GROUPING\n"
+    )
+    done = subprocess.CompletedProcess([], 0, stdout=help_text, stderr="")
+    monkeypatch.setattr(scenarios.subprocess, "run", lambda *a, **k: done)
+    scenarios.server_has_flag.cache_clear()
+    try:
+        assert scenarios.server_has_flag("--length-grouping")
+        assert not scenarios.server_has_flag("--length-group")
+    finally:
+        scenarios.server_has_flag.cache_clear()
+
+
+def test_scenario_flags_come_last_and_overrides_are_noted(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _config(server_flags=("--max-batch-size=8", "--max-queue-delay-ms", "2"))
+    runner = Runner(config, scratch=Path("unused"))
+    command = runner.server_command(["--max-batch-size", "1"], config.pinning)
+    assert command[-2:] == ["--max-batch-size", "1"]  # the scenario's word is the last
+    assert command.index("--max-batch-size=8") < command.index("--max-batch-size")
+    assert overridden_flags(config.server_flags, ["--max-batch-size", "1"]) == ["--max-batch-size"]
+    assert overridden_flags(config.server_flags, ["--length-grouping=off"]) == []
+
+    class NoProcess:
+        def __init__(self, name: str, command: list[str]) -> None:
+            self.pid, self.target = 0, "-"
+
+        def __enter__(self) -> NoProcess:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def wait_ready(self, timeout_s: float) -> None:
+            return None
+
+    monkeypatch.setattr("bench.runner.Service", NoProcess)
+    with runner.server("batching off", ["--max-batch-size", "1"], config.pinning):
+        pass
+    with runner.server("batching on", [], config.pinning):
+        pass
+    assert len(runner.notes) == 1
+    assert "batching off" in runner.notes[0]
+    assert "--max-batch-size" in runner.notes[0]
+
+
+def test_echo_gets_every_server_setting_it_mirrors(tmp_path: Path) -> None:
+    run_export(ExportRequest(name="mha", embed_dim=16, num_heads=2, out=tmp_path))
+    args = bench_main.parse_args([
+        "--model-repository", str(tmp_path), "--no-pin",
+        "--server-flag=--malloc-reuse=off", "--server-flag=--event-loop=asyncio",
+        "--server-flag=--max-stream-inflight-requests=7", "--server-flag=--max-batch-size=4",
+        "--server-flag=--max-seq-len=64",
+    ])  # fmt: skip
+    config = bench_main.build_config(args)
+    command = Runner(config, scratch=tmp_path).echo_command(config.pinning)
+    flags = dict(itertools.pairwise(command))
+    assert flags["--malloc-reuse"] == "off"
+    assert flags["--event-loop"] == "asyncio"
+    assert flags["--max-stream-inflight-requests"] == "7"
+    assert (flags["--max-batch-size"], flags["--max-seq-len"]) == ("4", "64")
+    assert (flags["--embed-dim"], flags["--num-heads"]) == ("16", "2")
+    echo_args = echo_module.parse_args(command[command.index("bench.echo_server") + 1 :])
+    assert echo_args.malloc_reuse == "off"
+    assert echo_args.max_stream_inflight_requests == 7
+
+
+def test_inprocess_feeds_a_float16_graph_in_float16(tmp_path: Path) -> None:
+    export = run_export(
+        ExportRequest(name="half", embed_dim=16, num_heads=2, dtype="float16", out=tmp_path)
+    )
+    for graph, outputs in ((export.files.output_only, ["output"]),
+                           (export.files.with_weights, ["output", "attention_weights"])):  # fmt: skip
+        sess = inprocess.session(graph, 1, "cpu")
+        assert inprocess.input_dtypes(sess)["embeddings"] == np.float16
+        sweep = inprocess.batch_sweep(sess, 4, [1, 2], outputs, 0.0)
+        assert sweep["sequences_per_s"] > 0
+        mixed = inprocess.mixed(sess, Lengths.parse("uniform:2:6"), 8, outputs, 0.0)
+        assert set(mixed["strategies"]) == {"alone", "sorted by length, b=8", "first-come, b=32"}
+    feeds = inprocess.padded_feeds([np.ones((2, 3), np.float32)], 3, inprocess.input_dtypes(sess))
+    assert feeds["embeddings"].dtype == np.float16
+    assert feeds["key_padding_mask"].dtype == np.bool_
+
+
+def test_rejections_by_the_load_generator_are_apart_from_server_errors() -> None:
+    base = _rows()[2]
+    open_row = {**base, "group": "open", "name": "120% of capacity", "load": "rate=1800",
+                "errors": {"UNAVAILABLE": 2}, "rejected": 5, "config": {"loop": "open"}}  # fmt: skip
+    table = report.format_table([open_row]).splitlines()
+    header, line = table[0].split(), table[1].split()
+    assert header[-3:] == ["err", "rej", "client"]
+    assert line[-3:] == ["2", "5", "50%"]  # failed by the server, rejected by the client
+    found = {r["name"]: r["value"] for r in ratios.all_ratios([open_row], "v2", {"open"})}
+    assert found["open 120% of capacity: rejected by load generator"] == 5
+    assert found["open 120% of capacity: failed by server"] == 2
+    text = ratios.format_ratios(ratios.open_loop([open_row]))
+    assert "rejected by load generator" in text
+    assert "failed by server" in text
+    said = describe(open_row)
+    assert "rejected by the load generator 5" in said
+    assert "failed by the server 2" in said
+
+
+def test_echo_streams_go_through_the_real_stream_machinery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[tuple[Any, int]] = []
+
+    async def fake_serve_stream(calls: Any, requests: Any, context: Any, *, max_inflight: int):
+        seen.append((calls, max_inflight))
+
+    monkeypatch.setattr(echo_module, "serve_stream", fake_serve_stream)
+    attention = echo_module.EchoAttention(2, 3)
+    inference = echo_module.EchoInference(2, 5)
+    asyncio.run(attention.AttendStream(cast(Any, None), cast(Any, None)))
+    asyncio.run(inference.ModelStreamInfer(cast(Any, None), cast(Any, None)))
+    (attend_calls, attend_bound), (v2_calls, v2_bound) = seen
+    assert isinstance(attend_calls, StreamCalls)
+    assert (attend_calls.api, attend_bound) == ("attention_stream", 3)
+    assert (v2_calls.api, v2_bound) == ("v2_stream", 5)
+    request = pb.AttendRequest(request_id="r", embeddings=pb.Tensor(shape=[2, 2], data=bytes(16)))
+    answer = asyncio.run(attention._stream_answer(request, cast(Any, None)))
+    reply = attend_stream_reply(answer.serialize())
+    assert (reply.request_id, reply.code) == ("r", "OK")
+    error = attend_calls.failure(request, grpc.StatusCode.INVALID_ARGUMENT, "bad")
+    assert attend_stream_reply(error.SerializeToString()).code == "INVALID_ARGUMENT"
+    v2_request = v2.ModelInferRequest(id="q")
+    assert v2_stream_reply(v2_calls.failure(v2_request, grpc.StatusCode.INTERNAL, "no")
+                           .SerializeToString()).code == "STREAM_ERROR"  # fmt: skip
+
+
 # -- end to end: load generator against the echo server ---------------------------------------
 
 
 @pytest.fixture(scope="module")
-def echo_server() -> Service:
+def echo_server() -> Iterator[Service]:
+    # A small stream bound, so the streaming runs below (4 callers) meet the back-pressure.
     with Service("echo", [sys.executable, "-m", "bench.echo_server", "--embed-dim", "16",
-                          "--num-heads", "2"]) as service:  # fmt: skip
+                          "--num-heads", "2", "--max-stream-inflight-requests", "2",
+                          "--malloc-reuse", "off"]) as service:  # fmt: skip
         service.wait_ready(30)
         yield service
 
@@ -318,6 +587,7 @@ def echo_server() -> Service:
 @pytest.mark.parametrize(
     ("api", "extra"),
     [("attention", ["--weights-fraction", "0.5"]), ("v2_stream", ["--seq", "uniform:2:9"]),
+     ("attention_stream", ["--weights-fraction", "0.5"]),
      ("v2", ["--rate", "200", "--max-outstanding", "4"])],
 )  # fmt: skip
 def test_loadgen_against_echo_server_writes_json(
@@ -337,5 +607,5 @@ def test_loadgen_against_echo_server_writes_json(
     assert result["sequences_per_s"] == pytest.approx(result["requests_per_s"])
     assert result["p50_ms"] <= result["p99_ms"] <= result["p99.9_ms"]
     assert result["server_cpu_s"] >= 0
-    if api == "attention":  # the echo server answers batch_size 1 in its timing
+    if api.startswith("attention"):  # the echo server answers batch_size 1 in its timing
         assert result["response_timing"]["requests_by_batch_size"] == {"1": result["requests"]}
