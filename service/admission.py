@@ -38,9 +38,18 @@ async def admit_and_run(
             f"model {model.spec.name!r} version {model.spec.version} was exported without "
             "the attention_weights graph; do not ask for the weights"
         )
+    cast = batch.astype(model.spec.dtype, copy=False)
+    if cast is not batch and not np.isfinite(cast).all():
+        # Finite float32 values above float16's range (65504) become inf in the cast.
+        bad = int(np.count_nonzero(~np.isfinite(cast)))
+        raise InvalidInput(
+            f"embeddings holds {bad} values outside {cast.dtype}'s finite range (largest "
+            f"{float(np.finfo(cast.dtype).max):g}), the dtype of model {model.spec.name!r}; "
+            "scale them down"
+        )
     return await batcher.submit(
         model,
-        batch.astype(model.spec.dtype, copy=False),
+        cast,
         with_weights=with_weights,
         deadline=deadline_of(context),
     )

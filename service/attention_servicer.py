@@ -18,7 +18,7 @@ from service.generated.attention.v1 import attention_pb2_grpc
 from service.registry import SERVER_LABEL, ModelRegistry
 from service.rpc import rpc
 from service.settings import Settings
-from service.streaming import StreamCalls, serve_stream
+from service.streaming import StreamCalls, StreamCloser, serve_stream
 from service.validation import InputLimits
 from service.wire import WireMessage, settled
 
@@ -74,6 +74,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         limits: InputLimits,
         *,
         max_stream_inflight_requests: int = DEFAULT_STREAM_INFLIGHT,
+        streams: StreamCloser | None = None,
     ) -> None:
         self._registry = registry
         self._batcher = batcher
@@ -85,6 +86,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             failure=_stream_error,
             model_label=self.model_label,
             request_id=self.request_id,
+            closer=streams,
         )
 
     def model_label(self, request: Any) -> str:

@@ -36,7 +36,9 @@ class BatchLimits:
     max_queue_delay_s: float
     max_queue_size: int
     max_padding_ratio: float = 0.5
-    max_inflight_batches: int = 1
+    max_inflight_batches: int = 4  # all models together
+    max_inflight_batches_per_model: int = 1  # per model version
+    max_queue_bytes: int = 1 << 62  # embeddings bytes waiting, all models
 
 
 @dataclass(frozen=True)

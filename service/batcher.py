@@ -1,18 +1,23 @@
-"""Dynamic batcher: one queue per (model version, wants-weights), one scheduler, bounded compute.
+"""Dynamic batcher: one queue per (model version, wants-weights), one supervised scheduler,
+compute slots per model version under a global cap.
 
 A batch closes when its queue holds max_batch_size sequences or its oldest request has
-waited max_queue_delay; while every compute slot is busy, queues keep filling, so load
-turns into larger batches instead of longer queues of small ones.
+waited max_queue_delay; while a version's compute slots are busy its queues keep filling, so
+load turns into larger batches instead of longer queues of small ones. Each model version
+has its own slots, so a small model never waits behind another model's large batch.
+A request leaves the queue the moment its caller goes away or its deadline passes, so dead
+requests never hold queue room (by count or by bytes) that a live one could use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -21,19 +26,16 @@ import numpy as np
 from service import metrics
 from service.batch_types import BatchFailed, BatchLimits, Result, Runner
 from service.batching import choose_batch, merge, padding_ratio, split
-from service.errors import DeadlineExpired, QueueFull, ShuttingDown
+from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull, ShuttingDown
 from service.statistics import InferenceStatistics
 
 log = logging.getLogger(__name__)
 GRAPHS = {False: "output", True: "output+attention_weights"}
 
 
-@dataclass(eq=False)
-class _Pending:
-    embeddings: np.ndarray  # [n, seq, d]
-    future: asyncio.Future[Result]
-    enqueued_at: float
-    deadline: float | None
+class SchedulerFailed(ShuttingDown):
+    """The batch scheduler died; this replica computes nothing more (UNAVAILABLE: retry
+    on another one)."""
 
 
 @dataclass(eq=False)
@@ -46,15 +48,27 @@ class _Queue:
         return sum(item.embeddings.shape[0] for item in self.items)
 
 
+@dataclass(eq=False)
+class _Pending:
+    embeddings: np.ndarray  # [n, seq, d]
+    future: asyncio.Future[Result]
+    enqueued_at: float
+    deadline: float | None
+    queue: _Queue
+    queued: bool = True
+    timer: asyncio.TimerHandle | None = None
+
+
 @dataclass(frozen=True)
 class _Computed:
     parts: list[tuple[np.ndarray, np.ndarray | None]]
+    finite: list[bool]
     compute_s: float
     padding: float
 
 
 def _compute(runner: Runner, arrays: Sequence[np.ndarray], with_weights: bool) -> _Computed:
-    """Runs on the executor thread: merge, ONNX Runtime, split."""
+    """Runs on the executor thread: merge, ONNX Runtime, split, finiteness of each part."""
     started = time.monotonic()
     embeddings, mask = merge(arrays)
     output, weights = runner.run(embeddings, mask, with_weights)
@@ -65,26 +79,41 @@ def _compute(runner: Runner, arrays: Sequence[np.ndarray], with_weights: bool) -
         (np.ascontiguousarray(out), None if w is None else np.ascontiguousarray(w))
         for out, w in split(output, weights, shapes)
     ]
+    # Finite inputs can still overflow the model's arithmetic; such a part is never an OK.
+    finite = [
+        bool(np.isfinite(out).all()) and (w is None or bool(np.isfinite(w).all()))
+        for out, w in parts
+    ]
     padding = padding_ratio([s[0] for s in shapes], [s[1] for s in shapes])
-    return _Computed(parts, time.monotonic() - started, padding)
+    return _Computed(parts, finite, time.monotonic() - started, padding)
 
 
 class Batcher:
     """Use start(), then submit() from request handlers; drain() then stop() on shutdown."""
 
-    def __init__(self, limits: BatchLimits, statistics: InferenceStatistics | None = None) -> None:
+    def __init__(
+        self,
+        limits: BatchLimits,
+        statistics: InferenceStatistics | None = None,
+        *,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self._limits = limits
         self.statistics = statistics or InferenceStatistics()
+        self._on_failure = on_failure
         self._queues: dict[tuple[str, bool], _Queue] = {}
         self._pending = 0
+        self._pending_bytes = 0
         self._running = 0
+        self._running_by_key: dict[str, int] = defaultdict(int)
         self._accepting = False
         self._flushing = False  # close batches at once instead of waiting for them to fill
+        self._failure: BaseException | None = None
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._slots = asyncio.Semaphore(limits.max_inflight_batches)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._computing: set[_Pending] = set()
         self._scheduler: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(
             max_workers=limits.max_inflight_batches, thread_name_prefix="batch-compute"
@@ -92,7 +121,12 @@ class Batcher:
 
     async def start(self) -> None:
         self._scheduler = asyncio.create_task(self._schedule(), name="batch-scheduler")
+        self._scheduler.add_done_callback(self._on_scheduler_done)
         self._accepting = True
+
+    def refuse_new(self) -> None:
+        """From now on submit() answers UNAVAILABLE; what is queued is still computed."""
+        self._accepting = False
 
     async def submit(
         self,
@@ -106,141 +140,179 @@ class Batcher:
 
         deadline is on the time.monotonic() clock; past it the request is never computed.
         """
+        self._admit(embeddings.nbytes)
+        loop = asyncio.get_running_loop()
+        key = (runner.key, with_weights)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = _Queue(runner, with_weights)
+        item = _Pending(embeddings, loop.create_future(), time.monotonic(), deadline, queue)
+        item.future.add_done_callback(functools.partial(self._on_done, item))
+        if deadline is not None:
+            item.timer = loop.call_later(deadline - item.enqueued_at, self._expire, item)
+        queue.items.append(item)
+        self._count(1, embeddings.nbytes)
+        self._wakeup.set()
+        return await item.future
+
+    def _admit(self, nbytes: int) -> None:
+        limits = self._limits
+        if self._failure is not None:
+            raise SchedulerFailed("this server's batch scheduler failed; retry on another replica")
         if not self._accepting:
             raise ShuttingDown(
                 "server is not accepting requests (starting up or shutting down); retry"
             )
-        if self._pending >= self._limits.max_queue_size:
+        if self._pending >= limits.max_queue_size:
             raise QueueFull(
                 f"queue full: {self._pending} requests waiting (max_queue_size="
-                f"{self._limits.max_queue_size}); retry with backoff"
+                f"{limits.max_queue_size}); retry with backoff"
             )
-        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        future.add_done_callback(self._on_done)
-        queue = self._queues.get((runner.key, with_weights))
-        if queue is None:
-            queue = self._queues[(runner.key, with_weights)] = _Queue(runner, with_weights)
-        queue.items.append(_Pending(embeddings, future, time.monotonic(), deadline))
-        self._set_pending(self._pending + 1)
-        self._wakeup.set()
-        return await future
+        # An empty queue takes any legal request, so no request is refused forever.
+        if self._pending and self._pending_bytes + nbytes > limits.max_queue_bytes:
+            raise QueueFull(
+                f"queue full: {self._pending_bytes} bytes waiting, this request adds {nbytes} "
+                f"(max_queue_bytes={limits.max_queue_bytes}); retry with backoff"
+            )
 
     async def drain(self) -> None:
-        """Compute every queued request without waiting for batches to fill; return when idle.
-        Requests still arriving (accepted by gRPC before shutdown) are served too."""
+        """Compute every queued request without waiting for batches to fill; return when idle."""
         self._flushing = True
         self._wakeup.set()
         await self._idle.wait()
 
-    async def stop(self) -> None:
-        """Stop the scheduler; anything still queued fails with UNAVAILABLE."""
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Stop the scheduler; anything still queued fails with UNAVAILABLE. Batches still
+        computing after timeout_s are left to their threads (ONNX Runtime cannot be
+        interrupted), so a shutdown is not held up by them."""
         self._accepting = False
         if self._scheduler is not None:
             self._scheduler.cancel()
             await asyncio.gather(self._scheduler, return_exceptions=True)
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for queue in self._queues.values():
-            while queue.items:
-                item = queue.items.popleft()
-                if not item.future.done():
-                    item.future.set_exception(ShuttingDown("server stopped before computing it"))
-        self._set_pending(0)
-        self._executor.shutdown(wait=True)
+        self.fail_queued(ShuttingDown("server stopped before computing it"))
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        self._executor.shutdown(wait=timeout_s is None, cancel_futures=True)
 
-    # -- scheduling -------------------------------------------------------------------------
+    def fail_running(self, error: Exception) -> None:
+        """Answer the requests of batches still computing with error now; their results,
+        when they come, are dropped."""
+        for item in self._computing:
+            if not item.future.done():
+                item.future.set_exception(error)
 
-    def _on_done(self, future: asyncio.Future[Result]) -> None:
-        if future.cancelled():
-            self._wakeup.set()  # let the scheduler drop it from its queue now
+    # -- queue accounting -------------------------------------------------------------------
 
-    def _set_pending(self, value: int) -> None:
-        self._pending = value
-        metrics.QUEUE_DEPTH.set(value)
-        if value == 0 and self._running == 0:
+    def _count(self, requests: int, nbytes: int) -> None:
+        self._pending += requests
+        self._pending_bytes += nbytes
+        metrics.QUEUE_DEPTH.set(self._pending)
+        metrics.QUEUE_BYTES.set(self._pending_bytes)
+        if self._pending == 0 and self._running == 0:
             self._idle.set()
         else:
             self._idle.clear()
 
+    def _unqueue(self, item: _Pending) -> bool:
+        """Take item out of its queue; False if it had already left (taken or dropped)."""
+        if not item.queued:
+            return False
+        item.queued = False
+        if item.timer is not None:
+            item.timer.cancel()
+        item.queue.items.remove(item)
+        self._count(-1, -item.embeddings.nbytes)
+        return True
+
+    def _dropped(self, item: _Pending, reason: str) -> None:
+        waited = time.monotonic() - item.enqueued_at
+        metrics.DROPPED.labels(item.queue.runner.label, reason).inc()
+        self.statistics.record_failure(item.queue.runner.key, waited)
+
+    def _on_done(self, item: _Pending, future: asyncio.Future[Result]) -> None:
+        # The caller went away (cancelled, or gRPC cancelled it at its deadline): free its
+        # place now, not when the scheduler next looks.
+        if future.cancelled() and self._unqueue(item):
+            expired = item.deadline is not None and item.deadline <= time.monotonic()
+            self._dropped(item, "deadline" if expired else "cancelled")
+            self._wakeup.set()
+
+    def _expire(self, item: _Pending) -> None:
+        if not self._unqueue(item):
+            return
+        self._dropped(item, "deadline")
+        if not item.future.done():
+            waited = time.monotonic() - item.enqueued_at
+            item.future.set_exception(
+                DeadlineExpired(
+                    f"deadline passed after {waited:.3f}s in the queue, before compute; "
+                    "allow more time or lower the load"
+                )
+            )
+
+    def fail_queued(self, error: Exception) -> None:
+        """Fail every request still waiting (not those computing) with error."""
+        for queue in self._queues.values():
+            for item in list(queue.items):
+                self._unqueue(item)
+                if not item.future.done():
+                    item.future.set_exception(error)
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def _on_scheduler_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        assert error is not None
+        log.error("batch scheduler failed; failing queued requests", exc_info=error)
+        self._failure = error
+        self._accepting = False
+        self.fail_queued(SchedulerFailed("this server's batch scheduler failed; retry"))
+        if self._on_failure is not None:
+            self._on_failure(error)
+
     async def _schedule(self) -> None:
         while True:
-            await self._slots.acquire()
-            try:
-                queue, batch = await self._next_batch()
-            except BaseException:
-                self._slots.release()
-                raise
-            task = asyncio.create_task(self._run(queue, batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _next_batch(self) -> tuple[_Queue, list[_Pending]]:
-        while True:
             self._wakeup.clear()
-            now = time.monotonic()
-            self._drop_dead(now)
-            queue, wait_s = self._ready_queue(now)
-            if queue is not None:
-                return queue, self._take(queue)
+            wait_s = self._launch_ready(time.monotonic())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=wait_s)
 
-    def _drop_dead(self, now: float) -> None:
-        """Remove cancelled and expired requests before they cost any compute."""
-
-        def dead(item: _Pending) -> bool:
-            return item.future.cancelled() or (item.deadline is not None and item.deadline <= now)
-
-        removed = 0
-        for queue in self._queues.values():
-            if not any(dead(item) for item in queue.items):
-                continue  # the common case: no new deque on every wake-up
-            alive: deque[_Pending] = deque()
-            for item in queue.items:
-                expired = item.deadline is not None and item.deadline <= now
-                if item.future.cancelled():
-                    # gRPC cancels the handler when the client's deadline passes.
-                    reason = "deadline" if expired else "cancelled"
-                    metrics.DROPPED.labels(queue.runner.label, reason).inc()
-                elif expired:
-                    metrics.DROPPED.labels(queue.runner.label, "deadline").inc()
-                    self.statistics.record_failure(queue.runner.key, now - item.enqueued_at)
-                    item.future.set_exception(
-                        DeadlineExpired(
-                            f"deadline passed after {now - item.enqueued_at:.3f}s in the queue, "
-                            "before compute; allow more time or lower the load"
-                        )
-                    )
-                else:
-                    alive.append(item)
-                    continue
-                removed += 1
-            queue.items = alive
-        if removed:
-            self._set_pending(self._pending - removed)
+    def _launch_ready(self, now: float) -> float | None:
+        """Start every batch that is ready and has a free slot; else how long until one is
+        due (None: until woken)."""
+        while self._running < self._limits.max_inflight_batches:
+            queue, wait_s = self._ready_queue(now)
+            if queue is None:
+                return wait_s
+            batch = self._take(queue)
+            if batch:
+                task = asyncio.create_task(self._run(queue, batch))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        return None  # every slot is busy; a finishing batch wakes the scheduler
 
     def _ready_queue(self, now: float) -> tuple[_Queue | None, float | None]:
-        """The ready queue with the oldest head, else how long until one becomes ready."""
+        """The ready queue with the oldest head among versions with a free slot, else how
+        long until one becomes ready."""
         ready: _Queue | None = None
         wait_s: float | None = None
+        per_model = self._limits.max_inflight_batches_per_model
         for queue in self._queues.values():
-            if not queue.items:
+            if not queue.items or self._running_by_key[queue.runner.key] >= per_model:
                 continue
             head = queue.items[0]
             due = head.enqueued_at + self._limits.max_queue_delay_s
-            is_ready = (
+            if (
                 self._flushing
                 or due <= now
                 or queue.sequences() >= self._cap(queue, head.embeddings.shape[1])
-            )
-            if is_ready:
+            ):
                 if ready is None or head.enqueued_at < ready.items[0].enqueued_at:
                     ready = queue
             else:
-                # Wake for the batch's due time, or sooner to drop a request whose
-                # deadline passes while it waits.
-                deadlines = [item.deadline for item in queue.items if item.deadline is not None]
-                wake = min([due, *deadlines]) - now
-                wait_s = wake if wait_s is None else min(wait_s, wake)
+                wait_s = due - now if wait_s is None else min(wait_s, due - now)
         return ready, wait_s
 
     def _cap(self, queue: _Queue, longest_seq: int) -> int:
@@ -248,62 +320,90 @@ class Batcher:
         return min(self._limits.max_batch_size, queue.runner.batch_caps.cap_for(longest_seq))
 
     def _take(self, queue: _Queue) -> list[_Pending]:
+        for item in [item for item in queue.items if item.future.done()]:
+            # Cancelled, its done-callback not yet run: drop it here, never compute it.
+            self._unqueue(item)
+            self._dropped(item, "cancelled")
         items = list(queue.items)
-        chosen = choose_batch(
-            [item.embeddings.shape[0] for item in items],
-            [item.embeddings.shape[1] for item in items],
-            max_sequences=self._limits.max_batch_size,
-            max_padding=self._limits.max_padding_ratio,
-            cap_for=queue.runner.batch_caps.cap_for,
-        )
-        picked = set(chosen)
-        queue.items = deque(item for i, item in enumerate(items) if i not in picked)
+        if not items:
+            return []
+        chosen = [
+            items[i]
+            for i in choose_batch(
+                [item.embeddings.shape[0] for item in items],
+                [item.embeddings.shape[1] for item in items],
+                max_sequences=self._limits.max_batch_size,
+                max_padding=self._limits.max_padding_ratio,
+                cap_for=queue.runner.batch_caps.cap_for,
+            )
+        ]
         # Counted as running before it leaves the queue: drain() never sees a false idle.
         self._running += 1
-        self._set_pending(self._pending - len(chosen))
-        return [items[i] for i in chosen]
+        self._running_by_key[queue.runner.key] += 1
+        for item in chosen:
+            self._unqueue(item)
+        return chosen
 
     async def _run(self, queue: _Queue, batch: list[_Pending]) -> None:
         started = time.monotonic()
-        label = queue.runner.label
+        runner = queue.runner
         loop = asyncio.get_running_loop()
+        self._computing.update(batch)
         try:
             computed = await loop.run_in_executor(
                 self._executor,
                 _compute,
-                queue.runner,
+                runner,
                 [item.embeddings for item in batch],
                 queue.with_weights,
             )
         except Exception as err:
-            log.exception("batch of %d requests on %s failed", len(batch), queue.runner.key)
-            self.statistics.record_failure(queue.runner.key, time.monotonic() - started, len(batch))
+            log.exception("batch of %d requests on %s failed", len(batch), runner.key)
+            self.statistics.record_failure(runner.key, time.monotonic() - started, len(batch))
             for item in batch:
                 if not item.future.done():
-                    failure = BatchFailed(f"batch on {queue.runner.key} failed")
+                    failure = BatchFailed(f"batch on {runner.key} failed")
                     failure.__cause__ = err
                     item.future.set_exception(failure)
         else:
-            sequences = sum(item.embeddings.shape[0] for item in batch)
-            metrics.BATCHES.labels(label, GRAPHS[queue.with_weights]).inc()
-            metrics.BATCH_SIZE.labels(label).observe(sequences)
-            metrics.PADDING_RATIO.labels(label).observe(computed.padding)
-            metrics.COMPUTE_DURATION.labels(label).observe(computed.compute_s)
-            self.statistics.record_batch(
-                queue.runner.key,
-                sequences,
-                [started - item.enqueued_at for item in batch],
-                computed.compute_s,
-            )
-            for item, (output, weights) in zip(batch, computed.parts, strict=True):
-                queue_s = started - item.enqueued_at
-                metrics.queue_duration(label).observe(queue_s)
-                if not item.future.done():
-                    item.future.set_result(
-                        Result(output, weights, queue_s, computed.compute_s, sequences)
-                    )
+            self._deliver(queue, batch, computed, started)
         finally:
+            self._computing.difference_update(batch)
             self._running -= 1
-            self._slots.release()
-            self._set_pending(self._pending)
+            self._running_by_key[runner.key] -= 1
+            self._count(0, 0)
             self._wakeup.set()
+
+    def _deliver(
+        self, queue: _Queue, batch: list[_Pending], computed: _Computed, started: float
+    ) -> None:
+        runner, label = queue.runner, queue.runner.label
+        sequences = sum(item.embeddings.shape[0] for item in batch)
+        metrics.BATCHES.labels(label, GRAPHS[queue.with_weights]).inc()
+        metrics.BATCH_SIZE.labels(label).observe(sequences)
+        metrics.PADDING_RATIO.labels(label).observe(computed.padding)
+        metrics.COMPUTE_DURATION.labels(label).observe(computed.compute_s)
+        succeeded = []
+        for item, (output, weights), finite in zip(
+            batch, computed.parts, computed.finite, strict=True
+        ):
+            queue_s = started - item.enqueued_at
+            metrics.queue_duration(label).observe(queue_s)
+            if not finite:
+                metrics.NONFINITE_OUTPUTS.labels(label).inc()
+                self.statistics.record_failure(runner.key, queue_s + computed.compute_s)
+                if not item.future.done():
+                    item.future.set_exception(
+                        NonFiniteOutput(
+                            f"the result of {runner.key} for these embeddings holds NaN or inf: "
+                            "their values are too large for the model's arithmetic; scale them "
+                            "down"
+                        )
+                    )
+                continue
+            succeeded.append(queue_s)
+            if not item.future.done():
+                item.future.set_result(
+                    Result(output, weights, queue_s, computed.compute_s, sequences)
+                )
+        self.statistics.record_batch(runner.key, sequences, succeeded, computed.compute_s)

@@ -10,6 +10,10 @@ class InvalidInput(ServingError):
     """The request is malformed: wrong shape, dtype, byte length, d, or values."""
 
 
+class NonFiniteOutput(InvalidInput):
+    """Finite inputs whose result is not (values too large for the model's arithmetic)."""
+
+
 class ModelNotFound(ServingError):
     """No such model, or no such version of it."""
 

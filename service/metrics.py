@@ -58,12 +58,22 @@ BATCHES = Counter(
 )
 DROPPED = Counter(
     f"{PREFIX}_requests_dropped_total",
-    "Requests removed from the queue before compute (reason: deadline | cancelled).",
+    "Requests removed from the queue before compute (reason: deadline | cancelled); each is "
+    "also a V2 ModelStatistics failure.",
     ["model", "reason"],
+)
+NONFINITE_OUTPUTS = Counter(
+    f"{PREFIX}_nonfinite_outputs_total",
+    "Requests failed because their computed output held NaN or inf (inputs too large).",
+    ["model"],
 )
 QUEUE_DEPTH = Gauge(
     f"{PREFIX}_queue_depth_requests",
     "Requests waiting in the batcher, all models.",
+)
+QUEUE_BYTES = Gauge(
+    f"{PREFIX}_queue_bytes",
+    "Bytes of embeddings waiting in the batcher, all models (bounded by max_queue_bytes).",
 )
 IN_FLIGHT = Gauge(
     f"{PREFIX}_inflight_requests",

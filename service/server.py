@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from threading import Thread
@@ -18,20 +19,31 @@ from service.attention_servicer import AttentionServicer
 from service.batch_types import BatchLimits
 from service.batcher import Batcher
 from service.engine import CPU, CUDA, choose_providers
+from service.errors import ShuttingDown
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
 from service.handlers import add_servicer
+from service.memory_budget import default_queue_bytes, memory_limit_bytes
 from service.model_repository import discover
 from service.registry import ModelRegistry
 from service.settings import Settings
+from service.streaming import StreamCloser
 from service.v2_servicer import InferenceServicer
 from service.validation import InputLimits
 
 log = logging.getLogger(__name__)
 ServingStatus = health_pb2.HealthCheckResponse.ServingStatus.ValueType
 
-ENVELOPE_BYTES = 1 << 20  # headroom for the non-tensor fields and protobuf framing
+ENVELOPE_BYTES = 1 << 20
+# Kept back from the grace period so answers (and UNAVAILABLE for what could not be computed)
+# are written before the server closes.
+WRITE_MARGIN_S = 0.2  # headroom for the non-tensor fields and protobuf framing
+
+
+def _close_http(httpd: WSGIServer) -> None:
+    httpd.shutdown()
+    httpd.server_close()
 
 
 class StartupError(RuntimeError):
@@ -42,6 +54,21 @@ class StartupError(RuntimeError):
 class BoundPorts:
     grpc: int
     metrics: int
+
+
+def bind_host(host: str) -> str:
+    """host as a bare address: IPv6 literals are accepted with or without brackets."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def grpc_address(host: str, port: int) -> str:
+    bare = bind_host(host)
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def queue_bytes(settings: Settings) -> int:
+    """--max-queue-bytes, or its default derived from the memory this process may use."""
+    return settings.max_queue_bytes or default_queue_bytes(memory_limit_bytes())
 
 
 def message_limits(registry: ModelRegistry, settings: Settings) -> tuple[int, int]:
@@ -63,6 +90,8 @@ class AttentionServer:
         self._server: grpc.aio.Server | None = None
         self._batcher: Batcher | None = None
         self._metrics_http: tuple[WSGIServer, Thread] | None = None
+        self._streams = StreamCloser()
+        self._background: set[asyncio.Task[None]] = set()
         self.registry: ModelRegistry | None = None
         self.ports: BoundPorts | None = None  # set once bound, before warm-up
         self.ready = False  # warm and not draining: V2 ServerReady / ModelReady
@@ -100,7 +129,14 @@ class AttentionServer:
         for key in fell_back:
             log.warning("%s runs on %s although a GPU is present", key, CPU)
         self.registry = registry
+        for model in registry.all():  # what GetModel shows until warm-up has measured caps
+            model.measure_batch_caps(
+                max_batch_size=settings.max_batch_size, max_seq_len=settings.max_seq_len, budget_s=0
+            )
         limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
+        limit_bytes = queue_bytes(settings)
+        log.info("queue bounds: %d requests, %d bytes of embeddings",
+                 settings.max_queue_size, limit_bytes)  # fmt: skip
         self._batcher = Batcher(
             BatchLimits(
                 max_batch_size=settings.max_batch_size,
@@ -108,7 +144,10 @@ class AttentionServer:
                 max_queue_size=settings.max_queue_size,
                 max_padding_ratio=settings.max_padding_ratio,
                 max_inflight_batches=settings.max_inflight_batches,
-            )
+                max_inflight_batches_per_model=settings.max_inflight_batches_per_model,
+                max_queue_bytes=limit_bytes,
+            ),
+            on_failure=self._on_batcher_failure,
         )
         receive_bytes, send_bytes = message_limits(registry, settings)
         server = grpc.aio.server(
@@ -122,19 +161,22 @@ class AttentionServer:
                 self._batcher,
                 limits,
                 max_stream_inflight_requests=settings.max_stream_inflight_requests,
+                streams=self._streams,
             ),
         )
         add_servicer(
             server,
             grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-            InferenceServicer(registry, self._batcher, settings, lambda: self.ready),
+            InferenceServicer(
+                registry, self._batcher, settings, lambda: self.ready, streams=self._streams
+            ),
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{settings.host}:{settings.grpc_port}"
+        address = grpc_address(settings.host, settings.grpc_port)
         try:
             grpc_port = server.add_insecure_port(address)
         except RuntimeError as err:
@@ -142,7 +184,9 @@ class AttentionServer:
         await server.start()
         self._server = server
         try:
-            self._metrics_http = start_http_server(settings.metrics_port, addr=settings.host)
+            self._metrics_http = start_http_server(
+                settings.metrics_port, addr=bind_host(settings.host)
+            )
         except OSError as err:
             raise StartupError(
                 f"cannot bind metrics to {settings.host}:{settings.metrics_port}: {err}"
@@ -180,23 +224,51 @@ class AttentionServer:
         for name in ["", *self.service_names]:
             await self._health.set(name, status)
 
-    async def stop(self) -> None:
-        """NOT_SERVING, refuse new calls, finish accepted ones (at most grace_period_s)."""
-        grace = self._settings.grace_period_s
+    def _on_batcher_failure(self, error: BaseException) -> None:
+        """The scheduler died: nothing more can be computed here, so say so to probes."""
         self.ready = False
+        task = asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def stop(self) -> None:
+        """The drain, all within grace_period_s of the call: NOT_SERVING while still serving
+        for shutdown_not_serving_s, then refuse new work with UNAVAILABLE and finish what was
+        accepted, then close; whatever is left then fails with UNAVAILABLE."""
+        settings = self._settings
+        deadline = asyncio.get_running_loop().time() + settings.grace_period_s
+
+        def remaining() -> float:
+            return max(0.0, deadline - asyncio.get_running_loop().time())
+
+        was_ready, self.ready = self.ready, False
         await self._health.enter_graceful_shutdown()
         if self.registry is not None:
             for model in self.registry.all():
                 metrics.MODEL_READY.labels(model.spec.name, str(model.spec.version)).set(0)
-        if self._server is not None and self._batcher is not None:
-            flushing = asyncio.create_task(self._batcher.drain())
-            await self._server.stop(grace)
-            flushing.cancel()
+        if was_ready:
+            log.info(
+                "NOT_SERVING for %.1fs while endpoints update", settings.shutdown_not_serving_s
+            )
+            await asyncio.sleep(min(settings.shutdown_not_serving_s, remaining()))
         if self._batcher is not None:
-            await self._batcher.stop()
+            self._batcher.refuse_new()
+            self._streams.close_all()
+            log.info("refusing new requests; finishing accepted ones for up to %.1fs", remaining())
+            with contextlib.suppress(TimeoutError):
+                margin = min(WRITE_MARGIN_S, settings.grace_period_s / 5)
+                await asyncio.wait_for(self._batcher.drain(), timeout=remaining() - margin)
+            over = ShuttingDown("the grace period ended before it was computed; retry")
+            self._batcher.fail_queued(over)
+            self._batcher.fail_running(over)
+        if self._server is not None:
+            # Lets finished handlers write their answers; cancels what is still running.
+            await self._server.stop(remaining())
+        if self._batcher is not None:
+            await self._batcher.stop(timeout_s=remaining())
         if self._metrics_http is not None:
-            httpd, thread = self._metrics_http
-            httpd.shutdown()
-            httpd.server_close()
-            thread.join(timeout=5)
+            # shutdown() waits for the server's 0.5 s poll; on a daemon thread of its own that
+            # wait need not delay the exit.
+            httpd, _ = self._metrics_http
+            Thread(target=_close_http, args=(httpd,), daemon=True, name="metrics-close").start()
         log.info("stopped")

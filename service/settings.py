@@ -55,8 +55,19 @@ class Settings:
         "may reach --max-batch-size",
         default=3.0,
     )
-    max_inflight_batches: int = _doc(
-        "batches computing at once; 1 keeps a CPU's cores on one batch", default=1
+    max_queue_bytes: int = _doc(
+        "bytes of embeddings waiting (all models); beyond it RESOURCE_EXHAUSTED (an empty "
+        "queue still takes one request of any legal size); 0 = a quarter of the memory the "
+        "process may use (its cgroup limit, else the machine's), divided by 3, the measured "
+        "cost of a queued request per payload byte",
+        default=0,
+    )
+    max_inflight_batches: int = _doc("batches computing at once, all models together", default=4)
+    max_inflight_batches_per_model: int = _doc(
+        "batches computing at once per model version; 1 keeps a CPU's cores on one batch of a "
+        "model, while other models still get their own slot (a small model never waits "
+        "behind a large one's batch)",
+        default=1,
     )
     max_stream_inflight_requests: int = _doc(
         "unanswered requests one stream (AttendStream, ModelStreamInfer) may have; at the "
@@ -83,7 +94,16 @@ class Settings:
         "seq 128); off: glibc's defaults",
         default="on",
     )
-    grace_period_s: float = _doc("time to finish accepted requests after SIGTERM", default=30.0)
+    grace_period_s: float = _doc(
+        "most seconds from SIGTERM to exit: the NOT_SERVING period, then finishing accepted "
+        "requests; what is not done by then fails with UNAVAILABLE",
+        default=30.0,
+    )
+    shutdown_not_serving_s: float = _doc(
+        "after SIGTERM, seconds of reporting NOT_SERVING while still serving, so load "
+        "balancers and Kubernetes endpoints stop sending here first (within the grace period)",
+        default=2.0,
+    )
     log_level: str = _doc("one of LOG_LEVELS", default="INFO")
 
     def __post_init__(self) -> None:
@@ -105,7 +125,13 @@ class Settings:
             ("max_seq_len", self.max_seq_len >= 1, ">= 1"),
             ("max_padding_ratio", 0 <= self.max_padding_ratio <= 1, "in 0..1"),
             ("batch_cap_budget_s", self.batch_cap_budget_s >= 0, ">= 0"),
+            ("max_queue_bytes", self.max_queue_bytes >= 0, ">= 0"),
             ("max_inflight_batches", self.max_inflight_batches >= 1, ">= 1"),
+            (
+                "max_inflight_batches_per_model",
+                1 <= self.max_inflight_batches_per_model <= self.max_inflight_batches,
+                "1..max_inflight_batches",
+            ),
             ("max_stream_inflight_requests", self.max_stream_inflight_requests >= 1, ">= 1"),
             ("intra_op_threads", self.intra_op_threads >= 0, ">= 0"),
             ("intra_op_spinning", self.intra_op_spinning in ("on", "off"), "on or off"),
@@ -113,6 +139,7 @@ class Settings:
             ("event_loop", self.event_loop in EVENT_LOOPS, f"one of {EVENT_LOOPS}"),
             ("malloc_reuse", self.malloc_reuse in ("on", "off"), "on or off"),
             ("grace_period_s", self.grace_period_s >= 0, ">= 0"),
+            ("shutdown_not_serving_s", self.shutdown_not_serving_s >= 0, ">= 0"),
             ("log_level", self.log_level.upper() in LOG_LEVELS, f"one of {LOG_LEVELS}"),
         ]
 

@@ -6,7 +6,9 @@ writer, so responses never interleave. At most max_inflight requests of a stream
 unanswered at a time; past that the reader stops reading and HTTP/2 flow control holds the
 client back (back-pressure, never an error). When the call ends early (the client cancels or
 goes away, or its deadline passes), every outstanding task is cancelled, and the batcher drops
-their queued requests before compute.
+their queued requests before compute. On shutdown (StreamCloser.close_all) a stream stops
+reading, answers every request it has read, and ends with UNAVAILABLE, so the client knows
+to send the rest elsewhere.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
 from service import metrics
 from service.errors import ServingError
+from service.rpc import serialized
 from service.status import code_for
 from service.text import shown
 
@@ -41,6 +44,32 @@ class StreamCalls(Generic[Request, Response]):
     failure: Callable[[Request, grpc.StatusCode, str], Response]  # one message's error reply
     model_label: Callable[[Request], str]
     request_id: Callable[[Request], str]
+    closer: StreamCloser | None = None  # the server's, so shutdown can end open streams
+
+
+CLOSED_MESSAGE = (
+    "server shutting down: every request read from this stream was answered; "
+    "send the rest to another replica"
+)
+
+
+class StreamCloser:
+    """Every open stream of a server, so that shutdown can end them all."""
+
+    def __init__(self) -> None:
+        self.closing = False
+        self._streams: set[_Stream[Any, Any]] = set()
+
+    def add(self, stream: _Stream[Any, Any]) -> None:
+        self._streams.add(stream)
+
+    def discard(self, stream: _Stream[Any, Any]) -> None:
+        self._streams.discard(stream)
+
+    def close_all(self) -> None:
+        self.closing = True
+        for stream in list(self._streams):
+            stream.close()
 
 
 async def serve_stream(
@@ -51,8 +80,20 @@ async def serve_stream(
     max_inflight: int,
 ) -> None:
     """Answer every request of the stream; return (status OK) once the client has half-closed
-    and every answer is written."""
-    await _Stream(calls, context, max_inflight).run(requests)
+    and every answer is written, or end with UNAVAILABLE once the server shuts down."""
+    closer = calls.closer
+    if closer is not None and closer.closing:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, CLOSED_MESSAGE)
+    stream = _Stream(calls, context, max_inflight)
+    if closer is not None:
+        closer.add(stream)
+    try:
+        await stream.run(requests)
+    finally:
+        if closer is not None:
+            closer.discard(stream)
+    if stream.closed:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, CLOSED_MESSAGE)
 
 
 _END = object()  # the reader's last word: no more answers will come
@@ -71,14 +112,25 @@ class _Stream(Generic[Request, Response]):
         self._answers: asyncio.Queue[object] = asyncio.Queue()  # holds <= max_inflight
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight = metrics.in_flight(calls.api)  # bound once per stream
+        self._reader: asyncio.Task[None] | None = None
+        self._reading = False
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop reading; answers to what was read still go out, then the call ends."""
+        self.closed = True
+        if self._reader is not None and self._reading:
+            self._reader.cancel()  # only while reading: answers already underway go on
 
     async def run(self, requests: AsyncIterator[Request]) -> None:
         reader = asyncio.create_task(self._read(requests), name=f"{self._calls.api}-reader")
+        self._reader = reader
         try:
             while (answer := await self._answers.get()) is not _END:
                 await self._context.write(answer)
                 self._slots.release()
-            await reader  # already done; raises if reading the stream failed
+            if not self.closed:
+                await reader  # already done; raises if reading the stream failed
         except Exception:
             log.exception("%s: reading or writing the stream failed", self._calls.api)
             await self._context.abort(grpc.StatusCode.INTERNAL, "internal error in the stream")
@@ -92,19 +144,34 @@ class _Stream(Generic[Request, Response]):
 
     async def _read(self, requests: AsyncIterator[Request]) -> None:
         try:
-            while True:
-                await self._slots.acquire()  # back-pressure: read only when a slot is free
-                try:
-                    request = await anext(requests)
-                except StopAsyncIteration:
-                    break  # the client half-closed: finish what it sent
-                task = asyncio.create_task(self._answer(request))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            if self._tasks:
+            try:
+                await self._read_all(requests)
+            except asyncio.CancelledError:
+                if not self.closed:
+                    raise
+            # Half-closed by the client, or closed by shutdown: answer what was read.
+            while self._tasks:
                 await asyncio.wait(set(self._tasks))
         finally:
             self._answers.put_nowait(_END)
+
+    async def _read_all(self, requests: AsyncIterator[Request]) -> None:
+        self._reading = True
+        try:
+            await self._read_until_closed(requests)
+        finally:
+            self._reading = False
+
+    async def _read_until_closed(self, requests: AsyncIterator[Request]) -> None:
+        while not self.closed:
+            await self._slots.acquire()  # back-pressure: read only when a slot is free
+            try:
+                request = await anext(requests)
+            except StopAsyncIteration:
+                return  # the client half-closed: finish what it sent
+            task = asyncio.create_task(self._answer(request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _answer(self, request: Request) -> None:
         calls = self._calls
@@ -112,7 +179,7 @@ class _Stream(Generic[Request, Response]):
         code = grpc.StatusCode.OK
         self._inflight.inc()
         try:
-            answer = await calls.answer(request, self._context)
+            answer: Any = await calls.answer(request, self._context)
         except ServingError as err:
             code = code_for(err)
             answer = calls.failure(request, code, str(err))
@@ -128,6 +195,8 @@ class _Stream(Generic[Request, Response]):
             answer = calls.failure(
                 request, code, f"internal error; request_id={request_id} is in the server log"
             )
+        else:
+            answer = serialized(answer)  # inside the request's measured time
         finally:
             self._inflight.dec()
             model = calls.model_label(request)

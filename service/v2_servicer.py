@@ -19,7 +19,7 @@ from service.registry import SERVER_LABEL, ModelRegistry
 from service.rpc import rpc
 from service.settings import Settings
 from service.statistics import Duration
-from service.streaming import StreamCalls, serve_stream
+from service.streaming import StreamCalls, StreamCloser, serve_stream
 from service.v2_codec import (
     INPUT_NAME,
     V2_NAME_OF,
@@ -60,6 +60,8 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         batcher: Batcher,
         settings: Settings,
         is_ready: Callable[[], bool],
+        *,
+        streams: StreamCloser | None = None,
     ) -> None:
         self._registry = registry
         self._batcher = batcher
@@ -72,6 +74,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             failure=_stream_error,
             model_label=self.model_label,
             request_id=self.request_id,
+            closer=streams,
         )
 
     def model_label(self, request: Any) -> str:

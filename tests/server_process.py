@@ -35,7 +35,8 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **(env or {})},
+            # No NOT_SERVING pause on SIGTERM unless a test asks for one (no endpoints here).
+            env={"ATTENTION_SHUTDOWN_NOT_SERVING_S": "0", **os.environ, **(env or {})},
         )
         self.lines: list[str] = []
         self._bound = threading.Event()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 import numpy as np
 import pytest
 
+from service import metrics
 from service.attention_servicer import AttentionServicer
 from service.batch_types import BatchLimits
 from service.batcher import Batcher
@@ -16,9 +18,11 @@ from service.codec import encode_tensor
 from service.errors import QueueFull
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from service.handlers import add_servicer
 from service.registry import ModelRegistry
 from service.rpc import rpc
 from service.validation import InputLimits
+from service.wire import WireMessage
 
 FORGED = "bug\n2026-01-01 INFO forged: all is well" + "x" * 20_000
 
@@ -38,7 +42,39 @@ class ExplodingServicer(AttentionServicer):
             raise KeyError("secret internal detail")
         if request.request_id == "busy":
             raise QueueFull("queue full: 1 requests waiting (max_queue_size=1)")
+        if request.request_id == "slow":
+            return SlowToSerialize.of(pb.AttendResponse(request_id="slow")).add_bytes(99, b"")
         return pb.AttendResponse(request_id=request.request_id)
+
+
+class SlowToSerialize(WireMessage):
+    """A response whose serialization takes 0.3 s."""
+
+    def serialize(self) -> bytes:
+        time.sleep(0.3)
+        return super().serialize()
+
+
+def test_request_duration_includes_serializing_the_response() -> None:
+    """Before: the histogram stopped at the handler's return, before gRPC serialized."""
+
+    async def scenario() -> pb.AttendResponse:
+        server = grpc.aio.server()
+        add_servicer(server, attention_pb2_grpc.add_AttentionServiceServicer_to_server,
+                     ExplodingServicer())  # fmt: skip
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = attention_pb2_grpc.AttentionServiceStub(channel)
+                return await stub.Attend(pb.AttendRequest(request_id="slow"))
+        finally:
+            await server.stop(0)
+
+    histogram = metrics.request_duration("_unknown", "attention")
+    before = histogram._sum.get()
+    assert asyncio.run(scenario()).request_id == "slow"
+    assert histogram._sum.get() - before >= 0.3
 
 
 def test_unexpected_error_is_internal_logged_and_the_server_keeps_serving(
@@ -47,7 +83,7 @@ def test_unexpected_error_is_internal_logged_and_the_server_keeps_serving(
     async def scenario() -> list[tuple[grpc.StatusCode, str]]:
         server = grpc.aio.server()
         servicer = ExplodingServicer()
-        attention_pb2_grpc.add_AttentionServiceServicer_to_server(servicer, server)
+        add_servicer(server, attention_pb2_grpc.add_AttentionServiceServicer_to_server, servicer)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         seen = []

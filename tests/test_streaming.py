@@ -24,6 +24,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from service.client import AsyncAttentionClient, AttendError, AttendResult, AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from service.handlers import add_servicer
 from service.settings import Settings
 from service.streaming import StreamCalls, serve_stream
 from tests.reference import attend_alone, layer_for
@@ -501,6 +502,8 @@ def test_the_inflight_bound_holds_a_stream_back_instead_of_failing(small_only: P
 
 
 def test_sigterm_finishes_a_streams_accepted_requests(small_only: Path) -> None:
+    """The client never half-closes: after answering all it read, the server ends the stream
+    with UNAVAILABLE (send the rest elsewhere) instead of holding it open until killed."""
     server = ServerProcess(small_only, *PARKED, "--grace-period-s", "20")
     with server, grpc.insecure_channel(server.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
@@ -508,12 +511,16 @@ def test_sigterm_finishes_a_streams_accepted_requests(small_only: Path) -> None:
         call = stub.AttendStream(iter(held), timeout=TIMEOUT_S)
         try:
             server.wait_metric("attention_queue_depth_requests", 30)
+            started = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
             answers = [next(call) for _ in range(30)]
+            with pytest.raises(grpc.RpcError):
+                next(call)  # no 31st answer: the end of the call, with its status
+            assert time.monotonic() - started < 10  # not the 20 s grace period
         finally:
-            held.close()  # half-close: the stream then ends with OK
-        assert list(call) == []
-        assert call.code() == grpc.StatusCode.OK
+            held.close()
+        assert call.code() == grpc.StatusCode.UNAVAILABLE
+        assert "every request read from this stream was answered" in call.details()
         assert sorted(a.request_id for a in answers) == sorted(f"s{i}" for i in range(30))
         assert all(a.WhichOneof("result") == "response" for a in answers)
         assert server.process.wait(30) == 0, server.log
@@ -549,7 +556,7 @@ def test_an_unexpected_error_is_internal_logged_and_the_stream_goes_on(
 ) -> None:
     async def session() -> tuple[list[pb.AttendStreamResponse], grpc.StatusCode]:
         server = grpc.aio.server()
-        attention_pb2_grpc.add_AttentionServiceServicer_to_server(_Flaky(), server)
+        add_servicer(server, attention_pb2_grpc.add_AttentionServiceServicer_to_server, _Flaky())
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:

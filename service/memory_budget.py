@@ -1,0 +1,43 @@
+"""How much memory this process may use, and the queue's share of it.
+
+The queue is bounded by bytes as well as by count: a queued maximum-size request costs about
+three times its embeddings (gRPC's receive buffer, the parsed message, the cast or batch
+copy), and twenty of them exceeded the 4 GiB limit of the Kubernetes manifests. The default
+byte bound gives queued requests a quarter of the memory the process may use, counted at
+three times their payload; the rest is left for the model, the batch computing now and its
+answers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CGROUP_LIMIT_FILES = (
+    Path("/sys/fs/cgroup/memory.max"),  # cgroup v2 (Kubernetes, docker, podman)
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1
+)
+QUEUE_SHARE = 0.25
+COST_PER_PAYLOAD_BYTE = 3
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_limit_bytes(limit_files: tuple[Path, ...] = CGROUP_LIMIT_FILES) -> int:
+    """The container's memory limit, or the machine's memory where there is none."""
+    physical = physical_memory_bytes()
+    for path in limit_files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isascii() and text.isdigit():  # "max" (v2) means no limit
+            return min(int(text), physical)  # v1 reports "no limit" as a huge number
+    return physical
+
+
+def default_queue_bytes(limit_bytes: int) -> int:
+    """Embeddings bytes the queue may hold by default, out of limit_bytes of memory."""
+    return int(limit_bytes * QUEUE_SHARE / COST_PER_PAYLOAD_BYTE)
