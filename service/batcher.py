@@ -27,6 +27,7 @@ from service import metrics
 from service.batch_types import BatchFailed, BatchLimits, Result, Runner
 from service.batching import choose_batch, merge, padding_ratio, split
 from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull, ShuttingDown
+from service.memory_budget import TRIM_AFTER_BATCH_BYTES, release_free_memory
 from service.statistics import InferenceStatistics
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ def _compute(runner: Runner, arrays: Sequence[np.ndarray], with_weights: bool) -
         for out, w in parts
     ]
     padding = padding_ratio([s[0] for s in shapes], [s[1] for s in shapes])
+    if embeddings.nbytes * (4 if with_weights else 1) >= TRIM_AFTER_BATCH_BYTES:
+        del embeddings, mask, output, weights
+        release_free_memory()
     return _Computed(parts, finite, time.monotonic() - started, padding)
 
 

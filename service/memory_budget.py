@@ -10,7 +10,11 @@ answers.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_LIMIT_FILES = (
@@ -41,3 +45,23 @@ def memory_limit_bytes(limit_files: tuple[Path, ...] = CGROUP_LIMIT_FILES) -> in
 def default_queue_bytes(limit_bytes: int) -> int:
     """Embeddings bytes the queue may hold by default, out of limit_bytes of memory."""
     return int(limit_bytes * QUEUE_SHARE / COST_PER_PAYLOAD_BYTE)
+
+
+# A batch this large (its padded input; intermediates are several times more) leaves enough
+# freed memory scattered over malloc's per-thread arenas that resident memory would creep up
+# burst after burst; handing it back costs one pass over the heap, small beside such a batch.
+TRIM_AFTER_BATCH_BYTES = 8 << 20
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    return getattr(ctypes.CDLL(name), "malloc_trim", None)
+
+
+def release_free_memory() -> bool:
+    """Give malloc's free pages back to the kernel (glibc); False where that is not possible."""
+    trim = _malloc_trim()
+    return trim is not None and bool(trim(0))

@@ -31,6 +31,7 @@ class ModelRegistry:
         providers: list[str],
         intra_op_threads: int,
         intra_op_spinning: bool = False,
+        cpu_arena: bool = False,
         default_model: str,
     ) -> ModelRegistry:
         """Load every version that works; a broken one is logged and skipped."""
@@ -38,7 +39,11 @@ class ModelRegistry:
         for files in found:
             try:
                 model = OnnxModel(
-                    files, providers, intra_op_threads, intra_op_spinning=intra_op_spinning
+                    files,
+                    providers,
+                    intra_op_threads,
+                    intra_op_spinning=intra_op_spinning,
+                    cpu_arena=cpu_arena,
                 )
             except BrokenModel as err:
                 log.error("not serving %s version %d: %s", files.name, files.version, err)

@@ -11,7 +11,7 @@ from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import start_http_server
 
 from service import metrics
@@ -26,6 +26,7 @@ from service.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
 from service.handlers import add_servicer
 from service.memory_budget import default_queue_bytes, memory_limit_bytes
 from service.model_repository import discover
+from service.proto_pool import pool_of
 from service.registry import ModelRegistry
 from service.settings import Settings
 from service.streaming import StreamCloser
@@ -113,6 +114,7 @@ class AttentionServer:
             providers=providers,
             intra_op_threads=settings.intra_op_threads,
             intra_op_spinning=settings.intra_op_spinning == "on",
+            cpu_arena=settings.cpu_arena == "on",
             default_model=settings.default_model,
         )
         if not registry.names():
@@ -173,7 +175,16 @@ class AttentionServer:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+            server,
+            pool=pool_of(
+                [
+                    attention_pb2.DESCRIPTOR,
+                    grpc_service_pb2.DESCRIPTOR,
+                    health_pb2.DESCRIPTOR,
+                    reflection_pb2.DESCRIPTOR,
+                ]
+            ),
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = grpc_address(settings.host, settings.grpc_port)
