@@ -190,6 +190,16 @@ def test_reflection_lists_every_service(server: ServerProcess) -> None:
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
     } <= services
+    # What grpcurl and friends do next: fetch each service's file, its imports included.
+    with grpc.insecure_channel(server.target) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        v2_file = database.FindFileContainingSymbol("inference.GRPCInferenceService")
+        attention_file = database.FindFileContainingSymbol("attention.v1.AttentionService")
+        config_file = database.FindFileByName("inference/model_config.proto")
+    assert v2_file.name == "inference/grpc_service.proto"
+    assert "ModelStreamInfer" in [method.name for method in v2_file.service[0].method]
+    assert attention_file.name == "attention/v1/attention.proto"
+    assert "ModelConfig" in [message.name for message in config_file.message_type]
 
 
 def test_client_with_dns_target_and_round_robin(server: ServerProcess) -> None:

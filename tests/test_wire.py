@@ -6,12 +6,13 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-# tritonclient's own descriptors: our V2 protos share their package, so one process holds one
-# of the two, and parsing with Triton's is the stronger check anyway.
-from tritonclient.grpc import service_pb2 as v2
+# Triton's own descriptors beside ours (our V2 protos live in a pool of their own).
+from tritonclient.grpc import service_pb2 as triton
 
 from service.codec import encode_tensor, encode_tensor_wire
 from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.inference import grpc_service_pb2 as ours
+from service.v2_codec import RAW_OUTPUT_CONTENTS
 from service.wire import WireMessage, array_bytes, serializer_for
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=4)
@@ -50,16 +51,20 @@ def test_attend_response_parses_as_the_generated_code_builds_it(shape, dtype, re
 
 @given(st.lists(shapes, min_size=1, max_size=3))
 def test_v2_raw_outputs_keep_their_order(output_shapes) -> None:
+    """Built with our V2 protos, parsed with tritonclient's: both live in one process."""
     arrays = [_array(shape, np.float32) for shape in output_shapes]
-    header = v2.ModelInferResponse(model_name="mha", id="x")
+    header = ours.ModelInferResponse(model_name="mha", id="x")
     for array in arrays:
         header.outputs.add(name="output", datatype="FP32", shape=list(array.shape))
     wire = WireMessage.of(header)
     for array in arrays:
-        wire.add_bytes(6, array_bytes(array))
-    parsed = v2.ModelInferResponse.FromString(wire.serialize())
+        wire.add_bytes(RAW_OUTPUT_CONTENTS, array_bytes(array))
+    parsed = triton.ModelInferResponse.FromString(wire.serialize())
     assert [bytes(raw) for raw in parsed.raw_output_contents] == [a.tobytes() for a in arrays]
-    assert list(parsed.outputs) == list(header.outputs)
+    assert [(o.name, list(o.shape)) for o in parsed.outputs] == [
+        (o.name, list(o.shape)) for o in header.outputs
+    ]
+    assert ours.ModelInferResponse.FromString(wire.serialize()).id == "x"
 
 
 def test_big_lengths_use_multi_byte_varints() -> None:
