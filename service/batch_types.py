@@ -36,6 +36,7 @@ class BatchLimits:
     max_queue_delay_s: float
     max_queue_size: int
     max_padding_ratio: float = 0.5
+    group_by_length: bool = True
     max_inflight_batches: int = 4  # all models together
     max_inflight_batches_per_model: int = 1  # per model version
     max_queue_bytes: int = 1 << 62  # embeddings bytes waiting, all models

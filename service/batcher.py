@@ -339,6 +339,7 @@ class Batcher:
                 max_sequences=self._limits.max_batch_size,
                 max_padding=self._limits.max_padding_ratio,
                 cap_for=queue.runner.batch_caps.cap_for,
+                group_by_length=self._limits.group_by_length,
             )
         ]
         # Counted as running before it leaves the queue: drain() never sees a false idle.

@@ -22,13 +22,15 @@ def choose_batch(
     max_sequences: int,
     max_padding: float,
     cap_for: Callable[[int], int] | None = None,
+    group_by_length: bool = True,
 ) -> list[int]:
     """Indices of the requests to run together, the oldest (index 0) always first.
 
     Others join in order of how close their length is to the oldest's (ties: the older
-    first) while the batch stays within max_sequences, within cap_for(its longest length)
-    (the measured batch caps) and the padding within max_padding, so short and long requests
-    do not pay for each other. O(n log n) in the queue length.
+    first; in arrival order when group_by_length is off) while the batch stays within
+    max_sequences, within cap_for(its longest length) (the measured batch caps) and the
+    padding within max_padding, so short and long requests do not pay for each other.
+    O(n log n) in the queue length.
     """
 
     def limit(longest: int) -> int:
@@ -37,8 +39,10 @@ def choose_batch(
     chosen = [0]
     sequences, real, longest = counts[0], counts[0] * lengths[0], lengths[0]
     anchor = lengths[0]
-    by_closeness = sorted(range(1, len(counts)), key=lambda i: (abs(lengths[i] - anchor), i))
-    for index in by_closeness:
+    candidates: Sequence[int] = range(1, len(counts))
+    if group_by_length:
+        candidates = sorted(candidates, key=lambda i: (abs(lengths[i] - anchor), i))
+    for index in candidates:
         if sequences >= limit(longest):
             break
         count, length = counts[index], lengths[index]

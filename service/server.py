@@ -145,6 +145,7 @@ class AttentionServer:
                 max_queue_delay_s=settings.max_queue_delay_s,
                 max_queue_size=settings.max_queue_size,
                 max_padding_ratio=settings.max_padding_ratio,
+                group_by_length=settings.length_grouping == "on",
                 max_inflight_batches=settings.max_inflight_batches,
                 max_inflight_batches_per_model=settings.max_inflight_batches_per_model,
                 max_queue_bytes=limit_bytes,

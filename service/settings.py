@@ -49,6 +49,11 @@ class Settings:
     max_padding_ratio: float = _doc(
         "most padding a batch may carry when grouping different lengths (0..1)", default=0.5
     )
+    length_grouping: str = _doc(
+        "on: a batch takes the oldest request, then those closest to it in length (less "
+        "padding); off: first come, first served (for comparison)",
+        default="on",
+    )
     batch_cap_budget_s: float = _doc(
         "seconds per model spent at warm-up timing batch sizes per sequence length, so no "
         "batch costs more per sequence than a smaller one would; 0 = no caps, every batch "
@@ -131,7 +136,8 @@ class Settings:
             ("max_queue_size", self.max_queue_size >= 1, ">= 1"),
             ("max_seq_len", self.max_seq_len >= 1, ">= 1"),
             ("max_padding_ratio", 0 <= self.max_padding_ratio <= 1, "in 0..1"),
-            ("batch_cap_budget_s", self.batch_cap_budget_s >= 0, ">= 0"),
+            ("length_grouping", self.length_grouping in ("on", "off"), "on or off"),
+            ("batch_cap_budget_s", 0 <= self.batch_cap_budget_s <= 600, "in 0..600"),
             ("max_queue_bytes", self.max_queue_bytes >= 0, ">= 0"),
             ("max_inflight_batches", self.max_inflight_batches >= 1, ">= 1"),
             (

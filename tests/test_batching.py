@@ -243,3 +243,13 @@ def test_a_deadline_passing_while_the_batch_fills_is_dropped_at_once() -> None:
     waited = asyncio.run(_with_batcher(_limits(max_queue_delay_s=30), body))
     assert waited < 1  # dropped when its 50 ms deadline passes, not at the 30 s delay
     assert runner.batches == []
+
+
+def test_choose_batch_first_come_when_length_grouping_is_off() -> None:
+    lengths = [16, 200, 17, 190, 18]
+    grouped = choose_batch([1] * 5, lengths, max_sequences=3, max_padding=1.0)
+    first_come = choose_batch(
+        [1] * 5, lengths, max_sequences=3, max_padding=1.0, group_by_length=False
+    )
+    assert grouped == [0, 2, 4]
+    assert first_come == [0, 1, 2]
