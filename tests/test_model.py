@@ -115,5 +115,8 @@ def test_seeded_init_is_reproducible() -> None:
     _, first, _ = build_module(64, 4, seed=3)
     _, second, _ = build_module(64, 4, seed=3)
     _, other, _ = build_module(64, 4, seed=4)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert not all(torch.equal(first[name], other[name]) for name in first)
     assert weights_sha256(first) == weights_sha256(second)
     assert weights_sha256(first) != weights_sha256(other)

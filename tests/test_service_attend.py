@@ -206,3 +206,23 @@ def test_client_with_dns_target_and_round_robin(server: ServerProcess) -> None:
     target = f"dns:///127.0.0.1:{server.grpc_port}"
     with AttentionClient(target, load_balancing="round_robin") as balanced:
         assert balanced.attend(np.ones((3, D), np.float32)).output.shape == (3, D)
+
+
+def test_round_robin_spreads_requests_over_every_backend(
+    server: ServerProcess, model_repository: Path
+) -> None:
+    """Two backends behind one target: with round_robin each serves its share."""
+
+    def served(backend: ServerProcess) -> float:
+        return backend.metric("attention_requests_total", model="mha", api="attention", code="OK")
+
+    with ServerProcess(model_repository, "--batch-cap-budget-s", "0") as other:
+        before = [served(server), served(other)]
+        target = f"ipv4:127.0.0.1:{server.grpc_port},127.0.0.1:{other.grpc_port}"
+        with AttentionClient(target, load_balancing="round_robin") as balanced:
+            balanced.wait_until_serving(30)
+            for _ in range(10):
+                balanced.attend(np.ones((3, D), np.float32))
+        counts = [served(server) - before[0], served(other) - before[1]]
+    assert sum(counts) == 10
+    assert min(counts) >= 3, counts  # a pick-first client would send all 10 to one
