@@ -335,3 +335,28 @@ def test_aio_client_sees_the_same_server(server: ServerProcess) -> None:
             await client.close()
 
     assert asyncio.run(session()) == (True, True, True, ["2", "1"], (1, 4, 3, 3))
+
+
+def test_statistics_metrics_and_counters_tell_one_story(model_repository) -> None:
+    """Requests dropped at their deadline: the same number in V2 ModelStatistics failures,
+    attention_requests_dropped_total and the request counter. Before: 4 against 92."""
+    flags = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64", "--batch-cap-budget-s", "0")
+    with (
+        ServerProcess(model_repository, *flags) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.ModelInferRequest(model_name="small", model_version="2")
+        request.inputs.add(name="embeddings", datatype="FP32", shape=[1, 3, 64])
+        request.raw_input_contents.append(np.ones((1, 3, 64), np.float32).tobytes())
+        calls = [stub.ModelInfer.future(request, timeout=0.3) for _ in range(6)]
+        assert all(call.code() == grpc.StatusCode.DEADLINE_EXCEEDED for call in calls)
+        server.wait_metric("attention_requests_dropped_total", 6, model="small")
+        server.wait_metric("attention_requests_total", 6, model="small", code="DEADLINE_EXCEEDED")
+        stats = stub.ModelStatistics(
+            service_pb2.ModelStatisticsRequest(name="small", version="2")
+        ).model_stats[0]
+        dropped = server.metric("attention_requests_dropped_total", model="small")
+        failed = server.metric("attention_requests_total", model="small", code="DEADLINE_EXCEEDED")
+    assert stats.inference_stats.fail.count == dropped == failed == 6
+    assert stats.inference_stats.success.count == 0
