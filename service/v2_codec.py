@@ -118,10 +118,15 @@ def _datatype(name: str) -> str:
     return name if name.isascii() and name.isalnum() and len(name) <= 16 else shown(name)
 
 
+def accepted_datatypes(model: OnnxModel) -> list[str]:
+    """Input datatypes a model takes: its own, and FP32 for a float16 model (cast here)."""
+    return ["FP32"] if model.spec.dtype == np.float32 else ["FP16", "FP32"]
+
+
 def decode_input(request: v2.ModelInferRequest, model: OnnxModel) -> np.ndarray:
     """The embeddings [n, seq, d] as sent (a view over raw bytes when raw)."""
     tensor = _single_input(request, model)
-    accepted = ["FP32"] if model.spec.dtype == np.float32 else ["FP16", "FP32"]
+    accepted = accepted_datatypes(model)
     if tensor.datatype not in accepted:
         raise InvalidInput(
             f"input '{INPUT_NAME}' has datatype {_datatype(tensor.datatype)};"

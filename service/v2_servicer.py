@@ -22,6 +22,7 @@ from service.statistics import Duration
 from service.streaming import StreamCalls, StreamCloser, serve_stream
 from service.v2_codec import (
     INPUT_NAME,
+    accepted_datatypes,
     V2_NAME_OF,
     decode_input,
     encode_response,
@@ -170,11 +171,15 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                     max_queue_delay_microseconds=round(self._settings.max_queue_delay_ms * 1000),
                 ),
                 parameters={
+                    # V2 metadata names one datatype per input; this says what else is taken.
+                    "accepted_input_datatypes": config.ModelParameter(
+                        string_value=",".join(accepted_datatypes(model))
+                    ),
                     "batch_caps": config.ModelParameter(
                         string_value=",".join(
                             f"{length}:{size}" for length, size in model.batch_caps.caps
                         )
-                    )
+                    ),
                 },
             )
         )

@@ -117,6 +117,15 @@ def test_model_version_is_honoured(v2: triton.InferenceServerClient) -> None:
     assert v2.infer("small", [_input(x)]).get_response().model_version == "2"
 
 
+def test_float16_model_says_it_takes_fp32_too(v2: triton.InferenceServerClient) -> None:
+    parameters = v2.get_model_config("half").config.parameters
+    assert parameters["accepted_input_datatypes"].string_value == "FP16,FP32"
+    assert (
+        v2.get_model_config("small").config.parameters["accepted_input_datatypes"].string_value
+        == "FP32"
+    )
+
+
 def test_float16_model_takes_fp16_and_fp32(v2: triton.InferenceServerClient) -> None:
     metadata = v2.get_model_metadata("half", as_json=True)
     assert metadata["inputs"][0]["datatype"] == "FP16"
