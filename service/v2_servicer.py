@@ -22,8 +22,8 @@ from service.statistics import Duration
 from service.streaming import StreamCalls, StreamCloser, serve_stream
 from service.v2_codec import (
     INPUT_NAME,
-    accepted_datatypes,
     V2_NAME_OF,
+    accepted_datatypes,
     decode_input,
     encode_response,
     refuse_parameters,
