@@ -18,7 +18,7 @@ from service.generated.attention.v1 import attention_pb2_grpc
 from service.registry import SERVER_LABEL, ModelRegistry
 from service.rpc import rpc
 from service.settings import Settings
-from service.streaming import StreamCalls, StreamCloser, serve_stream
+from service.streaming import DEFAULT_PENDING_BYTES, StreamCalls, StreamCloser, serve_stream
 from service.validation import InputLimits
 from service.wire import WireMessage, settled
 
@@ -61,8 +61,10 @@ def model_info(name: str, versions: list[OnnxModel], limits: InputLimits) -> pb.
 def _stream_error(
     request: pb.AttendRequest, code: grpc.StatusCode, message: str
 ) -> pb.AttendStreamResponse:
+    # getattr: a message that did not parse (handlers.Undecodable) has no request_id.
     return pb.AttendStreamResponse(
-        request_id=request.request_id, error=pb.StreamError(code=code.value[0], message=message)
+        request_id=getattr(request, "request_id", ""),
+        error=pb.StreamError(code=code.value[0], message=message),
     )
 
 
@@ -74,12 +76,14 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         limits: InputLimits,
         *,
         max_stream_inflight_requests: int = DEFAULT_STREAM_INFLIGHT,
+        max_stream_pending_bytes: int = DEFAULT_PENDING_BYTES,
         streams: StreamCloser | None = None,
     ) -> None:
         self._registry = registry
         self._batcher = batcher
         self._limits = limits
         self._max_stream_inflight = max_stream_inflight_requests
+        self._max_stream_pending_bytes = max_stream_pending_bytes
         self._stream_calls = StreamCalls(
             api=STREAM_API,
             answer=self._stream_answer,
@@ -87,7 +91,20 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             model_label=self.model_label,
             request_id=self.request_id,
             closer=streams,
+            answer_bytes=self._answer_bytes,
         )
+
+    def _answer_bytes(self, request: pb.AttendRequest) -> int:
+        """The answer's size, estimated before computing it: the output is as large as the
+        input; the weights add h * seq float32 values per position."""
+        payload = len(request.embeddings.data)
+        if not request.return_attention_weights:
+            return payload
+        spec = self._registry.resolve(request.model, request.model_version).spec
+        itemsize = 2 if request.embeddings.dtype == pb.FLOAT16 else 4
+        positions = payload // (spec.embed_dim * itemsize)
+        seq = min(list(request.embeddings.shape)[-2:][0], self._limits.max_seq_len)
+        return payload + positions * spec.num_heads * seq * 4
 
     def model_label(self, request: Any) -> str:
         if not hasattr(request, "model"):
@@ -107,7 +124,11 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         self, requests: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
     ) -> None:
         await serve_stream(
-            self._stream_calls, requests, context, max_inflight=self._max_stream_inflight
+            self._stream_calls,
+            requests,
+            context,
+            max_inflight=self._max_stream_inflight,
+            max_pending_bytes=self._max_stream_pending_bytes,
         )
 
     async def _stream_answer(

@@ -1,4 +1,5 @@
-"""Register generated servicers with response serializers that also take WireMessage."""
+"""Register generated servicers with response serializers that also take WireMessage, and
+request deserializers that turn unparsable bytes into a request the handler can refuse."""
 
 from __future__ import annotations
 
@@ -6,8 +7,28 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from service.wire import serializer_for
+
+
+class Undecodable:
+    """Stands in for a request whose bytes are not a valid message of the method's type.
+    Handlers answer it with INVALID_ARGUMENT (a stream goes on) instead of gRPC's generic
+    UNKNOWN, which would also end a whole stream for one bad message."""
+
+    def __init__(self, expected: str, error: DecodeError) -> None:
+        self.message = f"the request is not a valid {expected} message ({error})"
+
+
+def deserializer_for(parse: Callable[[bytes], Any], expected: str) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as err:
+            return Undecodable(expected, err)
+
+    return deserialize
 
 
 class _Recorder:
@@ -34,9 +55,18 @@ def add_servicer(
     for service, handlers in recorder.services:
         wired = {
             method: handler._replace(  # type: ignore[attr-defined]
-                response_serializer=serializer_for(handler.response_serializer)
+                response_serializer=serializer_for(handler.response_serializer),
+                request_deserializer=deserializer_for(
+                    handler.request_deserializer, _message_name(handler.request_deserializer)
+                ),
             )
             for method, handler in handlers.items()
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wired),))
         server.add_registered_method_handlers(service, wired)
+
+
+def _message_name(parse: Callable[[bytes], Any]) -> str:
+    """AttendRequest for AttendRequest.FromString: what the error message names."""
+    owner = getattr(parse, "__self__", None)
+    return getattr(owner, "__name__", "request")

@@ -13,7 +13,8 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from service import metrics
-from service.errors import ServingError
+from service.errors import InvalidInput, ServingError
+from service.handlers import Undecodable
 from service.status import code_for
 from service.text import shown
 from service.wire import WireMessage
@@ -55,6 +56,8 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
             in_flight = metrics.in_flight(api)
             in_flight.inc()
             try:
+                if isinstance(request, Undecodable):
+                    raise InvalidInput(request.message)
                 return serialized(await handler(self, request, context))
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN  # the handler chose it

@@ -164,6 +164,7 @@ class AttentionServer:
                 self._batcher,
                 limits,
                 max_stream_inflight_requests=settings.max_stream_inflight_requests,
+                max_stream_pending_bytes=settings.max_stream_pending_bytes,
                 streams=self._streams,
             ),
         )

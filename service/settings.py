@@ -80,6 +80,12 @@ class Settings:
         "(back-pressure, not an error)",
         default=256,
     )
+    max_stream_pending_bytes: int = _doc(
+        "bytes of answers one stream may have computed but not yet taken by its client; "
+        "beyond it the server reads no more from that stream until the client catches up "
+        "(back-pressure; one larger answer still goes out)",
+        default=64 << 20,
+    )
     intra_op_threads: int = _doc("ONNX Runtime threads per session (0 = all cores)", default=0)
     intra_op_spinning: str = _doc(
         "on: ONNX Runtime's idle threads spin (lowest latency on dedicated cores); off: they "
@@ -146,6 +152,7 @@ class Settings:
                 "1..max_inflight_batches",
             ),
             ("max_stream_inflight_requests", self.max_stream_inflight_requests >= 1, ">= 1"),
+            ("max_stream_pending_bytes", self.max_stream_pending_bytes >= 1, ">= 1"),
             ("intra_op_threads", self.intra_op_threads >= 0, ">= 0"),
             ("intra_op_spinning", self.intra_op_spinning in ("on", "off"), "on or off"),
             ("cpu_arena", self.cpu_arena in ("on", "off"), "on or off"),

@@ -24,7 +24,8 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from service import metrics
-from service.errors import ServingError
+from service.errors import InvalidInput, ServingError
+from service.handlers import Undecodable
 from service.rpc import serialized
 from service.status import code_for
 from service.text import shown
@@ -45,7 +46,12 @@ class StreamCalls(Generic[Request, Response]):
     model_label: Callable[[Request], str]
     request_id: Callable[[Request], str]
     closer: StreamCloser | None = None  # the server's, so shutdown can end open streams
+    # Bytes the answer to a request will hold, estimated before it is computed: the stream
+    # reserves them when it reads the request, and reads no more past max_pending_bytes.
+    answer_bytes: Callable[[Request], int] | None = None
 
+
+DEFAULT_PENDING_BYTES = 64 << 20  # the --max-stream-pending-bytes default
 
 CLOSED_MESSAGE = (
     "server shutting down: every request read from this stream was answered; "
@@ -78,13 +84,14 @@ async def serve_stream(
     context: grpc.aio.ServicerContext,
     *,
     max_inflight: int,
+    max_pending_bytes: int = DEFAULT_PENDING_BYTES,
 ) -> None:
     """Answer every request of the stream; return (status OK) once the client has half-closed
     and every answer is written, or end with UNAVAILABLE once the server shuts down."""
     closer = calls.closer
     if closer is not None and closer.closing:
         await context.abort(grpc.StatusCode.UNAVAILABLE, CLOSED_MESSAGE)
-    stream = _Stream(calls, context, max_inflight)
+    stream = _Stream(calls, context, max_inflight, max_pending_bytes)
     if closer is not None:
         closer.add(stream)
     try:
@@ -96,7 +103,8 @@ async def serve_stream(
         await context.abort(grpc.StatusCode.UNAVAILABLE, CLOSED_MESSAGE)
 
 
-_END = object()  # the reader's last word: no more answers will come
+class _CallEnded(Exception):
+    """A write found the call already over."""
 
 
 class _Stream(Generic[Request, Response]):
@@ -105,11 +113,19 @@ class _Stream(Generic[Request, Response]):
         calls: StreamCalls[Request, Response],
         context: grpc.aio.ServicerContext,
         max_inflight: int,
+        max_pending_bytes: int,
     ) -> None:
         self._calls = calls
         self._context = context
         self._slots = asyncio.Semaphore(max_inflight)  # released once an answer is written
-        self._answers: asyncio.Queue[object] = asyncio.Queue()  # holds <= max_inflight
+        # Answers read but not yet taken by the client, in estimated bytes: past the bound
+        # the stream reads no more, so a client that does not read cannot pile up memory.
+        self._max_pending_bytes = max_pending_bytes
+        self._reserved_bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+        # (answer, bytes reserved for it); None is the reader's last word: no more will come.
+        self._answers: asyncio.Queue[tuple[Any, int] | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight = metrics.in_flight(calls.api)  # bound once per stream
         self._reader: asyncio.Task[None] | None = None
@@ -126,11 +142,15 @@ class _Stream(Generic[Request, Response]):
         reader = asyncio.create_task(self._read(requests), name=f"{self._calls.api}-reader")
         self._reader = reader
         try:
-            while (answer := await self._answers.get()) is not _END:
-                await self._context.write(answer)
+            while (item := await self._answers.get()) is not None:
+                answer, reserved = item
+                await self._write(answer)
+                self._reserve(-reserved)
                 self._slots.release()
             if not self.closed:
                 await reader  # already done; raises if reading the stream failed
+        except _CallEnded:
+            return  # the client cancelled, went away or ran out of time: no one left to tell
         except Exception:
             log.exception("%s: reading or writing the stream failed", self._calls.api)
             await self._context.abort(grpc.StatusCode.INTERNAL, "internal error in the stream")
@@ -153,7 +173,7 @@ class _Stream(Generic[Request, Response]):
             while self._tasks:
                 await asyncio.wait(set(self._tasks))
         finally:
-            self._answers.put_nowait(_END)
+            self._answers.put_nowait(None)
 
     async def _read_all(self, requests: AsyncIterator[Request]) -> None:
         self._reading = True
@@ -165,25 +185,58 @@ class _Stream(Generic[Request, Response]):
     async def _read_until_closed(self, requests: AsyncIterator[Request]) -> None:
         while not self.closed:
             await self._slots.acquire()  # back-pressure: read only when a slot is free
+            await self._room.wait()  # ... and while unwritten answers stay under the bound
             try:
                 request = await anext(requests)
             except StopAsyncIteration:
                 return  # the client half-closed: finish what it sent
-            task = asyncio.create_task(self._answer(request))
+            reserved = self._estimate(request)
+            self._reserve(reserved)
+            task = asyncio.create_task(self._answer(request, reserved))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _answer(self, request: Request) -> None:
+    async def _write(self, answer: Any) -> None:
+        try:
+            await self._context.write(answer)
+        except Exception as err:
+            # Answers are serialized already, so a write fails only once the call has ended;
+            # grpc reports the cancellation to this handler a moment later.
+            log.debug(
+                "%s: the call ended before an answer could be written: %r", self._calls.api, err
+            )
+            raise _CallEnded from err
+
+    def _estimate(self, request: Request) -> int:
+        estimate = self._calls.answer_bytes
+        if estimate is None or isinstance(request, Undecodable):
+            return 0
+        try:
+            return estimate(request)
+        except Exception:  # a malformed request: its answer is an error message
+            return 0
+
+    def _reserve(self, change: int) -> None:
+        self._reserved_bytes += change
+        if self._reserved_bytes >= self._max_pending_bytes:
+            self._room.clear()
+        else:
+            self._room.set()
+
+    async def _answer(self, request: Request, reserved: int) -> None:
         calls = self._calls
         started = time.monotonic()
         code = grpc.StatusCode.OK
         self._inflight.inc()
         try:
+            if isinstance(request, Undecodable):
+                raise InvalidInput(request.message)
             answer: Any = await calls.answer(request, self._context)
         except ServingError as err:
             code = code_for(err)
             answer = calls.failure(request, code, str(err))
         except asyncio.CancelledError:
+            self._reserve(-reserved)  # no answer will be written
             remaining = self._context.time_remaining()
             expired = remaining is not None and remaining <= 0
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
@@ -202,4 +255,4 @@ class _Stream(Generic[Request, Response]):
             model = calls.model_label(request)
             metrics.requests_counter(model, calls.api, code.name).inc()
             metrics.request_duration(model, calls.api).observe(time.monotonic() - started)
-        self._answers.put_nowait(answer)
+        self._answers.put_nowait((answer, reserved))

@@ -76,7 +76,22 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             model_label=self.model_label,
             request_id=self.request_id,
             closer=streams,
+            answer_bytes=self._answer_bytes,
         )
+
+    def _answer_bytes(self, request: v2.ModelInferRequest) -> int:
+        """The answer's size, estimated before computing it: the output is as large as the
+        input; the weights, when asked for, add h * seq float32 values per position."""
+        tensor = request.inputs[0]
+        payload = sum(len(raw) for raw in request.raw_input_contents)
+        payload += 4 * len(tensor.contents.fp32_contents)
+        if all(output.name != "attention_weights" for output in request.outputs):
+            return payload
+        spec = self._registry.resolve(request.model_name, request.model_version).spec
+        itemsize = 2 if tensor.datatype == "FP16" else 4
+        positions = payload // (spec.embed_dim * itemsize)
+        seq = min(list(tensor.shape)[-2:][0], self._limits.max_seq_len)
+        return payload + positions * spec.num_heads * seq * 4
 
     def model_label(self, request: Any) -> str:
         if not hasattr(request, "model_name") and not hasattr(request, "name"):
@@ -230,6 +245,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             requests,
             context,
             max_inflight=self._settings.max_stream_inflight_requests,
+            max_pending_bytes=self._settings.max_stream_pending_bytes,
         )
 
     async def _stream_answer(
@@ -264,9 +280,12 @@ def _stream_error(
 ) -> v2.ModelStreamInferResponse:
     """Triton's stream error: a message (no status code field), and the request's id and
     model so the client can tell which request failed."""
+    # getattr: a message that did not parse (handlers.Undecodable) has none of these.
     return v2.ModelStreamInferResponse(
         error_message=message,
         infer_response=v2.ModelInferResponse(
-            id=request.id, model_name=request.model_name, model_version=request.model_version
+            id=getattr(request, "id", ""),
+            model_name=getattr(request, "model_name", ""),
+            model_version=getattr(request, "model_version", ""),
         ),
     )
