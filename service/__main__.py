@@ -4,33 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Callable
 
+from service.lifecycle import exit_now, serve
 from service.memory import keep_freed_memory
-from service.server import AttentionServer, StartupError
-from service.settings import Settings, describe, load_settings
+from service.settings import describe, load_settings
 
 log = logging.getLogger("service")
-
-
-async def serve(settings: Settings) -> int:
-    loop = asyncio.get_running_loop()
-    stop_requested = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop_requested.set)
-    server = AttentionServer(settings)
-    try:
-        await server.start()
-    except StartupError as err:
-        log.error("cannot start: %s", err)
-        await server.stop()
-        return 1
-    await stop_requested.wait()
-    log.info("shutdown signal received; draining for up to %.1fs", settings.grace_period_s)
-    await server.stop()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     loop_factory = event_loop_factory(settings.event_loop)
     log.info("event loop: %s", "uvloop" if loop_factory else "asyncio")
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(serve(settings))
+        code = runner.run(serve(settings))
+    exit_now(code)
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

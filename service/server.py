@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 ServingStatus = health_pb2.HealthCheckResponse.ServingStatus.ValueType
 
 ENVELOPE_BYTES = 1 << 20
+REFUSE_LINGER_S = 0.2
 # Kept back from the grace period so answers (and UNAVAILABLE for what could not be computed)
 # are written before the server closes.
 WRITE_MARGIN_S = 0.2  # headroom for the non-tensor fields and protobuf framing
@@ -274,6 +275,9 @@ class AttentionServer:
             over = ShuttingDown("the grace period ended before it was computed; retry")
             self._batcher.fail_queued(over)
             self._batcher.fail_running(over)
+            # Calls already on the wire when gRPC closes are cancelled by its core (CANCELLED,
+            # which clients do not retry); refusing a moment longer answers them UNAVAILABLE.
+            await asyncio.sleep(min(REFUSE_LINGER_S, remaining() / 2))
         if self._server is not None:
             # Lets finished handlers write their answers; cancels what is still running.
             await self._server.stop(remaining())
