@@ -5,7 +5,9 @@ unparsable-message checks go to the real server over real gRPC."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -89,6 +91,7 @@ class _Echo(attention_pb2_grpc.AttentionServiceServicer):
 
     def __init__(self, max_pending_bytes: int) -> None:
         self.computed = 0
+        self.computed_four = asyncio.Event()
         self.max_pending_bytes = max_pending_bytes
 
     async def AttendStream(self, requests, context) -> None:
@@ -108,21 +111,31 @@ class _Echo(attention_pb2_grpc.AttentionServiceServicer):
 
     async def _answer(self, request: pb.AttendRequest, context) -> WireMessage:
         self.computed += 1
+        if self.computed >= 4:
+            self.computed_four.set()
         envelope = WireMessage.of(pb.AttendStreamResponse(request_id=request.request_id))
         return envelope.add_bytes(4, bytes(ANSWER_BYTES))  # an unknown field: bulk only
-
-
-async def _served(servicer: _Echo):
-    server = grpc.aio.server()
-    add_servicer(server, attention_pb2_grpc.add_AttentionServiceServicer_to_server, servicer)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
 
 
 # The client's own flow-control window stays at 64 KiB: what it does not read stays on the
 # server, as with a client that is slow rather than one with a big buffer.
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
+
+
+@contextlib.asynccontextmanager
+async def _stream_of_40(servicer: _Echo) -> AsyncIterator[grpc.aio.StreamStreamCall]:
+    """A real grpc.aio server with the servicer, and a 40-request stream to it."""
+    server = grpc.aio.server()
+    add_servicer(server, attention_pb2_grpc.add_AttentionServiceServicer_to_server, servicer)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=SMALL_WINDOW) as channel:
+            yield attention_pb2_grpc.AttentionServiceStub(channel).AttendStream(
+                iter([pb.AttendRequest(request_id=str(i)) for i in range(40)]), timeout=TIMEOUT_S
+            )
+    finally:
+        await server.stop(None)
 
 
 def test_a_client_that_does_not_read_holds_back_its_stream_by_bytes() -> None:
@@ -132,26 +145,13 @@ def test_a_client_that_does_not_read_holds_back_its_stream_by_bytes() -> None:
 
     async def session() -> tuple[int, int, int]:
         servicer = _Echo(max_pending_bytes=1 << 20)
-        server, target = await _served(servicer)
-        try:
-            async with grpc.aio.insecure_channel(target, options=SMALL_WINDOW) as channel:
-                stub = attention_pb2_grpc.AttentionServiceStub(channel)
-                call = stub.AttendStream(
-                    iter([pb.AttendRequest(request_id=str(i)) for i in range(40)]),
-                    timeout=TIMEOUT_S,
-                )
-                # Let the server run until it can do nothing more without the client.
-                while True:
-                    seen = servicer.computed
-                    for _ in range(200):
-                        await asyncio.sleep(0)
-                    if servicer.computed == seen and seen > 0:
-                        break
-                held_back = servicer.computed
-                answers = [answer async for answer in call]
-                return held_back, len(answers), servicer.computed
-        finally:
-            await server.stop(None)
+        async with _stream_of_40(servicer) as call:
+            await asyncio.wait_for(servicer.computed_four.wait(), TIMEOUT_S)
+            # Time to over-read, had the bound not held (a negative check needs a window).
+            await asyncio.sleep(0.3)
+            held_back = servicer.computed
+            answers = [answer async for answer in call]
+            return held_back, len(answers), servicer.computed
 
     held_back, answered, computed = asyncio.run(session())
     assert 4 <= held_back <= 6  # 1 MiB / 256 KiB, and at most what one write and read add
@@ -162,20 +162,10 @@ def test_a_client_that_cancels_mid_stream_is_not_an_internal_error(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def session() -> grpc.StatusCode:
-        servicer = _Echo(max_pending_bytes=1 << 30)
-        server, target = await _served(servicer)
-        try:
-            async with grpc.aio.insecure_channel(target, options=SMALL_WINDOW) as channel:
-                stub = attention_pb2_grpc.AttentionServiceStub(channel)
-                call = stub.AttendStream(
-                    iter([pb.AttendRequest(request_id=str(i)) for i in range(40)]),
-                    timeout=TIMEOUT_S,
-                )
-                await call.read()  # answers are being written when the client leaves
-                call.cancel()
-                return await call.code()
-        finally:
-            await server.stop(None)
+        async with _stream_of_40(_Echo(max_pending_bytes=1 << 30)) as call:
+            await call.read()  # answers are being written when the client leaves
+            call.cancel()
+            return await call.code()
 
     with caplog.at_level(logging.INFO):
         code = asyncio.run(session())
