@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     loop_factory = event_loop_factory(settings.event_loop)
     log.info("event loop: %s", "uvloop" if loop_factory else "asyncio")
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        code = runner.run(serve(settings))
-    exit_now(code)
+        # Exit from inside: the runner's own exit would first join the default executor,
+        # i.e. wait out a model load or batch-cap measurement a start-up signal cut short.
+        exit_now(runner.run(serve(settings)))
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

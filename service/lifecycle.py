@@ -22,10 +22,14 @@ async def serve(settings: Settings) -> int:
     server = AttentionServer(settings)
     starting = asyncio.create_task(server.start(), name="start-up")
 
+    signalled_at: list[float] = []  # loop.time() of the first signal: grace counts from it
+
     def on_signal() -> None:
+        if not signalled_at:
+            signalled_at.append(loop.time())
         stop_requested.set()
         # During start-up (loading, warm-up): stop now instead of after it, and never report
-        # SERVING. A warm-up step already running on its thread finishes first.
+        # SERVING. A step already running on its thread is left to it (the exit ends it).
         starting.cancel()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -36,7 +40,7 @@ async def serve(settings: Settings) -> int:
         if not stop_requested.is_set():
             raise
         log.info("shutdown signal received during start-up; stopping without serving")
-        await server.stop()
+        await server.stop(signalled_at=signalled_at[0])
         return 0
     except StartupError as err:
         log.error("cannot start: %s", err)
@@ -44,7 +48,7 @@ async def serve(settings: Settings) -> int:
         return 1
     await stop_requested.wait()
     log.info("shutdown signal received; draining for up to %.1fs", settings.grace_period_s)
-    await server.stop()
+    await server.stop(signalled_at=signalled_at[0])
     return 0
 
 

@@ -245,12 +245,14 @@ class AttentionServer:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def stop(self) -> None:
+    async def stop(self, *, signalled_at: float | None = None) -> None:
         """The drain, all within grace_period_s of the call: NOT_SERVING while still serving
         for shutdown_not_serving_s, then refuse new work with UNAVAILABLE and finish what was
         accepted, then close; whatever is left then fails with UNAVAILABLE."""
         settings = self._settings
-        deadline = asyncio.get_running_loop().time() + settings.grace_period_s
+        # From the signal (loop.time()), not from whenever the busy loop got round to this.
+        started = asyncio.get_running_loop().time() if signalled_at is None else signalled_at
+        deadline = started + settings.grace_period_s
 
         def remaining() -> float:
             return max(0.0, deadline - asyncio.get_running_loop().time())

@@ -17,6 +17,16 @@ ENV_PREFIX = "ATTENTION_"
 PROVIDERS = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+ON_OFF = ("on", "off")
+# Flags with a fixed set of values: --help shows them and argparse refuses the rest.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "provider": PROVIDERS,
+    "event_loop": EVENT_LOOPS,
+    "length_grouping": ON_OFF,
+    "intra_op_spinning": ON_OFF,
+    "cpu_arena": ON_OFF,
+    "malloc_reuse": ON_OFF,
+}
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -122,7 +132,7 @@ class Settings:
         "balancers and Kubernetes endpoints stop sending here first (within the grace period)",
         default=2.0,
     )
-    log_level: str = _doc("one of LOG_LEVELS", default="INFO")
+    log_level: str = _doc(f"log level, one of {', '.join(LOG_LEVELS)} (any case)", default="INFO")
 
     def __post_init__(self) -> None:
         problems = [
@@ -205,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(
             "--" + spec.name.replace("_", "-"),
             type=_converter(spec.type),
+            choices=CHOICES.get(spec.name),
             default=argparse.SUPPRESS,
             help=f"{spec.metadata['help']} [env {env_name(spec.name)}; default {spec.default}]",
         )

@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import service.__main__ as entry
-from service import lifecycle
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from tests.server_process import ServerProcess
@@ -26,9 +24,6 @@ from tests.server_process import ServerProcess
 D = 64
 FAST = ("--batch-cap-budget-s", "0")
 PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64", *FAST)
-# service/__main__.py (not ours to edit) must run service.lifecycle.serve and skip the
-# interpreter's teardown; until it does, these two tests are expected to fail.
-ENTRY_USES_LIFECYCLE = getattr(entry, "serve", None) is lifecycle.serve
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +127,6 @@ def test_clients_under_load_see_ok_then_unavailable_never_cancelled(small_only: 
     assert any(code == "OK" and at > started + 0.2 for at, code in codes)  # served meanwhile
 
 
-@pytest.mark.xfail(not ENTRY_USES_LIFECYCLE, strict=True, reason="__main__ not patched yet")
 def test_exit_comes_within_the_grace_period_with_work_left(model_repository: Path) -> None:
     """More accepted work than the grace period can compute: what is done is answered,
     the rest gets UNAVAILABLE, and the process is gone when the period ends. Before:
@@ -160,7 +154,6 @@ def test_exit_comes_within_the_grace_period_with_work_left(model_repository: Pat
     assert elapsed <= 1.5, f"exited {elapsed:.2f}s after SIGTERM"  # 1.67 s before the fix
 
 
-@pytest.mark.xfail(not ENTRY_USES_LIFECYCLE, strict=True, reason="__main__ not patched yet")
 def test_sigterm_during_start_up_stops_at_once_without_serving(model_repository: Path) -> None:
     """Before: the signal was handled only after warm-up, once the server reported SERVING."""
     budget = ("--batch-cap-budget-s", "0.5")  # per model: a few seconds of warm-up in all

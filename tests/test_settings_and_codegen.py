@@ -29,7 +29,8 @@ def test_flags_beat_environment_beat_defaults() -> None:
     ("argv", "env", "message"),
     [
         (["--max-batch-size", "0"], {}, "max_batch_size must be >= 1, got 0"),
-        (["--provider", "tpu"], {}, "provider must be one of"),
+        (["--provider", "tpu"], {}, "argument --provider: invalid choice: 'tpu'"),
+        ([], {"ATTENTION_PROVIDER": "tpu"}, "provider must be one of"),
         ([], {"ATTENTION_GRPC_PORT": "eighty"}, "ATTENTION_GRPC_PORT='eighty' is not a valid int"),
         (["--grpc-port", "70000"], {}, "grpc_port must be 0..65535"),
     ],
