@@ -5,8 +5,8 @@ bytes). glibc gives freed memory back to the kernel as soon as the top of its he
 more than ~128 KiB free, so the next request faults every page in again: measured on the
 echo server at seq 128, about a third of its CPU per request. Keeping up to
 TRIM_THRESHOLD_BYTES of freed heap for reuse removes those faults; allocations of
-MMAP_THRESHOLD_BYTES and more (huge attention-weights answers) still go straight back to
-the kernel when freed, so a rare giant response does not stay resident. glibc applies the
+MMAP_THRESHOLD_BYTES and more (batches, weights answers) are mmapped and go straight back to
+the kernel when freed, so big tensors neither stay resident nor fragment the heap. glibc applies the
 trim threshold to each malloc arena, so the arenas are capped at ARENA_MAX: the memory kept
 for reuse stays under ARENA_MAX x TRIM_THRESHOLD_BYTES (64 MiB).
 """
@@ -27,7 +27,7 @@ M_ARENA_MAX = -8
 
 TRIM_THRESHOLD_BYTES = 32 << 20
 TOP_PAD_BYTES = 4 << 20
-MMAP_THRESHOLD_BYTES = 16 << 20
+MMAP_THRESHOLD_BYTES = 1 << 20
 # Few arenas: each keeps up to TRIM_THRESHOLD_BYTES, and glibc would make up to 8 per core.
 ARENA_MAX = 2
 
