@@ -117,7 +117,8 @@ class Settings:
         default="auto",
     )
     malloc_reuse: str = _doc(
-        "on: glibc malloc keeps up to 64 MiB of freed memory for reuse instead of faulting "
+        "on: glibc malloc keeps up to 32 MiB of freed memory per arena for reuse instead of "
+        "faulting "
         "pages back in for every request's tensors (about a third less CPU per request at "
         "seq 128); off: glibc's defaults",
         default="on",
