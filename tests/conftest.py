@@ -35,7 +35,9 @@ def small_export(tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
 @pytest.fixture(scope="session")
 def server(model_repository: Path) -> Iterator[ServerProcess]:
     """One server with default settings (bar a short queue delay) for the read-only tests."""
-    with ServerProcess(model_repository, "--max-queue-delay-ms", "5") as process:
+    # Measured batch caps, as by default (ServerProcess turns them off for other tests).
+    flags = ("--max-queue-delay-ms", "5", "--batch-cap-budget-s", "3")
+    with ServerProcess(model_repository, *flags) as process:
         yield process
     assert process.process.returncode == 0, process.log
 

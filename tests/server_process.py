@@ -36,7 +36,14 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             text=True,
             # No NOT_SERVING pause on SIGTERM unless a test asks for one (no endpoints here).
-            env={"ATTENTION_SHUTDOWN_NOT_SERVING_S": "0", **os.environ, **(env or {})},
+            # No measured batch caps either: they depend on the machine's speed, and tests
+            # that count batches must see --max-batch-size as the only bound.
+            env={
+                "ATTENTION_SHUTDOWN_NOT_SERVING_S": "0",
+                "ATTENTION_BATCH_CAP_BUDGET_S": "0",
+                **os.environ,
+                **(env or {}),
+            },
         )
         self.lines: list[str] = []
         self._bound = threading.Event()
