@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from bench.stats import Lengths
-from service.engine import choose_providers
+from service.engine.onnx_model import choose_providers
 from service.settings import PROVIDERS
 
 Feeds = dict[str, np.ndarray]
@@ -32,7 +32,7 @@ ONNX_DTYPES = {
 
 
 def session(model: Path, threads: int, provider: str) -> ort.InferenceSession:
-    """Options as the server's engine sets them (service/engine.py)."""
+    """Options as the server's engine sets them (service/engine/onnx_model.py)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

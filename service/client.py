@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.codec import decode_tensor, encode_tensor
+from service.api.codec import decode_tensor, encode_tensor
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 

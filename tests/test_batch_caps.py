@@ -11,7 +11,11 @@ import tritonclient.grpc as triton
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.batch_caps import (
+from service.batching.batcher import Batcher
+from service.batching.policy import choose_batch
+from service.batching.protocol import BatchLimits
+from service.client import AttentionClient
+from service.engine.caps import (
     BatchCaps,
     batch_sizes,
     best_batch_size,
@@ -20,10 +24,6 @@ from service.batch_caps import (
     merge_equal,
     time_batch,
 )
-from service.batch_types import BatchLimits
-from service.batcher import Batcher
-from service.batching import choose_batch
-from service.client import AttentionClient
 from tests.test_batching import RecordingRunner
 
 

@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from service import metrics
-from service.batch_caps import BatchCaps
-from service.batch_types import BatchLimits
-from service.batcher import Batcher, SchedulerFailed
+from service.batching.batcher import Batcher, SchedulerFailed
+from service.batching.protocol import BatchLimits
+from service.engine.caps import BatchCaps
 from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull
+from service.ops import metrics
 from tests.test_batching import RecordingRunner, _x
 
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.batch_caps import BatchCaps
-from service.batch_types import BatchFailed, BatchLimits
-from service.batcher import Batcher
-from service.batching import choose_batch, merge, padding_ratio, split
+from service.batching.batcher import Batcher
+from service.batching.policy import choose_batch, merge, padding_ratio, split
+from service.batching.protocol import BatchFailed, BatchLimits
+from service.engine.caps import BatchCaps
 from service.errors import DeadlineExpired, QueueFull, ShuttingDown
 
 shapes = st.lists(st.tuples(st.integers(1, 4), st.integers(1, 20)), min_size=1, max_size=12)

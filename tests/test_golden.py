@@ -11,8 +11,8 @@ import pytest
 from export.golden import GOLDEN_FILE
 from export.pipeline import ExportRequest, run_export
 from service.client import AttentionClient
-from service.golden import GOLDEN_FILE as SERVED_GOLDEN_FILE
-from service.golden import GoldenMismatch, check_golden
+from service.engine.golden import GOLDEN_FILE as SERVED_GOLDEN_FILE
+from service.engine.golden import GoldenMismatch, check_golden
 from tests.reference import cpu_session
 from tests.server_process import ServerProcess
 

@@ -14,24 +14,24 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import start_http_server
 
-from service import metrics
-from service.attention_servicer import AttentionServicer
-from service.batch_types import BatchLimits
-from service.batcher import Batcher
-from service.engine import CPU, CUDA, choose_providers
+from service.api.attention_servicer import AttentionServicer
+from service.api.handlers import add_servicer
+from service.api.proto_pool import pool_of
+from service.api.streaming import StreamCloser
+from service.api.v2_servicer import InferenceServicer
+from service.api.validation import InputLimits
+from service.batching.batcher import Batcher
+from service.batching.protocol import BatchLimits
+from service.engine.onnx_model import CPU, CUDA, choose_providers
+from service.engine.registry import ModelRegistry
+from service.engine.repository import discover
 from service.errors import ShuttingDown
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
-from service.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
-from service.handlers import add_servicer
-from service.memory_budget import default_queue_bytes, memory_limit_bytes
-from service.model_repository import discover
-from service.proto_pool import pool_of
-from service.registry import ModelRegistry
+from service.ops import metrics
+from service.ops.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
+from service.ops.memory_budget import default_queue_bytes, memory_limit_bytes
 from service.settings import Settings
-from service.streaming import StreamCloser
-from service.v2_servicer import InferenceServicer
-from service.validation import InputLimits
 
 log = logging.getLogger(__name__)
 ServingStatus = health_pb2.HealthCheckResponse.ServingStatus.ValueType

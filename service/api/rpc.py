@@ -12,12 +12,12 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from service import metrics
+from service.api.handlers import Undecodable
+from service.api.status import code_for
+from service.api.wire import WireMessage
 from service.errors import InvalidInput, ServingError
-from service.handlers import Undecodable
-from service.status import code_for
+from service.ops import metrics
 from service.text import shown
-from service.wire import WireMessage
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 
-from service.batch_types import Result
-from service.codec import checked_shape
-from service.engine import OnnxModel
+from service.api.codec import checked_shape
+from service.api.wire import WireMessage, array_bytes
+from service.batching.protocol import Result
+from service.engine.onnx_model import OnnxModel
 from service.errors import InvalidInput
 from service.generated.inference import grpc_service_pb2 as v2
 from service.text import shown, shown_shape
-from service.wire import WireMessage, array_bytes
 
 INPUT_NAME = "embeddings"
 RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
@@ -156,7 +156,7 @@ def requested_outputs(request: v2.ModelInferRequest, model: OnnxModel) -> list[s
 def encode_response(
     request: v2.ModelInferRequest, model: OnnxModel, names: list[str], result: Result
 ) -> WireMessage:
-    """The ModelInferResponse, serialized with each output's bytes copied once (service.wire)."""
+    """The ModelInferResponse, serialized with each output's bytes copied once."""
     header = v2.ModelInferResponse(
         model_name=model.spec.name, model_version=str(model.spec.version), id=request.id
     )

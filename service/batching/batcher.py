@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service import metrics
-from service.batch_types import BatchFailed, BatchLimits, Result, Runner
-from service.batching import choose_batch, merge, padding_ratio, split
+from service.batching.policy import choose_batch, merge, padding_ratio, split
+from service.batching.protocol import BatchFailed, BatchLimits, Result, Runner
+from service.batching.statistics import InferenceStatistics
 from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull, ShuttingDown
-from service.memory_budget import TRIM_AFTER_BATCH_BYTES, release_free_memory
-from service.statistics import InferenceStatistics
+from service.ops import metrics
+from service.ops.memory_budget import TRIM_AFTER_BATCH_BYTES, release_free_memory
 
 log = logging.getLogger(__name__)
 GRAPHS = {False: "output", True: "output+attention_weights"}

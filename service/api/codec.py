@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 
+from service.api.wire import WireMessage, array_bytes
 from service.errors import InvalidInput
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.text import shown_shape
-from service.wire import WireMessage, array_bytes
 
 TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 
@@ -85,7 +85,7 @@ def encode_tensor(array: np.ndarray, dtype: np.dtype | None = None) -> pb.Tensor
 
 
 def encode_tensor_wire(array: np.ndarray, dtype: np.dtype | None = None) -> WireMessage:
-    """encode_tensor's message, already serialized, with the bytes copied once (service.wire)."""
+    """encode_tensor's message, already serialized, with the bytes copied once."""
     target = np.dtype(dtype or array.dtype).newbyteorder("<")
     header = pb.Tensor(shape=list(array.shape), dtype=wire_dtype(target))
     return WireMessage.of(header).add_bytes(

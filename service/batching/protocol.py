@@ -7,7 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
-from service.batch_caps import BatchCaps
+from service.engine.caps import BatchCaps
 
 
 class Runner(Protocol):

@@ -8,19 +8,10 @@ from typing import Any
 
 import grpc
 
-from service.admission import admit_and_run
-from service.batcher import Batcher
-from service.engine import OnnxModel
-from service.errors import ModelNotFound
-from service.generated.inference import grpc_service_pb2 as v2
-from service.generated.inference import grpc_service_pb2_grpc
-from service.generated.inference import model_config_pb2 as config
-from service.registry import SERVER_LABEL, ModelRegistry
-from service.rpc import rpc
-from service.settings import Settings
-from service.statistics import Duration
-from service.streaming import StreamCalls, StreamCloser, serve_stream
-from service.v2_codec import (
+from service.api.admission import admit_and_run
+from service.api.rpc import rpc
+from service.api.streaming import StreamCalls, StreamCloser, serve_stream
+from service.api.v2_codec import (
     INPUT_NAME,
     V2_NAME_OF,
     accepted_datatypes,
@@ -29,8 +20,17 @@ from service.v2_codec import (
     refuse_parameters,
     requested_outputs,
 )
-from service.validation import InputLimits
-from service.wire import WireMessage, settled
+from service.api.validation import InputLimits
+from service.api.wire import WireMessage, settled
+from service.batching.batcher import Batcher
+from service.batching.statistics import Duration
+from service.engine.onnx_model import OnnxModel
+from service.engine.registry import SERVER_LABEL, ModelRegistry
+from service.errors import ModelNotFound
+from service.generated.inference import grpc_service_pb2 as v2
+from service.generated.inference import grpc_service_pb2_grpc
+from service.generated.inference import model_config_pb2 as config
+from service.settings import Settings
 
 API = "v2"
 STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[

@@ -23,11 +23,11 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from service import metrics
+from service.api.handlers import Undecodable
+from service.api.rpc import serialized
+from service.api.status import code_for
 from service.errors import InvalidInput, ServingError
-from service.handlers import Undecodable
-from service.rpc import serialized
-from service.status import code_for
+from service.ops import metrics
 from service.text import shown
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from service.batch_caps import BatchCaps, measure_caps
-from service.golden import GoldenMismatch, check_golden, golden_path
-from service.model_repository import VersionFiles
+from service.engine.caps import BatchCaps, measure_caps
+from service.engine.golden import GoldenMismatch, check_golden, golden_path
+from service.engine.repository import VersionFiles
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from service.engine import BrokenModel, OnnxModel
+from service.engine.onnx_model import BrokenModel, OnnxModel
+from service.engine.repository import VERSION_RULE, VersionFiles, parse_version
 from service.errors import ModelNotFound
-from service.model_repository import VERSION_RULE, VersionFiles, parse_version
 from service.text import shown
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""The gRPC surface: servicers, wire codecs, validation and admission into the batcher."""

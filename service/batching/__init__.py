@@ -1,0 +1,1 @@
+"""Dynamic batching: queues, batch choice, deadlines, statistics."""

@@ -1,0 +1,1 @@
+"""ONNX Runtime models: loading, verification, batch caps, the registry of versions."""

@@ -1,0 +1,1 @@
+"""The process: server assembly, lifecycle, metrics, memory and gRPC options."""
