@@ -134,6 +134,23 @@ class Settings:
         default=2.0,
     )
     log_level: str = _doc(f"log level, one of {', '.join(LOG_LEVELS)} (any case)", default="INFO")
+    tls_cert: Path | None = _doc(
+        "PEM certificate chain: serve TLS on the gRPC port (with --tls-key); reread when the "
+        "file changes (no restart); unset = plaintext. The metrics port stays plain HTTP",
+        default=None,
+    )
+    tls_key: Path | None = _doc("PEM private key of --tls-cert (unencrypted)", default=None)
+    tls_client_ca: Path | None = _doc(
+        "PEM CA certificate(s): mutual TLS, every client must present a certificate signed by "
+        "one of them (needs --tls-cert)",
+        default=None,
+    )
+    max_connection_age_s: float = _doc(
+        "seconds before a client connection is asked to reconnect (HTTP/2 GOAWAY; gRPC spreads it "
+        "by +-10 percent), so clients re-resolve DNS and reach pods added since; calls in flight "
+        "then get --grace-period-s to finish; 0 = connections live forever",
+        default=300.0,
+    )
 
     def __post_init__(self) -> None:
         problems = [
@@ -173,6 +190,14 @@ class Settings:
             ("grace_period_s", self.grace_period_s >= 0, ">= 0"),
             ("shutdown_not_serving_s", self.shutdown_not_serving_s >= 0, ">= 0"),
             ("log_level", self.log_level.upper() in LOG_LEVELS, f"one of {LOG_LEVELS}"),
+            ("tls_cert", self.tls_key is None or self.tls_cert is not None, "set with tls_key"),
+            ("tls_key", self.tls_cert is None or self.tls_key is not None, "set with tls_cert"),
+            (
+                "tls_cert",
+                self.tls_client_ca is None or self.tls_cert is not None,
+                "set with tls_client_ca (mutual TLS runs over TLS)",
+            ),
+            ("max_connection_age_s", self.max_connection_age_s >= 0, ">= 0"),
         ]
 
     @property
@@ -184,10 +209,15 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
+def _optional_path(text: str) -> Path | None:
+    return Path(text) if text else None  # an empty variable leaves the option off
+
+
 def _converter(kind: Any) -> Callable[[str], Any]:
-    return {"int": int, "float": float, "Path": Path, "str": str}[
-        kind if isinstance(kind, str) else kind.__name__
-    ]
+    converters: dict[str, Callable[[str], Any]] = {
+        "int": int, "float": float, "Path": Path, "str": str, "Path | None": _optional_path,
+    }  # fmt: skip
+    return converters[kind if isinstance(kind, str) else kind.__name__]
 
 
 def _from_environment(environ: Mapping[str, str]) -> dict[str, Any]:

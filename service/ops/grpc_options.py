@@ -1,5 +1,18 @@
 """The gRPC server's channel options, in one place: the real server and the benchmark's echo
-server use the same ones, so the echo server measures the same protocol floor."""
+server use the same ones, so the echo server measures the same protocol floor.
+
+Connection hygiene (README, "Connection hygiene", says why each value):
+- keepalive: the server pings an idle connection every KEEPALIVE_TIME_MS and drops it when no
+  answer comes within KEEPALIVE_TIMEOUT_MS, so connections of vanished clients (a node gone,
+  a NAT entry dropped) do not pile up.
+- keepalive enforcement: clients may ping, even with no call open, but not more often than
+  MIN_CLIENT_PING_INTERVAL_MS; a client that does is sent GOAWAY (too_many_pings).
+- max connection age: a connection is asked to go away (GOAWAY; gRPC core adds +-10% jitter
+  so connections opened together do not all reconnect together) and calls in flight get the
+  grace to finish. Clients re-resolve DNS only when a connection drops, so without this the
+  clients of a headless Service never reach pods the autoscaler adds.
+- streams per connection: bounded; calls beyond it wait in the client, not on the server.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +20,50 @@ from typing import Any
 
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 
+KEEPALIVE_TIME_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+MAX_CONCURRENT_STREAMS = 1024
 
-def server_options(*, receive_bytes: int, send_bytes: int) -> list[tuple[str, Any]]:
+
+def connection_options(
+    *, max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 0.0
+) -> list[tuple[str, Any]]:
+    """Keepalive, its enforcement, connection age and the per-connection stream bound;
+    max_connection_age_s 0 = no age limit."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # Idle connections are kept alive too (the server's pings need no call to ride on).
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+    ]
+    if max_connection_age_s > 0:
+        options += [
+            ("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
+            ("grpc.max_connection_age_grace_ms", max(1, round(max_connection_age_grace_s * 1000))),
+        ]
+    return options
+
+
+def server_options(
+    *,
+    receive_bytes: int,
+    send_bytes: int,
+    max_connection_age_s: float = 0.0,
+    max_connection_age_grace_s: float = 0.0,
+) -> list[tuple[str, Any]]:
     """Options for grpc.aio.server(); message limits come from the largest legal call."""
     return [
         ("grpc.max_receive_message_length", min(receive_bytes, GRPC_MAX_MESSAGE_BYTES)),
         ("grpc.max_send_message_length", min(send_bytes, GRPC_MAX_MESSAGE_BYTES)),
         # A second server on a taken port must fail, not silently share it.
         ("grpc.so_reuseport", 0),
+        *connection_options(
+            max_connection_age_s=max_connection_age_s,
+            max_connection_age_grace_s=max_connection_age_grace_s,
+        ),
     ]

@@ -31,6 +31,7 @@ from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.ops import metrics
 from service.ops.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
 from service.ops.memory_budget import default_queue_bytes, memory_limit_bytes
+from service.ops.tls import ReloadingCredentials, TlsError, server_tls
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class AttentionServer:
         self._streams = StreamCloser()
         self._background: set[asyncio.Task[None]] = set()
         self.registry: ModelRegistry | None = None
+        self.tls: ReloadingCredentials | None = None  # set by start() when TLS is on
         self.ports: BoundPorts | None = None  # set once bound, before warm-up
         self.ready = False  # warm and not draining: V2 ServerReady / ModelReady
         self.service_names = [
@@ -104,6 +106,10 @@ class AttentionServer:
 
     async def start(self) -> BoundPorts:
         settings = self._settings
+        try:  # before the models load: a bad certificate should fail at once
+            self.tls = server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        except TlsError as err:
+            raise StartupError(str(err)) from err
         try:
             providers = choose_providers(settings.provider)
         except RuntimeError as err:
@@ -155,7 +161,13 @@ class AttentionServer:
         )
         receive_bytes, send_bytes = message_limits(registry, settings)
         server = grpc.aio.server(
-            options=server_options(receive_bytes=receive_bytes, send_bytes=send_bytes)
+            options=server_options(
+                receive_bytes=receive_bytes,
+                send_bytes=send_bytes,
+                max_connection_age_s=settings.max_connection_age_s,
+                # A call in flight when its connection ages out gets what a drain gives it.
+                max_connection_age_grace_s=settings.grace_period_s,
+            )
         )
         add_servicer(
             server,
@@ -192,7 +204,11 @@ class AttentionServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = grpc_address(settings.host, settings.grpc_port)
         try:
-            grpc_port = server.add_insecure_port(address)
+            grpc_port = (
+                server.add_secure_port(address, self.tls.server())
+                if self.tls is not None
+                else server.add_insecure_port(address)
+            )
         except RuntimeError as err:
             raise StartupError(f"cannot bind gRPC to {address}: {err}") from err
         await server.start()
@@ -206,6 +222,9 @@ class AttentionServer:
                 f"cannot bind metrics to {settings.host}:{settings.metrics_port}: {err}"
             ) from err
         ports = self.ports = BoundPorts(grpc_port, self._metrics_http[0].server_port)
+        if self.tls is not None:
+            log.info("gRPC port serves TLS%s; metrics port plain HTTP",
+                     " and requires client certificates" if self.tls.mutual else "")  # fmt: skip
         log.info("listening grpc_port=%d metrics_port=%d host=%s (warming up)",
                  ports.grpc, ports.metrics, settings.host)  # fmt: skip
         await self._warm_up(registry)
