@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rtol: error allowed against the float64 reference, as a fraction of the largest "
         "|reference| value, plus a small floor (default: 1e-4 float32, 1e-2 float16)",
     )
+    parser.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="skip model.fused.onnx, the output-only graph with ONNX's fused Attention op "
+        "(opset 23) that a CUDA server may choose when its load-time check finds it faster",
+    )
     return parser.parse_args(argv)
 
 
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         force=args.force,
         dtype=args.dtype,
         tolerance=args.tolerance,
+        fused=not args.no_fused,
     )
     started = time.monotonic()
     try:
@@ -98,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"exported {args.name} version {result.folder.name} in {time.monotonic() - started:.1f}s")
-    for path in (result.files.output_only, result.files.with_weights):
+    for path in (result.files.output_only, result.files.with_weights, result.files.fused):
+        if path is None:
+            continue
         print(f"  {path}  {path.stat().st_size / 1e6:.2f} MB")
     parity = result.parity
     reference = "the source BERT block" if args.hf_model else "torch.nn.MultiheadAttention"
@@ -111,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(seq up to {parity.max_seq}): max abs error output={parity.max_abs_error_output:.2e} "
         f"(relative {parity.max_rel_error_output:.1e} of max |output| {parity.output_scale:.3g}) "
         f"attention_weights={parity.max_abs_error_weights:.2e}"
+        + (
+            f" fused output={parity.max_abs_error_fused:.2e}"
+            if parity.max_abs_error_fused is not None
+            else ""
+        )
     )
     return 0
 

@@ -44,16 +44,24 @@ class MultiHeadSelfAttention(nn.Module):
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
 
+    def _project(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (already scaled by 1/sqrt(d/h)), k, v as [b, h, t, d/h]."""
+        batch, seq, _ = embeddings.shape
+        qkv = functional.linear(embeddings, self.in_proj_weight, self.in_proj_bias)
+        qkv = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        query, key, value = qkv.unbind(0)
+        # Scale q before Q·Kᵀ, not the scores after it: in float16 the product of unscaled q
+        # overflows (inf, then NaN) from ~64x unit inputs on, and whether an optimizer pass
+        # folds a later scale into the MatMul must not decide that.
+        return query * (self.head_dim**-0.5), key, value
+
     def forward(
         self, embeddings: torch.Tensor, key_padding_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (output [b, t, d], per-head attention weights [b, h, t, t])."""
         batch, seq, _ = embeddings.shape
-        qkv = functional.linear(embeddings, self.in_proj_weight, self.in_proj_bias)
-        qkv = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        query, key, value = qkv.unbind(0)
-
-        scores = (query @ key.transpose(-1, -2)) * (self.head_dim**-0.5)
+        query, key, value = self._project(embeddings)
+        scores = query @ key.transpose(-1, -2)
         blocked = key_padding_mask[:, None, None, :]
         if self.causal:
             positions = torch.arange(seq, device=embeddings.device)
@@ -65,6 +73,23 @@ class MultiHeadSelfAttention(nn.Module):
 
         heads = (weights @ value).transpose(1, 2).reshape(batch, seq, self.embed_dim)
         return self.out_proj(heads), weights
+
+    def fused_output(
+        self, embeddings: torch.Tensor, key_padding_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The same output through scaled_dot_product_attention, which torch exports as
+        ONNX's opset-23 ``Attention`` op: the weights are never materialized as an output."""
+        batch, seq, _ = embeddings.shape
+        query, key, value = self._project(embeddings)
+        # ONNX Runtime 1.31 takes a boolean mask (true = attend) as [batch, 1, seq, seq] only;
+        # it refuses the broadcastable [batch, 1, 1, seq].
+        keep = (~key_padding_mask)[:, None, None, :].expand(batch, 1, seq, seq)
+        if self.causal:
+            keep = keep & torch.ones(seq, seq, dtype=torch.bool, device=keep.device).tril()
+        heads = functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=keep, scale=1.0
+        )
+        return self.out_proj(heads.transpose(1, 2).reshape(batch, seq, self.embed_dim))
 
 
 class WithWeights(nn.Module):
@@ -90,3 +115,15 @@ class OutputOnly(nn.Module):
 
     def forward(self, embeddings: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
         return self.attention(embeddings, key_padding_mask)[0]
+
+
+class FusedOutputOnly(nn.Module):
+    """The output-only graph with one fused attention op (opset 23), for providers whose
+    fused kernels are faster; the server uses it only where its load-time check says so."""
+
+    def __init__(self, attention: MultiHeadSelfAttention) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, embeddings: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        return self.attention.fused_output(embeddings, key_padding_mask)

@@ -13,20 +13,24 @@ from pathlib import Path
 import onnx
 import torch
 
-from export.model import MultiHeadSelfAttention, OutputOnly, WithWeights
+from export.model import FusedOutputOnly, MultiHeadSelfAttention, OutputOnly, WithWeights
 
 OPSET = 18
+# ONNX's own Attention op (what scaled_dot_product_attention exports to) arrived in opset 23.
+FUSED_OPSET = 23
 INPUT_NAMES = ["embeddings", "key_padding_mask"]
 OUTPUT_FILE = "model.onnx"
 WITH_WEIGHTS_FILE = "model.with_weights.onnx"
+FUSED_FILE = "model.fused.onnx"  # service/engine reads the same name
 
 
 @dataclass(frozen=True)
 class GraphFiles:
-    """The two graphs of one model version."""
+    """The graphs of one model version; the fused output-only graph is optional."""
 
     output_only: Path
     with_weights: Path
+    fused: Path | None = None
 
 
 @contextlib.contextmanager
@@ -50,7 +54,11 @@ def quiet_exporter() -> Iterator[None]:
 
 
 def _export_one(
-    module: torch.nn.Module, path: Path, output_names: list[str], embed_dim: int
+    module: torch.nn.Module,
+    path: Path,
+    output_names: list[str],
+    embed_dim: int,
+    opset: int = OPSET,
 ) -> None:
     dtype = next(module.parameters()).dtype
     example = (torch.randn(2, 3, embed_dim, dtype=dtype), torch.zeros(2, 3, dtype=torch.bool))
@@ -66,7 +74,7 @@ def _export_one(
                 "embeddings": {0: batch, 1: seq},
                 "key_padding_mask": {0: batch, 1: seq},
             },
-            opset_version=OPSET,
+            opset_version=opset,
             dynamo=True,
             external_data=False,
             optimize=True,
@@ -86,10 +94,16 @@ def _stamp(path: Path, metadata: dict[str, str], graph_kind: str) -> None:
 
 
 def export_graphs(
-    attention: MultiHeadSelfAttention, folder: Path, metadata: dict[str, str]
+    attention: MultiHeadSelfAttention,
+    folder: Path,
+    metadata: dict[str, str],
+    *,
+    fused: bool = True,
 ) -> GraphFiles:
-    """Write both graphs into folder; the output-only one never computes an extra output."""
-    files = GraphFiles(folder / OUTPUT_FILE, folder / WITH_WEIGHTS_FILE)
+    """Write the graphs into folder; the output-only ones never compute an extra output."""
+    files = GraphFiles(
+        folder / OUTPUT_FILE, folder / WITH_WEIGHTS_FILE, folder / FUSED_FILE if fused else None
+    )
     _export_one(OutputOnly(attention), files.output_only, ["output"], attention.embed_dim)
     _export_one(
         WithWeights(attention),
@@ -99,4 +113,9 @@ def export_graphs(
     )
     _stamp(files.output_only, metadata, "output")
     _stamp(files.with_weights, metadata, "output+attention_weights")
+    if files.fused is not None:
+        _export_one(
+            FusedOutputOnly(attention), files.fused, ["output"], attention.embed_dim, FUSED_OPSET
+        )
+        _stamp(files.fused, {**metadata, "opset": str(FUSED_OPSET)}, "output(fused)")
     return files

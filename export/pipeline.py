@@ -10,7 +10,14 @@ import torch
 
 from export.golden import write_golden
 from export.model import MultiHeadSelfAttention
-from export.onnx_graphs import OPSET, OUTPUT_FILE, WITH_WEIGHTS_FILE, GraphFiles, export_graphs
+from export.onnx_graphs import (
+    FUSED_FILE,
+    OPSET,
+    OUTPUT_FILE,
+    WITH_WEIGHTS_FILE,
+    GraphFiles,
+    export_graphs,
+)
 from export.repository import next_version, write_version
 from export.verify import (
     DEFAULT_TOLERANCE,
@@ -42,6 +49,7 @@ class ExportRequest:
     tolerance: float | None = None  # rtol; None: DEFAULT_TOLERANCE[dtype]
     hf_model: Path | None = None  # a Hugging Face BERT-style folder; d and h come from it
     hf_layer: int = 0
+    fused: bool = True  # also write model.fused.onnx (opset-23 Attention, output only)
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -154,7 +162,7 @@ def run_export(request: ExportRequest) -> ExportResult:
     outcome: dict[str, object] = {}
 
     def fill(staging: Path) -> None:
-        files = export_graphs(module, staging, metadata)
+        files = export_graphs(module, staging, metadata, fused=request.fused)
         outcome["parity"] = verify_graphs(
             files,
             source.reference,
@@ -167,5 +175,6 @@ def run_export(request: ExportRequest) -> ExportResult:
     folder = write_version(model_folder, version, fill, force=request.force)
     parity = outcome["parity"]
     assert isinstance(parity, ParityReport)
-    files = GraphFiles(folder / OUTPUT_FILE, folder / WITH_WEIGHTS_FILE)
+    fused = folder / FUSED_FILE if request.fused else None
+    files = GraphFiles(folder / OUTPUT_FILE, folder / WITH_WEIGHTS_FILE, fused)
     return ExportResult(folder, files, weights_hash, parity, source.embed_dim, source.num_heads)

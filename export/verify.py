@@ -67,6 +67,7 @@ class ParityReport:
     float32_error_weights: float
     cases: int
     max_seq: int
+    max_abs_error_fused: float | None = None  # the fused output graph's, when exported
 
 
 def reference_layer(
@@ -143,13 +144,17 @@ def _worst(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     return float(np.max(np.abs(got - want))), float(np.max(np.abs(want)))
 
 
-def _sessions(files: GraphFiles) -> tuple[ort.InferenceSession, ort.InferenceSession]:
+def _sessions(files: GraphFiles) -> dict[str, ort.InferenceSession]:
+    """Output-only graphs by name (plain, and fused when exported), and the weights graph."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
     providers = ["CPUExecutionProvider"]
-    plain = ort.InferenceSession(str(files.output_only), options, providers=providers)
-    full = ort.InferenceSession(str(files.with_weights), options, providers=providers)
-    return plain, full
+    paths = {"plain": files.output_only, "full": files.with_weights, "fused": files.fused}
+    return {
+        name: ort.InferenceSession(str(path), options, providers=providers)
+        for name, path in paths.items()
+        if path is not None
+    }
 
 
 def verify_graphs(
@@ -162,11 +167,13 @@ def verify_graphs(
     max_seq: int = MAX_VERIFIED_SEQ,
     seed: int = 1234,
 ) -> ParityReport:
-    """Run both graphs on CPU over random padded batches; ParityError past tolerance or on any
+    """Run every graph on CPU over random padded batches; ParityError past tolerance or on any
     non-finite value."""
-    plain, full = _sessions(files)
+    sessions = _sessions(files)
+    full = sessions.pop("full")
     rng = np.random.default_rng(seed)
-    worst = dict.fromkeys(("out", "w", "scale_out", "scale_w", "f32_out", "f32_w"), 0.0)
+    keys = ("out", "w", "scale_out", "scale_w", "f32_out", "f32_w", "fused")
+    worst = dict.fromkeys(keys, 0.0)
 
     def track(key: str, got: np.ndarray, want: np.ndarray, scale_key: str = "") -> None:
         error, scale = _worst(got.astype(np.float64), want)
@@ -179,7 +186,7 @@ def verify_graphs(
     for mask in masks:
         sent = rng.standard_normal((*mask.shape, embed_dim)).astype(dtype)
         feeds = {"embeddings": sent, "key_padding_mask": mask}
-        (plain_output,) = plain.run(["output"], feeds)
+        outputs = {name: session.run(["output"], feeds)[0] for name, session in sessions.items()}
         full_output, full_weights = full.run(["output", "attention_weights"], feeds)
         # The reference sees the same (rounded) values the graph got.
         want_output, want_weights = reference(sent.astype(np.float32), mask, torch.float64)
@@ -188,21 +195,26 @@ def verify_graphs(
         _check_finite("the reference output", want_output[real])
         # Weights of real queries, over every key (padded keys must carry zero weight).
         rows = np.broadcast_to(real[:, None, :], full_weights.shape[:3])
-        for got in (plain_output[real], full_output[real]):
-            _check_finite("ONNX Runtime's output", got)
-            track("out", got, want_output[real], "scale_out")
+        for name, got in (*outputs.items(), ("full", full_output)):
+            _check_finite(f"ONNX Runtime's output ({name} graph)", got[real])
+            track("out", got[real], want_output[real], "scale_out")
+            if name == "fused":
+                track("fused", got[real], want_output[real])
         _check_finite("ONNX Runtime's attention_weights", full_weights[rows])
         track("w", full_weights[rows], want_weights[rows], "scale_w")
         track("f32_out", f32_output[real], want_output[real])
         track("f32_w", f32_weights[rows], want_weights[rows])
-    return _judge(worst, len(masks), max_seq, tolerance)
+    return _judge(worst, len(masks), max_seq, tolerance, fused="fused" in sessions)
 
 
-def _judge(worst: dict[str, float], cases: int, max_seq: int, tolerance: Tolerance) -> ParityReport:
+def _judge(
+    worst: dict[str, float], cases: int, max_seq: int, tolerance: Tolerance, *, fused: bool
+) -> ParityReport:
     report = ParityReport(
         worst["out"], worst["w"],
         worst["out"] / max(worst["scale_out"], 1e-30), worst["w"] / max(worst["scale_w"], 1e-30),
         worst["scale_out"], worst["f32_out"], worst["f32_w"], cases, max_seq,
+        worst["fused"] if fused else None,
     )  # fmt: skip
     output_ok = worst["out"] <= tolerance.bound(worst["scale_out"], worst["f32_out"])
     weights_ok = worst["w"] <= tolerance.bound(worst["scale_w"], worst["f32_w"])

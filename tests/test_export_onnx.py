@@ -81,9 +81,11 @@ def test_padded_sequence_equals_the_same_sequence_alone(sessions) -> None:
 
 
 def test_graph_contract(small_export: ExportResult) -> None:
+    assert small_export.files.fused is not None
     for path, outputs in (
         (small_export.files.output_only, ["output"]),
         (small_export.files.with_weights, ["output", "attention_weights"]),
+        (small_export.files.fused, ["output"]),
     ):
         model = onnx.load(str(path))
         onnx.checker.check_model(model, full_check=True)
@@ -173,12 +175,12 @@ def test_failed_verification_writes_nothing(tmp_path: Path, monkeypatch) -> None
     """A wrong graph (query and key projections swapped) fails, and nothing is published."""
     real_export = pipeline.export_graphs
 
-    def swapped(module, folder, metadata):
+    def swapped(module, folder, metadata, **kwargs):
         broken = copy.deepcopy(module)
         with torch.no_grad():
             q, k, v = broken.in_proj_weight.detach().clone().chunk(3)
             broken.in_proj_weight.copy_(torch.cat([k, q, v]))
-        return real_export(broken, folder, metadata)
+        return real_export(broken, folder, metadata, **kwargs)
 
     monkeypatch.setattr(pipeline, "export_graphs", swapped)
     with pytest.raises(ParityError, match="disagrees"):
@@ -203,6 +205,8 @@ def test_cli_reports_what_it_wrote(tmp_path: Path) -> None:
     )
     assert "model.onnx" in done.stdout
     assert "model.with_weights.onnx" in done.stdout
+    assert "model.fused.onnx" in done.stdout
+    assert "fused output=" in done.stdout
     assert "max abs error output=" in done.stdout
     again = subprocess.run(
         [*args, "--out", str(tmp_path), "--if-missing"], capture_output=True, text=True, check=True
