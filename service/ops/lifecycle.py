@@ -25,8 +25,13 @@ async def serve(settings: Settings) -> int:
     signalled_at: list[float] = []  # loop.time() of the first signal: grace counts from it
 
     def on_signal() -> None:
-        if not signalled_at:
-            signalled_at.append(loop.time())
+        if signalled_at:
+            # A second SIGTERM/SIGINT changes nothing: the drain under way keeps every
+            # accepted request and already ends within the grace period; SIGKILL stops at once.
+            left = max(0.0, settings.grace_period_s - (loop.time() - signalled_at[0]))
+            log.warning("another shutdown signal: ignored, the drain ends within %.1fs", left)
+            return
+        signalled_at.append(loop.time())
         stop_requested.set()
         # During start-up (loading, warm-up): stop now instead of after it, and never report
         # SERVING. A step already running on its thread is left to it (the exit ends it).

@@ -62,6 +62,12 @@ DROPPED = Counter(
     "also a V2 ModelStatistics failure.",
     ["model", "reason"],
 )
+BATCH_FAILURES = Counter(
+    f"{PREFIX}_batch_failures_total",
+    "Batches whose ONNX Runtime call (or merge/split) raised; each of their requests got "
+    "INTERNAL and the error is logged.",
+    ["model"],
+)
 NONFINITE_OUTPUTS = Counter(
     f"{PREFIX}_nonfinite_outputs_total",
     "Requests failed because their computed output held NaN or inf (inputs too large).",
@@ -84,6 +90,12 @@ MODEL_READY = Gauge(
     f"{PREFIX}_model_ready",
     "1 when the model version is loaded and warmed up, else 0.",
     ["model", "version"],
+)
+MODEL_LOAD_EVENTS = Counter(
+    f"{PREFIX}_model_load_events_total",
+    "Model version loads and unloads (action: load | unload) by outcome (success | failure); "
+    "a failed load never replaces a served version.",
+    ["model", "action", "outcome"],
 )
 ENGINE_INFO = Gauge(
     f"{PREFIX}_engine_info",
