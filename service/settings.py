@@ -18,6 +18,7 @@ PROVIDERS = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 ON_OFF = ("on", "off")
+FUSED_ATTENTION = ("auto", "on", "off")
 # Flags with a fixed set of values: --help shows them and argparse refuses the rest.
 CHOICES: dict[str, tuple[str, ...]] = {
     "provider": PROVIDERS,
@@ -26,6 +27,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "intra_op_spinning": ON_OFF,
     "cpu_arena": ON_OFF,
     "malloc_reuse": ON_OFF,
+    "cuda_tf32": ON_OFF,
+    "fused_attention": FUSED_ATTENTION,
 }
 
 
@@ -96,7 +99,11 @@ class Settings:
         "(back-pressure; one larger answer still goes out)",
         default=64 << 20,
     )
-    intra_op_threads: int = _doc("ONNX Runtime threads per session (0 = all cores)", default=0)
+    intra_op_threads: int = _doc(
+        "ONNX Runtime threads per session (0 = all cores on CPU, 1 under CUDA, where they only "
+        "launch kernels and copy)",
+        default=0,
+    )
     intra_op_spinning: str = _doc(
         "on: ONNX Runtime's idle threads spin (lowest latency on dedicated cores); off: they "
         "sleep, leaving the cores to the event loop that shares them",
@@ -111,6 +118,24 @@ class Settings:
     )
     provider: str = _doc(
         "execution provider: auto (CUDA if usable, else CPU), cuda, cpu", default="auto"
+    )
+    cuda_tf32: str = _doc(
+        "on: CUDA float32 matrix products on TF32 tensor cores (faster, ~1e-3 relative error; "
+        "the load-time golden check then allows 5e-3 x max|output|); off: full float32 "
+        "(~1e-6; golden check 1e-4 x max|output|)",
+        default="off",
+    )
+    gpu_mem_fraction: float = _doc(
+        "fraction of the GPU's memory ONNX Runtime's CUDA arenas may take together, split "
+        "evenly over the sessions loaded at start (2-3 graphs per version); a batch that needs "
+        "more than its session's share fails alone; 0 = no limit",
+        default=0.8,
+    )
+    fused_attention: str = _doc(
+        "output-only requests on model.fused.onnx (ONNX's Attention op): auto = on CUDA when "
+        "it passes the golden check and is faster than the unfused graph at warm-up; on = "
+        "whenever it passes the golden check (any provider); off = never",
+        default="auto",
     )
     event_loop: str = _doc(
         "asyncio event loop: auto (uvloop when installed, else asyncio's), uvloop, asyncio",
@@ -185,6 +210,9 @@ class Settings:
             ("intra_op_spinning", self.intra_op_spinning in ("on", "off"), "on or off"),
             ("cpu_arena", self.cpu_arena in ("on", "off"), "on or off"),
             ("provider", self.provider in PROVIDERS, f"one of {PROVIDERS}"),
+            ("cuda_tf32", self.cuda_tf32 in ON_OFF, "on or off"),
+            ("gpu_mem_fraction", 0 <= self.gpu_mem_fraction <= 1, "in 0..1"),
+            ("fused_attention", self.fused_attention in FUSED_ATTENTION, "auto, on or off"),
             ("event_loop", self.event_loop in EVENT_LOOPS, f"one of {EVENT_LOOPS}"),
             ("malloc_reuse", self.malloc_reuse in ("on", "off"), "on or off"),
             ("grace_period_s", self.grace_period_s >= 0, ">= 0"),

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from service.engine import fused as fusing
 from service.engine.caps import BatchCaps, measure_caps
+from service.engine.cuda import (
+    CPU,
+    CUDA,
+    CudaOptions,
+    choose_providers,
+    gpu_present,
+    intra_op_threads_for,
+)
 from service.engine.golden import GoldenMismatch, check_golden, golden_path
 from service.engine.repository import VersionFiles
 
+__all__ = ["CPU", "CUDA", "BrokenModel", "ModelSpec", "OnnxModel", "choose_providers",
+           "gpu_present", "warm_up_shapes"]  # fmt: skip
 log = logging.getLogger(__name__)
 
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
 INPUTS = ("embeddings", "key_padding_mask")
 
 
@@ -38,29 +48,29 @@ class ModelSpec:
     weights_source: str
 
 
-def gpu_present() -> bool:
-    """True when the CUDA driver loads and sees a device. Asked before creating a CUDA session
-    so a CPU-only machine never logs ONNX Runtime's CUDA load errors."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    count = ctypes.c_int(0)
-    return (
-        cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
-    )
+def warm_up_shapes(provider: str, max_batch_size: int, max_seq_len: int) -> list[tuple[int, int]]:
+    """(batch, seq) to run before serving. On CUDA the largest batch the server accepts comes
+    first, so the arena, cuBLAS and cuDNN are sized and tuned before a request needs them; on
+    CPU a few small shapes (the CPU arena is off: a large run would only cost start-up time)."""
+    if provider == CUDA:
+        shapes = [(max_batch_size, max_seq_len), (1, min(16, max_seq_len))]
+    else:
+        shapes = [(2, min(seq, max_seq_len)) for seq in (1, 16, 128)]
+    return list(dict.fromkeys(shapes))
 
 
-def choose_providers(preference: str) -> list[str]:
-    """CUDA first when asked or when auto finds it usable, CPU always as the fallback."""
-    cuda_usable = CUDA in ort.get_available_providers() and gpu_present()
-    if preference == "cuda" and not cuda_usable:
-        raise RuntimeError("--provider cuda: this onnxruntime build or machine has no usable CUDA")
-    if preference != "cpu" and cuda_usable:
-        if hasattr(ort, "preload_dlls"):
-            ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, when installed
-        return [CUDA, CPU]
-    return [CPU]
+def _session(path: Path, options: ort.SessionOptions, providers: list[str],
+             cuda: CudaOptions | None) -> ort.InferenceSession:  # fmt: skip
+    """One session; under CUDA with its provider options and without the wrapper's silent
+    retry on CPU, so a CUDA failure fails the batch instead of moving the model to CPU."""
+    chosen: list[str | tuple[str, dict[str, str]]] = [
+        (name, (cuda or CudaOptions()).provider_options()) if name == CUDA else name
+        for name in providers
+    ]
+    session = ort.InferenceSession(str(path), options, providers=chosen)
+    if CUDA in providers:
+        session.disable_fallback()
+    return session
 
 
 def _read_spec(session: ort.InferenceSession, files: VersionFiles) -> ModelSpec:
@@ -98,6 +108,8 @@ class OnnxModel:
         *,
         intra_op_spinning: bool = False,
         cpu_arena: bool = False,
+        cuda: CudaOptions | None = None,
+        fused: str = "auto",
     ) -> None:
         options = ort.SessionOptions()
         # Off by default, measured (README, "Memory"): the CPU arena keeps the largest batch's
@@ -105,7 +117,7 @@ class OnnxModel:
         # weights); without it RSS returns to ~100 MiB, small batches cost the same and only
         # the largest ones pay for faulting their pages in again.
         options.enable_cpu_mem_arena = cpu_arena
-        options.intra_op_num_threads = intra_op_threads
+        options.intra_op_num_threads = intra_op_threads_for(intra_op_threads, providers)
         # Spinning threads keep a core busy between ops; here that core also runs the event
         # loop that feeds the next batch, so they wait on a lock instead unless told to spin.
         options.add_session_config_entry(
@@ -113,23 +125,41 @@ class OnnxModel:
         )
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
+        self._tf32 = cuda is not None and cuda.use_tf32
+        self._fused_mode = fused
+        fused_path = files.output_graph.parent / fusing.FUSED_GRAPH
+        want_fused = fusing.wanted(fused, providers[0]) and fused_path.is_file()
         try:
-            self._plain = ort.InferenceSession(
-                str(files.output_graph), options, providers=providers
-            )
+            self._plain = _session(files.output_graph, options, providers, cuda)
             self._full = (
-                ort.InferenceSession(str(files.weights_graph), options, providers=providers)
+                _session(files.weights_graph, options, providers, cuda)
                 if files.weights_graph
                 else None
             )
+            # A candidate: choose_output_graph() decides whether output-only requests use it.
+            self._fused = _session(fused_path, options, providers, cuda) if want_fused else None
         except Exception as err:  # ORT raises its own exception types for bad files
             raise BrokenModel(f"ONNX Runtime cannot load it: {err}") from err
+        self._use_fused = False
         self.spec = _read_spec(self._plain, files)
         self.key = f"{files.name}/{files.version}"
-        self.provider = self._plain.get_providers()[0]
+        self.provider = self._common_provider()
         # Until measure_batch_caps() runs, only --max-batch-size limits a batch.
         self.batch_caps = BatchCaps.uniform(2**31 - 1, 2**31 - 1)
         self._check_golden(files)
+
+    def _sessions(self) -> dict[str, ort.InferenceSession]:
+        graphs = {"output": self._plain, "output+attention_weights": self._full,
+                  "output(fused)": self._fused}  # fmt: skip
+        return {name: session for name, session in graphs.items() if session is not None}
+
+    def _common_provider(self) -> str:
+        """The provider every graph of this version runs on; a version split across devices
+        would make the engine-info metric a lie, so it is refused."""
+        found = {name: session.get_providers()[0] for name, session in self._sessions().items()}
+        if len(set(found.values())) > 1:
+            raise BrokenModel(f"ONNX Runtime put its graphs on different providers: {found}")
+        return next(iter(found.values()))
 
     def _check_golden(self, files: VersionFiles) -> None:
         """Refuse a version that does not reproduce its exporter's answer here (this provider,
@@ -139,11 +169,34 @@ class OnnxModel:
             log.warning("%s: no %s, served without a load-time check", self.key, path.name)
             return
         try:
-            error = check_golden(path, self.run, self.spec.dtype,
+            error = check_golden(path, self.run, self.spec.dtype, tf32=self._tf32,
                                  has_weights_graph=self.has_weights_graph)  # fmt: skip
         except GoldenMismatch as err:
             raise BrokenModel(f"golden check failed on {self.provider}: {err}") from err
         log.info("%s: golden check passed on %s (max error %.2e)", self.key, self.provider, error)
+        if self._fused is not None:
+            self._check_fused_golden(path)
+
+    def _check_fused_golden(self, path: Path) -> None:
+        """The fused graph is held to the same golden answer; failing it, it is dropped (auto)
+        or the version refused (--fused-attention on)."""
+        fused = self._fused
+        assert fused is not None
+
+        def run(embeddings: np.ndarray, mask: np.ndarray, _: bool) -> tuple[np.ndarray, None]:
+            feeds = {"embeddings": embeddings, "key_padding_mask": mask}
+            return fused.run(["output"], feeds)[0], None
+
+        try:
+            error = check_golden(path, run, self.spec.dtype, tf32=self._tf32,
+                                 has_weights_graph=False)  # fmt: skip
+        except GoldenMismatch as err:
+            if self._fused_mode == "on":
+                raise BrokenModel(f"fused graph: golden check failed: {err}") from err
+            log.warning("%s: fused graph not used, golden check failed: %s", self.key, err)
+            self._fused = None
+            return
+        log.info("%s: fused graph passed its golden check (max error %.2e)", self.key, error)
 
     @property
     def label(self) -> str:
@@ -163,8 +216,13 @@ class OnnxModel:
             assert self._full is not None, "validated before batching"
             output, weights = self._full.run(["output", "attention_weights"], feeds)
             return output, weights
-        (output,) = self._plain.run(["output"], feeds)
+        session = self._fused if self._use_fused and self._fused is not None else self._plain
+        (output,) = session.run(["output"], feeds)
         return output, None
+
+    @property
+    def uses_fused_graph(self) -> bool:
+        return self._use_fused
 
     def measure_batch_caps(
         self, *, max_batch_size: int, max_seq_len: int, budget_s: float
@@ -192,11 +250,33 @@ class OnnxModel:
         )
         return self.batch_caps
 
-    def warm_up(self, seq_lengths: tuple[int, ...] = (1, 16, 128)) -> None:
-        """First runs allocate and tune; pay for them before reporting ready."""
-        for seq in seq_lengths:
-            x = np.zeros((2, seq, self.spec.embed_dim), dtype=self.spec.dtype)
-            mask = np.zeros((2, seq), dtype=bool)
-            self.run(x, mask, with_weights=False)
-            if self.has_weights_graph:
-                self.run(x, mask, with_weights=True)
+    def _inputs(self, batch: int, seq: int) -> dict[str, np.ndarray]:
+        x = np.random.default_rng(0).standard_normal((batch, seq, self.spec.embed_dim))
+        return {"embeddings": x.astype(self.spec.dtype),
+                "key_padding_mask": np.zeros((batch, seq), dtype=bool)}  # fmt: skip
+
+    def warm_up(self, shapes: list[tuple[int, int]] | None = None) -> None:
+        """First runs allocate and tune; pay for them, on every graph, before reporting ready.
+        Called on each thread that will run batches (CUDA keeps per-thread handles)."""
+        for batch, seq in shapes or [(2, 1), (2, 16), (2, 128)]:
+            feeds = self._inputs(batch, seq)
+            for session in self._sessions().values():
+                session.run(None, feeds)
+
+    def choose_output_graph(self, max_batch_size: int, max_seq_len: int) -> str:
+        """Time the fused graph against the unfused one (when it was loaded and passed its
+        golden check); output-only requests use it from now on if decide() says so."""
+        fused = self._fused
+        if fused is None:
+            return "unfused graph"
+        timings = []
+        if self._fused_mode != "on":
+            for batch, seq in fusing.comparison_shapes(max_batch_size, max_seq_len):
+                feeds = self._inputs(batch, seq)
+                unfused_s = fusing.best_seconds(partial(self._plain.run, ["output"], feeds))
+                fused_s = fusing.best_seconds(partial(fused.run, ["output"], feeds))
+                timings.append(fusing.Timing(batch, seq, unfused_s, fused_s))
+        self._use_fused, reason = fusing.decide(self._fused_mode, timings)
+        if not self._use_fused:
+            self._fused = None  # its arena goes back
+        return f"{'fused' if self._use_fused else 'unfused'} graph: {reason}"
