@@ -1,6 +1,7 @@
 """python -m service.healthcheck [--target HOST:PORT]: exit 0 when the server reports SERVING.
 
-For Docker HEALTHCHECK and other places without a gRPC probe binary.
+For Docker HEALTHCHECK and other places without a gRPC probe binary (Kubernetes' own gRPC
+probes speak no TLS, so a TLS deployment probes with this: --tls-ca, --tls-cert, --tls-key).
 """
 
 from __future__ import annotations
@@ -11,20 +12,44 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service.ops.tls import TlsError, add_tls_arguments, channel_credentials, tls_requested
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    if not tls_requested(args):
+        return grpc.insecure_channel(args.target)
+    credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    options = (
+        [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    )
+    return grpc.secure_channel(args.target, credentials, options=options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m service.healthcheck", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument("--target", default="127.0.0.1:8001")
     parser.add_argument("--service", default="", help="health service name ('' = server)")
     parser.add_argument("--timeout-s", type=float, default=3.0)
+    add_tls_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    with grpc.insecure_channel(args.target) as channel:
+    try:
+        channel = _channel(args)
+    except TlsError as err:
+        parser.error(str(err))
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s
             )
         except grpc.RpcError as err:
-            print(f"unhealthy: {err.code().name}", file=sys.stderr)
+            print(f"unhealthy: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)
