@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service.api.codec import decode_tensor, encode_tensor
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from service.ops.tls import TlsError, add_tls_arguments, channel_credentials, tls_requested
 
 # Responses with attention weights are large (h * seq^2 floats per sequence).
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
@@ -103,17 +104,47 @@ def stream_result(response: pb.AttendStreamResponse) -> AttendResult | AttendErr
     return attend_result(response.response)
 
 
-def channel_options(load_balancing: str | None) -> list[tuple[str, Any]]:
-    """round_robin with a dns:/// target spreads calls over every pod of a headless Service."""
+def channel_options(
+    load_balancing: str | None, tls_server_name: str | None = None
+) -> list[tuple[str, Any]]:
+    """round_robin with a dns:/// target spreads calls over every pod of a headless Service;
+    tls_server_name: the name to check the server's certificate against, when the target's
+    host is not in it (an IP address, 127.0.0.1 inside a pod)."""
     extra = [("grpc.lb_policy_name", load_balancing)] if load_balancing else []
+    if tls_server_name:
+        extra.append(("grpc.ssl_target_name_override", tls_server_name))
     return [*CHANNEL_OPTIONS, *extra]
 
 
-class AttentionClient:
-    """Blocking client. Use as a context manager, or call close()."""
+def tls_options(
+    ca: Path | None = None,
+    cert: Path | None = None,
+    key: Path | None = None,
+    server_name: str | None = None,
+) -> dict[str, Any]:
+    """Keywords for the clients' constructors: credentials (TLS; with cert and key, mutual
+    TLS) and tls_server_name. ca None = the system's trusted roots."""
+    return {"credentials": channel_credentials(ca, cert, key), "tls_server_name": server_name}
 
-    def __init__(self, target: str, *, load_balancing: str | None = None) -> None:
-        self._channel = grpc.insecure_channel(target, options=channel_options(load_balancing))
+
+class AttentionClient:
+    """Blocking client. Use as a context manager, or call close(). credentials (see
+    tls_options) make it a TLS channel; without them it is plaintext."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        load_balancing: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        options = channel_options(load_balancing, tls_server_name)
+        self._channel = (
+            grpc.secure_channel(target, credentials, options=options)
+            if credentials is not None
+            else grpc.insecure_channel(target, options=options)
+        )
         self._stub = attention_pb2_grpc.AttentionServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -174,8 +205,20 @@ class AttentionClient:
 class AsyncAttentionClient:
     """asyncio client for many concurrent calls on one channel."""
 
-    def __init__(self, target: str, *, load_balancing: str | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options(load_balancing))
+    def __init__(
+        self,
+        target: str,
+        *,
+        load_balancing: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        options = channel_options(load_balancing, tls_server_name)
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials, options=options)
+            if credentials is not None
+            else grpc.aio.insecure_channel(target, options=options)
+        )
         self._stub = attention_pb2_grpc.AttentionServiceStub(self._channel)
 
     async def __aenter__(self) -> AsyncAttentionClient:
@@ -261,10 +304,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tokens", help="labels for --plot: the sequence's tokens, space-separated"
     )
     parser.add_argument("--save", type=Path, help="save the first answer (output, weights) as .npz")
+    add_tls_arguments(parser)
     args = parser.parse_args(argv)
     if args.plot is not None and not args.weights:
         parser.error("--plot draws the attention weights: add --weights")
+    try:
+        args.tls = client_tls(args)
+    except TlsError as err:
+        parser.error(str(err))
     return args
+
+
+def client_tls(args: argparse.Namespace) -> dict[str, Any]:
+    """The clients' TLS keywords from add_tls_arguments' flags; {} = plaintext."""
+    if not tls_requested(args):
+        return {}
+    return tls_options(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
 
 
 def _input(args: argparse.Namespace, embed_dim: int) -> np.ndarray:
@@ -279,7 +334,7 @@ async def _load(
     args: argparse.Namespace, embeddings: np.ndarray
 ) -> list[tuple[float, AttendResult]]:
     gate = asyncio.Semaphore(args.concurrency)
-    async with AsyncAttentionClient(args.target) as client:
+    async with AsyncAttentionClient(args.target, **args.tls) as client:
 
         async def one(index: int) -> tuple[float, AttendResult]:
             async with gate:
@@ -318,7 +373,7 @@ def _summary(results: list[tuple[float, AttendResult]], wall_s: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    with AttentionClient(args.target) as client:
+    with AttentionClient(args.target, **args.tls) as client:
         try:
             info = client.get_model(args.model)
         except grpc.RpcError as err:

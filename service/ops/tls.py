@@ -8,6 +8,7 @@ or mismatched pair is refused (logged once) and the previous certificate stays i
 
 from __future__ import annotations
 
+import argparse
 import logging
 import ssl
 import threading
@@ -173,3 +174,22 @@ def server_tls(
     if cert is None or key is None:
         return None
     return ReloadingCredentials(TlsFiles(cert, key, client_ca))
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """The clients' flags: --tls-ca, --tls-cert, --tls-key, --tls-server-name."""
+    group = parser.add_argument_group("TLS (any of these turns it on; default plaintext)")
+    group.add_argument("--tls-ca", type=Path, help="PEM CA to trust (default: system roots)")
+    group.add_argument("--tls-cert", type=Path, help="PEM client certificate (mutual TLS)")
+    group.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    group.add_argument(
+        "--tls-server-name",
+        help="name to check the server's certificate against (default: the target's host)",
+    )
+
+
+def tls_requested(args: argparse.Namespace) -> bool:
+    return any(
+        value is not None
+        for value in (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    )

@@ -1,0 +1,135 @@
+"""Connection hygiene: a connection older than --max-connection-age-s is replaced under a
+client that keeps calling, without one failed call; a client given two backends with the
+round_robin policy spreads its calls over both."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from service.client import AttentionClient, attend_request
+from service.generated.attention.v1 import attention_pb2_grpc
+from service.ops.grpc_options import server_options
+from service.settings import load_settings
+from tests.server_process import ServerProcess
+from tests.tls_helpers import tiny_repository
+
+MAX_AGE_S = 1.0
+ESTABLISHED = "01"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
+    repository = tiny_repository(tmp_path_factory.getbasetemp())
+    flags = ("--max-connection-age-s", str(MAX_AGE_S), "--grace-period-s", "5")
+    first, second = ServerProcess(repository, *flags), ServerProcess(repository, *flags)
+    with first, second:  # both start at once; each waits for SERVING
+        yield [first, second]
+    assert (first.terminate(), second.terminate()) == (0, 0), first.log + second.log
+
+
+def _embeddings() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((6, 32), dtype=np.float32)
+
+
+def _client_ports(server_port: int) -> set[int]:
+    """Local ports of the established TCP connections to server_port (this host's /proc)."""
+    ports = set()
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        if not table.exists():
+            continue
+        for line in table.read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, state = fields[1], fields[2], fields[3]
+            if state == ESTABLISHED and int(remote.rsplit(":", 1)[1], 16) == server_port:
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_an_aged_connection_is_replaced_without_a_failed_call(
+    servers: list[ServerProcess],
+) -> None:
+    server = servers[0]
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux /proc/net/tcp to see the connections")
+    states: list[grpc.ChannelConnectivity] = []
+    channel = grpc.insecure_channel(server.target)
+    channel.subscribe(states.append, try_to_connect=True)
+    stub = attention_pb2_grpc.AttentionServiceStub(channel)
+    request = attend_request(_embeddings())
+    failures: list[grpc.StatusCode] = []
+    calls = 0
+    seen_ports: set[int] = set()
+    # Past three ages (each 0.9-1.1 s with gRPC's jitter): at least three connections.
+    until = time.monotonic() + 3.5 * MAX_AGE_S
+    while time.monotonic() < until:
+        try:
+            stub.Attend(request, timeout=5)
+            calls += 1
+        except grpc.RpcError as err:
+            failures.append(err.code())
+        seen_ports |= _client_ports(server.grpc_port)
+    channel.close()
+    print(f"{calls} calls over {3.5 * MAX_AGE_S:.1f}s, {len(failures)} failed; client ports "
+          f"{sorted(seen_ports)}; connectivity {[s.name for s in states]}")  # fmt: skip
+    assert failures == []
+    assert calls > 20
+    assert len(seen_ports) >= 3, "the connection was not replaced at its max age"
+    assert states.count(grpc.ChannelConnectivity.READY) >= 2
+
+
+def test_a_client_of_two_backends_spreads_its_calls_over_both(
+    servers: list[ServerProcess],
+) -> None:
+    target = "ipv4:" + ",".join(f"127.0.0.1:{server.grpc_port}" for server in servers)
+    counted = {"name": "attention_requests_total", "api": "attention", "code": "OK"}
+
+    def served() -> list[float]:
+        return [server.metric(**counted) for server in servers]
+
+    before = served()
+    calls = 40
+    with AttentionClient(target, load_balancing="round_robin") as client:
+        for _ in range(calls):
+            client.attend(_embeddings(), timeout_s=5)
+    for server, start in zip(servers, before, strict=True):
+        server.wait_metric(counted["name"], start + 1, api="attention", code="OK")
+    deadline = time.monotonic() + 5
+    while sum(served()) - sum(before) < calls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    each = [after - start for after, start in zip(served(), before, strict=True)]
+    print(f"calls per backend: {each}")
+    assert sum(each) == calls
+    assert min(each) >= calls // 4, each  # round robin: about half each
+
+
+def test_server_options_bound_every_connection() -> None:
+    settings = load_settings(["--max-connection-age-s", "120", "--grace-period-s", "30"], {})
+    options = dict(
+        server_options(
+            receive_bytes=1 << 20,
+            send_bytes=1 << 21,
+            max_connection_age_s=settings.max_connection_age_s,
+            max_connection_age_grace_s=settings.grace_period_s,
+        )
+    )
+    assert options["grpc.max_connection_age_ms"] == 120_000
+    assert options["grpc.max_connection_age_grace_ms"] == 30_000
+    assert options["grpc.keepalive_time_ms"] > options["grpc.keepalive_timeout_ms"] > 0
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] > 0
+    assert options["grpc.keepalive_permit_without_calls"] == 1
+    assert options["grpc.max_concurrent_streams"] >= 1
+    assert (
+        options["grpc.max_receive_message_length"],
+        options["grpc.max_send_message_length"],
+    ) == (
+        1 << 20,
+        1 << 21,
+    )
+    forever = dict(server_options(receive_bytes=1, send_bytes=1, max_connection_age_s=0))
+    assert "grpc.max_connection_age_ms" not in forever
