@@ -133,3 +133,34 @@ def test_server_options_bound_every_connection() -> None:
     )
     forever = dict(server_options(receive_bytes=1, send_bytes=1, max_connection_age_s=0))
     assert "grpc.max_connection_age_ms" not in forever
+
+
+def test_a_client_pinging_too_often_is_sent_away_and_a_quiet_one_is_not(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Keepalive enforcement: pings more often than the server allows (every 10 s without
+    data) earn a GOAWAY (too_many_pings) after a few strikes; the connection drops."""
+    repository = tiny_repository(tmp_path_factory.getbasetemp())
+    pushy_options = [
+        ("grpc.keepalive_time_ms", 100),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    with ServerProcess(repository) as server:  # the default max age (minutes): no confounding
+        channels = {
+            "pushy": grpc.insecure_channel(server.target, options=pushy_options),
+            "quiet": grpc.insecure_channel(server.target),
+        }
+        states: dict[str, list[grpc.ChannelConnectivity]] = {name: [] for name in channels}
+        for name, channel in channels.items():
+            channel.subscribe(states[name].append, try_to_connect=True)
+            grpc.channel_ready_future(channel).result(timeout=10)
+        give_up = time.monotonic() + 10
+        while grpc.ChannelConnectivity.IDLE not in states["pushy"][1:]:
+            assert time.monotonic() < give_up, f"never sent away: {states['pushy']}"
+            time.sleep(0.05)
+        for channel in channels.values():
+            channel.close()
+    print({name: [state.name for state in seen] for name, seen in states.items()})
+    assert grpc.ChannelConnectivity.READY in states["quiet"]
+    assert grpc.ChannelConnectivity.IDLE not in states["quiet"][1:]
