@@ -13,6 +13,7 @@ from export.pipeline import ExportRequest, run_export
 from service.client import AttentionClient
 from service.engine.golden import GOLDEN_FILE as SERVED_GOLDEN_FILE
 from service.engine.golden import GoldenMismatch, check_golden
+from tests.providers import serving_provider
 from tests.reference import cpu_session
 from tests.server_process import ServerProcess
 
@@ -101,10 +102,11 @@ def test_server_refuses_what_does_not_reproduce_and_serves_the_rest(repository: 
             assert np.isfinite(client.attend(x, model="legacy").output).all()
         log = server.log
     assert served == {"good", "legacy"}
-    assert "good/1: golden check passed on CPUExecutionProvider" in log
+    provider = serving_provider()
+    assert f"good/1: golden check passed on {provider}" in log
     assert "legacy/1: no golden.npz, served without a load-time check" in log
     for name in ("swapped", "skewed"):
         assert (
-            f"not serving {name} version 1: golden check failed on CPUExecutionProvider: output differs"
+            f"not serving {name} version 1: golden check failed on {provider}: output differs"
             in log
         )

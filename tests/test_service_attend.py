@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from service.client import AsyncAttentionClient, AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
+from tests.providers import serving_provider
 from tests.reference import attend_alone, cpu_session, layer_for
 from tests.server_process import ServerProcess
 
@@ -102,7 +103,7 @@ def test_versions_and_models_are_listed(client: AttentionClient) -> None:
     mha = client.get_model()
     assert mha.name == "mha"
     assert (mha.versions[0].embed_dim, mha.versions[0].num_heads) == (D, H)
-    assert mha.versions[0].execution_provider == "CPUExecutionProvider"
+    assert mha.versions[0].execution_provider == serving_provider()
     assert models["causal"].versions[0].causal
 
 

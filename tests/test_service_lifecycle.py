@@ -15,6 +15,7 @@ import pytest
 from service.client import AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from tests.providers import serving_provider
 from tests.server_process import ServerProcess
 
 D = 64  # the "small" model keeps these tests quick
@@ -179,6 +180,7 @@ def test_metrics_move_as_requests_go_through(
     assert after["compute"] > before["compute"]
     assert after["padding"] > before["padding"]
     assert server.metric("attention_model_ready", model="small", version="2") == 1
-    assert server.metric("attention_engine_info", model="mha", provider="CPUExecutionProvider") == 1
+    provider = serving_provider()
+    assert server.metric("attention_engine_info", model="mha", provider=provider) == 1
     names = {name for name, _ in server.metrics()}
     assert {"attention_queue_depth_requests", "attention_inflight_requests"} <= names

@@ -1,0 +1,65 @@
+"""bench/gpu.sh, the prepared GPU check: its CPU dry run passes here, and without a usable GPU
+the real run fails loudly instead of measuring the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bench import gpu_check, gpu_probe
+from tests.reference import cpu_session
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _models(model_repository: Path, tmp_path: Path) -> Path:
+    """The session's small float32 and float16 exports under the names the check expects."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "mha").symlink_to(model_repository / "small")
+    (models / "mha16").symlink_to(model_repository / "half")
+    return models
+
+
+def test_dry_run_checks_everything_on_cpu(model_repository: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "GPU_MODELS": str(_models(model_repository, tmp_path)),
+           "OUT": str(tmp_path), "PYTHON": sys.executable}  # fmt: skip
+    done = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "DRY RUN on CPU (GPU parts skipped): passed" in done.stdout
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert report["failures"] == []
+    assert report["elapsed_s"] < 120
+    assert set(report["providers"]["float32"]) == {"output", "output+attention_weights",
+                                                   "output(fused)"}  # fmt: skip
+    assert set(report["float16_parity"]) == {"1x", "4x", "16x", "64x"}
+    assert report["float32_parity"]["tf32_off"]["relative"] < 1e-5
+    assert report["fused"]["parity"]["relative"] < 1e-5
+    assert report["server"]["one_request_seq128"]["p50_ms"] > 0
+    assert report["server"]["requests_of_64_seq128"]["sequences_per_s"] > 0
+
+
+def test_without_a_usable_gpu_the_real_run_fails_loudly(
+    model_repository: Path, tmp_path: Path
+) -> None:
+    code = gpu_check.main(["--models", str(_models(model_repository, tmp_path))])
+    assert code == 1  # never a CPU measurement presented as a GPU one
+
+
+def test_numpy_reference_equals_onnx_runtime(model_repository: Path) -> None:
+    graph = sorted((model_repository / "small").glob("*/model.onnx"))[-1]
+    reference = gpu_probe.numpy_reference(graph)
+    rng = np.random.default_rng(0)
+    x, mask = gpu_probe.padded_batch(rng, 4, 24, 64)
+    (got,) = cpu_session(graph).run(None, {"embeddings": x.astype(np.float32),
+                                           "key_padding_mask": mask})  # fmt: skip
+    found = gpu_probe.errors(got, reference(x.astype(np.float32), mask), mask)
+    assert found["nonfinite"] == 0
+    assert found["relative"] < 1e-5
+    assert mask[1:].any()  # padding at the end, the start and in holes
