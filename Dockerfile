@@ -1,35 +1,64 @@
 # syntax=docker/dockerfile:1
 # Serving image: GPU-capable (onnxruntime-gpu with CUDA 13 / cuDNN 9 from NVIDIA's wheels),
 # runs on CPU when no GPU is visible. torch exists only in the export stage.
+#
+# Offline / air-gapped (README "Building offline"): any Debian-like base with python3 and
+# python3-venv, and every wheel in ./wheelhouse:
+#   --build-arg PYTHON_IMAGE=localhost/attention-base:bookworm
+#   --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/wheelhouse
+# pip reads PIP_NO_INDEX / PIP_FIND_LINKS from the environment, where build args put them;
+# left unset, pip uses the package indexes as usual.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # --- export: build and verify the default model ---------------------------------------
 FROM ${PYTHON_IMAGE} AS export
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
 WORKDIR /src
 COPY constraints.txt ./
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
- && pip install --no-cache-dir -c constraints.txt onnx onnxscript onnxruntime-gpu numpy
+COPY wheelhouse /wheelhouse
+RUN python3 -m venv /opt/export \
+ && /opt/export/bin/pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
+        "torch==2.13.0" \
+ && /opt/export/bin/pip install --no-cache-dir -c constraints.txt \
+        onnx onnxscript "onnxruntime-gpu==1.31.1" numpy
 COPY export ./export
 ARG MODEL_NAME=mha
 ARG EMBED_DIM=512
 ARG NUM_HEADS=8
-RUN python -m export --name "${MODEL_NAME}" --embed-dim "${EMBED_DIM}" --num-heads "${NUM_HEADS}" --out /models
+RUN /opt/export/bin/python -m export --name "${MODEL_NAME}" --embed-dim "${EMBED_DIM}" \
+        --num-heads "${NUM_HEADS}" --out /models
+
+# --- deps: the serving virtualenv (wheels stay in this stage, out of the image) ---------
+FROM ${PYTHON_IMAGE} AS deps
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
+# The GPU build by default; "onnxruntime-gpu==1.31.1" (no NVIDIA wheels, ~3 GB smaller) still
+# serves on the CPU, which is what CI builds.
+ARG ONNXRUNTIME="onnxruntime-gpu[cuda,cudnn]==1.31.1"
+WORKDIR /app
+COPY wheelhouse /wheelhouse
+COPY pyproject.toml constraints.txt README.md ./
+COPY service ./service
+RUN python3 -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-cache-dir -c constraints.txt "${ONNXRUNTIME}" .
 
 # --- serve: no torch ---------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS serve
-ENV PYTHONDONTWRITEBYTECODE=1 \
+ENV PATH=/opt/venv/bin:${PATH} \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     ATTENTION_HOST=0.0.0.0 \
     ATTENTION_GRPC_PORT=8001 \
     ATTENTION_METRICS_PORT=8002 \
     ATTENTION_MODEL_REPOSITORY=/models
-WORKDIR /app
-COPY pyproject.toml constraints.txt README.md ./
-COPY service ./service
-RUN pip install --no-cache-dir -c constraints.txt "onnxruntime-gpu[cuda,cudnn]==1.31.1" . \
- && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin attention
+# Where the NVIDIA container toolkit and GKE mount the driver's libraries (GPU nodes).
+ENV LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/nvidia/lib
+RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attention
+COPY --from=deps /opt/venv /opt/venv
 COPY --from=export --chown=10001:10001 /models /models
+WORKDIR /app
 USER 10001
 EXPOSE 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
