@@ -1,0 +1,61 @@
+"""Overload, drain under load and a short soak against the real server (bench/stress)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.stress import drain, overload, soak
+from bench.stress.common import ServerSpec
+
+
+@pytest.fixture(scope="module")
+def mha_only(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("stress-mha")
+    shutil.copytree(model_repository / "mha", root / "mha")
+    return root
+
+
+def test_overload_refuses_the_excess_quickly_and_recovers(mha_only: Path, figures) -> None:
+    """3x the measured capacity for a few seconds: accepted calls all finish OK within their
+    deadline, the excess gets RESOURCE_EXHAUSTED, health stays SERVING, the queue drains and
+    resident memory comes back."""
+    flags = ("--max-batch-size", "8", "--max-queue-size", "64")
+    config = overload.OverloadConfig(
+        server=ServerSpec(repository=mha_only, flags=flags, measure_caps=False),
+        seq=64, warmup_s=0.5, capacity_s=2.0, overload_s=3.0, deadline_s=60.0,
+        rss_tolerance_mib=96.0, settle_s=1.0,
+    )  # fmt: skip
+    result = overload.run(config)
+    figures(result)
+    assert result["failed_checks"] == [], result
+
+
+def test_sigterm_with_64_busy_callers_loses_nothing(mha_only: Path, figures) -> None:
+    """NOT_SERVING first, every accepted call answered, new calls UNAVAILABLE, exit 0 within
+    the grace period; a second SIGTERM mid-drain is logged and changes nothing."""
+    config = drain.DrainConfig(
+        server=ServerSpec(repository=mha_only, measure_caps=False),
+        seq=16, callers=64, load_s=1.5, not_serving_s=1.0, grace_s=30.0,
+        second_signal_after_s=0.5,
+    )  # fmt: skip
+    result = drain.run(config)
+    figures(result)
+    assert result["failed_checks"] == [], result
+
+
+def test_short_soak_answers_every_request_as_documented(mha_only: Path, figures) -> None:
+    """3000 mixed requests over both APIs (lengths 8..64, 10% with weights, 5% bad). The
+    slope is reported; a run this short only bounds growth (python -m bench.stress soak
+    measures the slope over 100k)."""
+    config = soak.SoakConfig(
+        server=ServerSpec(repository=mha_only, measure_caps=False),
+        requests=3000, sample_every=100, warmup_fraction=0.3, concurrency=8,
+        max_slope_mib_per_10k=300.0,  # 64 MiB over the 2100 measured requests: growth bound
+    )  # fmt: skip
+    result = soak.run(config)
+    result.pop("rss_samples")
+    figures(result)
+    assert result["failed_checks"] == [], result
