@@ -32,3 +32,12 @@ class ShuttingDown(ServingError):
 
 class NotSupported(ServingError):
     """A valid call this server does not implement."""
+
+
+class ModelLoadFailed(InvalidInput):
+    """An explicit load found the model's files but could not serve a version of them
+    (Triton answers a failed load with INVALID_ARGUMENT too)."""
+
+
+class ModelControlDisabled(ServingError):
+    """A repository load or unload in a model control mode that does not allow it."""

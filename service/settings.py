@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,6 +20,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 ON_OFF = ("on", "off")
 FUSED_ATTENTION = ("auto", "on", "off")
+MODEL_CONTROL_MODES = ("none", "poll", "explicit")  # Triton's names
+VERSION_POLICY = re.compile(r"all|latest:[1-9][0-9]{0,5}")
 # Flags with a fixed set of values: --help shows them and argparse refuses the rest.
 CHOICES: dict[str, tuple[str, ...]] = {
     "provider": PROVIDERS,
@@ -29,6 +32,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "malloc_reuse": ON_OFF,
     "cuda_tf32": ON_OFF,
     "fused_attention": FUSED_ATTENTION,
+    "model_control_mode": MODEL_CONTROL_MODES,
 }
 
 
@@ -49,6 +53,26 @@ class Settings:
         "folder laid out as <name>/<version>/model.onnx", default=Path("models")
     )
     default_model: str = _doc("model used when a request names none", default="mha")
+    model_control_mode: str = _doc(
+        "none: read the repository once at start; poll: rescan it every --repository-poll-s, "
+        "loading (and warming) new versions before they take traffic and unloading removed "
+        "ones after their queued requests finish; explicit: load and unload only through the "
+        "V2 repository API (RepositoryModelLoad / RepositoryModelUnload)",
+        default="none",
+    )
+    repository_poll_s: float = _doc(
+        "seconds between repository scans in --model-control-mode poll", default=15.0
+    )
+    version_policy: str = _doc(
+        "versions served of each model: all, or latest:N (the N newest that load; a version "
+        "that fails to load never displaces a working one)",
+        default="all",
+    )
+    load_model: tuple[str, ...] = _doc(
+        "in --model-control-mode explicit, a model to load at start (repeat the flag for "
+        "more; the environment variable takes a comma-separated list); none named = all",
+        default=(),
+    )
     max_batch_size: int = _doc("most sequences in one ONNX Runtime call", default=32)
     max_queue_delay_ms: float = _doc(
         "longest the oldest request waits for its batch to fill; 0 = close as soon as a "
@@ -218,6 +242,22 @@ class Settings:
             ("grace_period_s", self.grace_period_s >= 0, ">= 0"),
             ("shutdown_not_serving_s", self.shutdown_not_serving_s >= 0, ">= 0"),
             ("log_level", self.log_level.upper() in LOG_LEVELS, f"one of {LOG_LEVELS}"),
+            (
+                "model_control_mode",
+                self.model_control_mode in MODEL_CONTROL_MODES,
+                f"one of {MODEL_CONTROL_MODES}",
+            ),
+            ("repository_poll_s", 0 < self.repository_poll_s <= 86400, "in (0, 86400]"),
+            (
+                "version_policy",
+                VERSION_POLICY.fullmatch(self.version_policy) is not None,
+                "all or latest:N (N a positive integer)",
+            ),
+            (
+                "load_model",
+                not self.load_model or self.model_control_mode == "explicit",
+                "empty unless model_control_mode is explicit",
+            ),
             ("tls_cert", self.tls_key is None or self.tls_cert is not None, "set with tls_key"),
             ("tls_key", self.tls_cert is None or self.tls_key is not None, "set with tls_cert"),
             (
@@ -241,9 +281,20 @@ def _optional_path(text: str) -> Path | None:
     return Path(text) if text else None  # an empty variable leaves the option off
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list from the environment, e.g. ATTENTION_LOAD_MODEL=mha,small."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _repeatable(kind: Any) -> bool:
+    """A tuple field is a flag given once per value (action="append")."""
+    return kind == "tuple[str, ...]"
+
+
 def _converter(kind: Any) -> Callable[[str], Any]:
     converters: dict[str, Callable[[str], Any]] = {
         "int": int, "float": float, "Path": Path, "str": str, "Path | None": _optional_path,
+        "tuple[str, ...]": _names,
     }  # fmt: skip
     return converters[kind if isinstance(kind, str) else kind.__name__]
 
@@ -273,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     for spec in fields(Settings):
         parser.add_argument(
             "--" + spec.name.replace("_", "-"),
-            type=_converter(spec.type),
+            type=str if _repeatable(spec.type) else _converter(spec.type),
+            action="append" if _repeatable(spec.type) else "store",
             choices=CHOICES.get(spec.name),
             default=argparse.SUPPRESS,
             help=f"{spec.metadata['help']} [env {env_name(spec.name)}; default {spec.default}]",
@@ -286,7 +338,10 @@ def load_settings(
 ) -> Settings:
     """Defaults, overridden by the environment, overridden by flags."""
     parser = build_parser()
-    flags = vars(parser.parse_args(argv))
+    flags = {
+        name: tuple(value) if isinstance(value, list) else value
+        for name, value in vars(parser.parse_args(argv)).items()
+    }
     try:
         values = {**_from_environment(os.environ if environ is None else environ), **flags}
         return Settings(**values)

@@ -7,6 +7,7 @@ import grpc
 from service.errors import (
     DeadlineExpired,
     InvalidInput,
+    ModelControlDisabled,
     ModelNotFound,
     NotSupported,
     QueueFull,
@@ -21,6 +22,8 @@ CODE_BY_ERROR: dict[type[ServingError], grpc.StatusCode] = {
     DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     NotSupported: grpc.StatusCode.UNIMPLEMENTED,
+    # Triton answers UNAVAILABLE, which clients read as "retry"; no retry can change the mode.
+    ModelControlDisabled: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

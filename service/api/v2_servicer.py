@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -24,13 +24,15 @@ from service.api.validation import InputLimits
 from service.api.wire import WireMessage, settled
 from service.batching.batcher import Batcher
 from service.batching.statistics import Duration
+from service.engine.model_control import ModelController, check_repository_name
 from service.engine.onnx_model import OnnxModel
 from service.engine.registry import SERVER_LABEL, ModelRegistry
-from service.errors import ModelNotFound
+from service.errors import InvalidInput, ModelNotFound, NotSupported
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 from service.generated.inference import model_config_pb2 as config
 from service.settings import Settings
+from service.text import shown
 
 API = "v2"
 STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
@@ -39,7 +41,11 @@ STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
 STREAM_API = "v2_stream"
 SERVER_NAME = "attention-serving"
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ["model_configuration", "statistics"]
+# Triton's names; model_repository: RepositoryIndex / RepositoryModelLoad / RepositoryModelUnload.
+EXTENSIONS = ["model_configuration", "statistics", "model_repository"]
+# RepositoryModelUnload parameters taken (tritonclient always sends it; there are no
+# dependent models here, so it changes nothing).
+UNLOAD_PARAMETERS = {"unload_dependents"}
 CONFIG_TYPES = {"FP32": config.TYPE_FP32, "FP16": config.TYPE_FP16}
 
 
@@ -63,8 +69,10 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         is_ready: Callable[[], bool],
         *,
         streams: StreamCloser | None = None,
+        repository: ModelController | None = None,
     ) -> None:
         self._registry = registry
+        self._repository = repository
         self._batcher = batcher
         self._settings = settings
         self._limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
@@ -163,7 +171,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 name=spec.name,
                 platform=PLATFORM,
                 backend="onnxruntime",
-                version_policy=config.ModelVersionPolicy(all=config.ModelVersionPolicy.All()),
+                version_policy=_version_policy(self._settings.version_policy),
                 max_batch_size=self._settings.max_batch_size,
                 input=[
                     config.ModelInput(
@@ -232,6 +240,52 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     @rpc(API)
+    async def RepositoryIndex(
+        self, request: v2.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> v2.RepositoryIndexResponse:
+        check_repository_name(request.repository_name)
+        entries = await self._control().index(ready_only=request.ready)
+        index = v2.RepositoryIndexResponse.ModelIndex
+        return v2.RepositoryIndexResponse(
+            models=[
+                index(name=e.name, version=str(e.version), state=e.state, reason=e.reason)
+                for e in entries
+            ]
+        )
+
+    @rpc(API)
+    async def RepositoryModelLoad(
+        self, request: v2.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ) -> v2.RepositoryModelLoadResponse:
+        check_repository_name(request.repository_name)
+        if request.parameters:
+            raise InvalidInput(
+                f"RepositoryModelLoad parameters {_names(request.parameters)} are not "
+                "supported (no config or file overrides): load the files in the repository"
+            )
+        await self._control().load(request.model_name)
+        return v2.RepositoryModelLoadResponse()
+
+    @rpc(API)
+    async def RepositoryModelUnload(
+        self, request: v2.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> v2.RepositoryModelUnloadResponse:
+        check_repository_name(request.repository_name)
+        unknown = set(request.parameters) - UNLOAD_PARAMETERS
+        if unknown:
+            raise InvalidInput(
+                f"RepositoryModelUnload parameters {_names(unknown)} are not supported; "
+                f"expected only {sorted(UNLOAD_PARAMETERS)}"
+            )
+        await self._control().unload(request.model_name)
+        return v2.RepositoryModelUnloadResponse()
+
+    def _control(self) -> ModelController:
+        if self._repository is None:
+            raise NotSupported("this server was started without a model repository controller")
+        return self._repository
+
+    @rpc(API)
     async def ModelInfer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:
@@ -273,6 +327,20 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             context=context,
         )
         return encode_response(request, model, names, result)
+
+
+def _names(keys: Iterable[str]) -> str:
+    """Client-sent parameter names, bounded and escaped for a message."""
+    names = sorted(keys)
+    return ", ".join(shown(name) for name in names[:4]) + (" ..." if len(names) > 4 else "")
+
+
+def _version_policy(text: str) -> config.ModelVersionPolicy:
+    """--version-policy as Triton's ModelConfig writes it."""
+    if text.startswith("latest:"):
+        latest = config.ModelVersionPolicy.Latest(num_versions=int(text.removeprefix("latest:")))
+        return config.ModelVersionPolicy(latest=latest)
+    return config.ModelVersionPolicy(all=config.ModelVersionPolicy.All())
 
 
 def _stream_error(

@@ -256,6 +256,10 @@ class Batcher:
             self._trim_after_backlog()
         else:
             self._idle.clear()
+        waiters, self._settle_waiters = self._settle_waiters, []
+        for waiter in waiters:  # each settle() looks again
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _trim_after_backlog(self) -> None:
         """Idle after a backlog: hand the freed request buffers back to the kernel. Hundreds of
@@ -271,10 +275,6 @@ class Batcher:
             return
         self._tasks.add(trim)
         trim.add_done_callback(self._tasks.discard)
-        waiters, self._settle_waiters = self._settle_waiters, []
-        for waiter in waiters:  # each settle() looks again
-            if not waiter.done():
-                waiter.set_result(None)
 
     def _unqueue(self, item: _Pending) -> bool:
         """Take item out of its queue; False if it had already left (taken or dropped)."""

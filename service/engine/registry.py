@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
-from service.engine.onnx_model import BrokenModel, OnnxModel
-from service.engine.repository import VERSION_RULE, VersionFiles, parse_version
+from service.engine.onnx_model import OnnxModel
+from service.engine.repository import VERSION_RULE, parse_version
 from service.errors import ModelNotFound
 from service.text import shown
 
-log = logging.getLogger(__name__)
 SERVER_LABEL = "_server"  # metric label of calls that name no model
 
 
 class ModelRegistry:
-    """Name -> versions (newest last). Immutable once loaded."""
+    """Name -> versions: the set being served now. publish() and withdraw() swap in a new
+    mapping (copy on write), so a lookup sees the set before or after a change, never half."""
 
     def __init__(self, models: Iterable[OnnxModel], default_model: str) -> None:
         self._versions: dict[str, dict[int, OnnxModel]] = {}
@@ -23,48 +22,44 @@ class ModelRegistry:
             self._versions.setdefault(model.spec.name, {})[model.spec.version] = model
         self.default_model = default_model
 
-    @classmethod
-    def load(
-        cls,
-        found: Iterable[VersionFiles],
-        *,
-        providers: list[str],
-        intra_op_threads: int,
-        intra_op_spinning: bool = False,
-        cpu_arena: bool = False,
-        default_model: str,
-    ) -> ModelRegistry:
-        """Load every version that works; a broken one is logged and skipped."""
-        models = []
-        for files in found:
-            try:
-                model = OnnxModel(
-                    files,
-                    providers,
-                    intra_op_threads,
-                    intra_op_spinning=intra_op_spinning,
-                    cpu_arena=cpu_arena,
-                )
-            except BrokenModel as err:
-                log.error("not serving %s version %d: %s", files.name, files.version, err)
-                continue
-            log.info(
-                "loaded %s version %d (d=%d, h=%d, causal=%s) on %s",
-                files.name, files.version, model.spec.embed_dim, model.spec.num_heads,
-                model.spec.causal, model.provider,
-            )  # fmt: skip
-            models.append(model)
-        return cls(models, default_model)
+    def publish(self, model: OnnxModel) -> OnnxModel | None:
+        """Serve model (warm already); returns the object it replaces at that version."""
+        name, version = model.spec.name, model.spec.version
+        versions = dict(self._versions.get(name, {}))
+        replaced = versions.get(version)
+        versions[version] = model
+        self._versions = {**self._versions, name: versions}
+        return replaced
+
+    def withdraw(self, name: str, version: int) -> OnnxModel | None:
+        """Stop resolving (name, version); returns the model, whose queued work may remain."""
+        versions = dict(self._versions.get(name, {}))
+        model = versions.pop(version, None)
+        if model is None:
+            return None
+        swapped = {**self._versions, name: versions}
+        if not versions:
+            del swapped[name]
+        self._versions = swapped
+        return model
+
+    def loaded(self, name: str) -> dict[int, OnnxModel]:
+        """Version -> model of one name (empty when none is served)."""
+        return dict(self._versions.get(name, {}))
 
     def names(self) -> list[str]:
         return sorted(self._versions)
 
     def versions(self, name: str) -> list[OnnxModel]:
-        """Newest first."""
-        return [self._versions[name][v] for v in sorted(self._versions[name], reverse=True)]
+        """Newest first; empty when the model is not (or no longer) served."""
+        versions = self._versions.get(name, {})
+        return [versions[v] for v in sorted(versions, reverse=True)]
 
     def all(self) -> list[OnnxModel]:
-        return [model for name in self.names() for model in self.versions(name)]
+        served = self._versions
+        return [
+            served[name][v] for name in sorted(served) for v in sorted(served[name], reverse=True)
+        ]
 
     def metric_label(self, name: str) -> str:
         """The model label for metrics: a served name, or '_unknown' (bounded cardinality)."""
@@ -74,9 +69,10 @@ class ModelRegistry:
     def resolve(self, name: str, version: str) -> OnnxModel:
         """Empty name = default model, empty version = newest; else ModelNotFound."""
         name = name or self.default_model
-        if name not in self._versions:
-            raise ModelNotFound(f"unknown model {shown(name)}; this server serves {self.names()}")
-        versions = self._versions[name]
+        served = self._versions
+        if name not in served:
+            raise ModelNotFound(f"unknown model {shown(name)}; this server serves {sorted(served)}")
+        versions = served[name]
         if not version:
             return versions[max(versions)]
         number = parse_version(version)

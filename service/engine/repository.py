@@ -1,9 +1,11 @@
-"""Find model versions on disk: <repository>/<name>/<version>/model.onnx (+ weights graph)."""
+"""Find model versions on disk: <repository>/<name>/<version>/model.onnx (+ weights graph), and
+the version policy that picks which of them are served."""
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,36 +27,77 @@ def parse_version(text: str) -> int | None:
     return int(text) if VERSION.fullmatch(text) else None
 
 
+POLICY = re.compile(r"all|latest:([1-9][0-9]{0,5})")
+POLICY_RULE = "all or latest:N with N a positive integer"
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions of a model are served: every one (latest None) or the newest N."""
+
+    latest: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> VersionPolicy:
+        match = POLICY.fullmatch(text)
+        if match is None:
+            raise ValueError(f"version policy {text!r} is not {POLICY_RULE}")
+        return cls(int(match.group(1)) if match.group(1) else None)
+
+    def select(self, versions: Iterable[int]) -> set[int]:
+        newest_first = sorted(set(versions), reverse=True)
+        return set(newest_first if self.latest is None else newest_first[: self.latest])
+
+    def __str__(self) -> str:
+        return "all" if self.latest is None else f"latest:{self.latest}"
+
+
 @dataclass(frozen=True)
 class VersionFiles:
-    """The graphs of one model version; the weights graph is optional."""
+    """The graphs of one model version; the weights graph is optional. identity changes when
+    the folder is replaced (a new export renamed over it), so a poll can tell and reload."""
 
     name: str
     version: int
     output_graph: Path
     weights_graph: Path | None
+    identity: tuple[int, ...] = ()
 
 
-def discover(repository: Path) -> list[VersionFiles]:
-    """Every well-formed version folder by (name, version); others are logged, skipped."""
+def _identity(version_folder: Path, output_graph: Path) -> tuple[int, ...]:
+    try:
+        folder, graph = version_folder.stat(), output_graph.stat()
+    except OSError:  # removed while we looked: the next scan will not see it
+        return ()
+    return (folder.st_ino, graph.st_ino, graph.st_mtime_ns, graph.st_size)
+
+
+def discover(repository: Path, *, quiet: bool = False) -> list[VersionFiles]:
+    """Every well-formed version folder by (name, version); others are logged (at debug level
+    when quiet, for repeated polls), skipped."""
+    level = logging.DEBUG if quiet else logging.ERROR
     if not repository.is_dir():
-        log.error("model repository %s does not exist or is not a folder", repository)
+        log.log(level, "model repository %s does not exist or is not a folder", repository)
         return []
     found = []
     for model_folder in sorted(p for p in repository.iterdir() if p.is_dir()):
         if model_folder.name.startswith("."):
             continue
-        for version_folder in sorted(p for p in model_folder.iterdir() if p.is_dir()):
+        try:
+            version_folders = sorted(p for p in model_folder.iterdir() if p.is_dir())
+        except OSError:  # removed while we looked (poll mode): the next scan will not see it
+            continue
+        for version_folder in version_folders:
             if version_folder.name.startswith("."):
                 continue  # staging folders of an export in progress
             version = parse_version(version_folder.name)
             if version is None:
-                log.error("skipping %r: a version folder's name must be %s", str(version_folder),
-                          VERSION_RULE)  # fmt: skip
+                log.log(level, "skipping %r: a version folder's name must be %s",
+                        str(version_folder), VERSION_RULE)  # fmt: skip
                 continue
             output_graph = version_folder / OUTPUT_GRAPH
             if not output_graph.is_file():
-                log.error("skipping %s: no %s in it", version_folder, OUTPUT_GRAPH)
+                log.log(level, "skipping %s: no %s in it", version_folder, OUTPUT_GRAPH)
                 continue
             weights_graph = version_folder / WEIGHTS_GRAPH
             found.append(
@@ -63,6 +106,7 @@ def discover(repository: Path) -> list[VersionFiles]:
                     version=version,
                     output_graph=output_graph,
                     weights_graph=weights_graph if weights_graph.is_file() else None,
+                    identity=_identity(version_folder, output_graph),
                 )
             )
     return sorted(found, key=lambda files: (files.name, files.version))

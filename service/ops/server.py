@@ -22,15 +22,16 @@ from service.api.v2_servicer import InferenceServicer
 from service.api.validation import InputLimits
 from service.batching.batcher import Batcher
 from service.batching.protocol import BatchLimits
-from service.engine.onnx_model import CPU, CUDA, choose_providers
+from service.engine.model_control import ModelController
+from service.engine.onnx_model import CPU, CUDA, OnnxModel, choose_providers
 from service.engine.registry import ModelRegistry
-from service.engine.repository import discover
 from service.errors import ShuttingDown
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.ops import metrics
 from service.ops.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
 from service.ops.memory_budget import default_queue_bytes, memory_limit_bytes
+from service.ops.models import ServedSet, build_controller
 from service.ops.tls import ReloadingCredentials, TlsError, server_tls
 from service.settings import Settings
 
@@ -75,7 +76,10 @@ def queue_bytes(settings: Settings) -> int:
 
 
 def message_limits(registry: ModelRegistry, settings: Settings) -> tuple[int, int]:
-    """(receive, send) byte limits from the largest legal request and response."""
+    """(receive, send) byte limits from the largest legal request and response; gRPC's
+    largest when the models may change (poll, explicit), since a later one may be larger."""
+    if settings.model_control_mode != "none" or not registry.all():
+        return GRPC_MAX_MESSAGE_BYTES, GRPC_MAX_MESSAGE_BYTES
     largest_d = max(model.spec.embed_dim for model in registry.all())
     largest_h = max(model.spec.num_heads for model in registry.all())
     positions = settings.max_batch_size * settings.max_seq_len
@@ -96,6 +100,9 @@ class AttentionServer:
         self._streams = StreamCloser()
         self._background: set[asyncio.Task[None]] = set()
         self.registry: ModelRegistry | None = None
+        self.models: ModelController | None = None  # changes the registry after start
+        self._served: ServedSet | None = None
+        self._poller: asyncio.Task[None] | None = None
         self.tls: ReloadingCredentials | None = None  # set by start() when TLS is on
         self.ports: BoundPorts | None = None  # set once bound, before warm-up
         self.ready = False  # warm and not draining: V2 ServerReady / ModelReady
@@ -114,34 +121,7 @@ class AttentionServer:
             providers = choose_providers(settings.provider)
         except RuntimeError as err:
             raise StartupError(str(err)) from err
-        found = discover(settings.model_repository)
-        registry = await asyncio.to_thread(
-            ModelRegistry.load,
-            found,
-            providers=providers,
-            intra_op_threads=settings.intra_op_threads,
-            intra_op_spinning=settings.intra_op_spinning == "on",
-            cpu_arena=settings.cpu_arena == "on",
-            default_model=settings.default_model,
-        )
-        if not registry.names():
-            raise StartupError(
-                f"no servable model under {settings.model_repository} (expected "
-                "<name>/<version>/model.onnx; run `python -m export` or `make export`)"
-            )
-        fell_back = [m.key for m in registry.all() if CUDA in providers and m.provider != CUDA]
-        if fell_back and settings.provider == "cuda":
-            raise StartupError(
-                f"--provider cuda, but ONNX Runtime put {fell_back} on {CPU}: are the CUDA 13 / "
-                "cuDNN 9 libraries installed (pip install 'onnxruntime-gpu[cuda,cudnn]')?"
-            )
-        for key in fell_back:
-            log.warning("%s runs on %s although a GPU is present", key, CPU)
-        self.registry = registry
-        for model in registry.all():  # what GetModel shows until warm-up has measured caps
-            model.measure_batch_caps(
-                max_batch_size=settings.max_batch_size, max_seq_len=settings.max_seq_len, budget_s=0
-            )
+        registry = self.registry = await self._load_models(providers)
         limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
         limit_bytes = queue_bytes(settings)
         log.info("queue bounds: %d requests, %d bytes of embeddings",
@@ -185,7 +165,12 @@ class AttentionServer:
             server,
             grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
             InferenceServicer(
-                registry, self._batcher, settings, lambda: self.ready, streams=self._streams
+                registry,
+                self._batcher,
+                settings,
+                lambda: self.ready,
+                streams=self._streams,
+                repository=self.models,
             ),
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -231,8 +216,54 @@ class AttentionServer:
         await self._batcher.start()
         self.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("ready: serving %s", registry.names())
+        assert self._served is not None
+        assert self.models is not None
+        self._served.sync(ready=True)
+        if settings.model_control_mode == "poll":
+            self._poller = asyncio.create_task(
+                self.models.poll_forever(settings.repository_poll_s), name="repository-poll"
+            )
+        log.info("ready: serving %s (--model-control-mode %s, --version-policy %s)",
+                 registry.names(), settings.model_control_mode,
+                 settings.version_policy)  # fmt: skip
         return ports
+
+    async def _load_models(self, providers: list[str]) -> ModelRegistry:
+        """The versions served at start, loaded by the model controller (not yet warm)."""
+        settings = self._settings
+        registry = ModelRegistry([], settings.default_model)
+        served = self._served = ServedSet(registry, self._health)
+        self.models = build_controller(
+            settings,
+            providers,
+            registry,
+            settle=self._settle,
+            changed=lambda: served.sync(ready=self.ready),
+        )
+        await self.models.start(settings.load_model)
+        if not registry.names() and settings.model_control_mode == "none":
+            raise StartupError(
+                f"no servable model under {settings.model_repository} (expected "
+                "<name>/<version>/model.onnx; run `python -m export` or `make export`)"
+            )
+        fell_back = [m.key for m in registry.all() if CUDA in providers and m.provider != CUDA]
+        if fell_back and settings.provider == "cuda":
+            raise StartupError(
+                f"--provider cuda, but ONNX Runtime put {fell_back} on {CPU}: are the CUDA 13 / "
+                "cuDNN 9 libraries installed (pip install 'onnxruntime-gpu[cuda,cudnn]')?"
+            )
+        for key in fell_back:
+            log.warning("%s runs on %s although a GPU is present", key, CPU)
+        if not registry.names():
+            log.warning(
+                "no model loaded yet (--model-control-mode %s)", settings.model_control_mode
+            )
+        return registry
+
+    async def _settle(self, model: OnnxModel) -> None:
+        """Wait until no request for model is queued or computing (before its release)."""
+        if self._batcher is not None:
+            await self._batcher.settle(model)
 
     async def _warm_up(self, registry: ModelRegistry) -> None:
         settings = self._settings
@@ -277,6 +308,8 @@ class AttentionServer:
             return max(0.0, deadline - asyncio.get_running_loop().time())
 
         was_ready, self.ready = self.ready, False
+        if self._poller is not None:
+            self._poller.cancel()  # the served set stays as it is while draining
         await self._health.enter_graceful_shutdown()
         if self.registry is not None:
             for model in self.registry.all():

@@ -1,0 +1,272 @@
+"""Model control: which versions are served, changed without a restart (Triton's modes).
+
+none reads the repository once; poll rescans it; explicit changes only on load()/unload().
+Every change keeps traffic whole: a version is loaded and warmed before the registry
+serves it, and a withdrawn one is released only after the batcher has finished every
+request already queued on it (settle). A version that fails to load is recorded with its
+reason and never displaces a served one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.engine.onnx_model import BrokenModel, OnnxModel
+from service.engine.registry import ModelRegistry
+from service.engine.repository import VersionFiles, VersionPolicy, discover
+from service.errors import InvalidInput, ModelControlDisabled, ModelLoadFailed, ModelNotFound
+from service.text import shown
+
+log = logging.getLogger(__name__)
+
+READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+Key = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One row of the V2 RepositoryIndex: a model version and its state."""
+
+    name: str
+    version: int
+    state: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hooks:
+    """What the controller needs from the layers around it.
+
+    open_model: load and check a version's sessions (blocking; runs on a thread).
+    prepare: warm a loaded version up and measure its caps (blocking; runs on a thread).
+    settle: return once no request for the model is queued or computing.
+    changed: the served set changed (metrics, health); called on the event loop.
+    event: a load or unload ended (model name, action load|unload, outcome success|failure).
+    """
+
+    open_model: Callable[[VersionFiles], OnnxModel]
+    prepare: Callable[[OnnxModel], None]
+    settle: Callable[[OnnxModel], Awaitable[None]]
+    changed: Callable[[], None] = lambda: None
+    event: Callable[[str, str, str], None] = lambda name, action, outcome: None
+
+
+class ModelController:
+    """Owns every change to the registry; one change at a time."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        repository: Path,
+        *,
+        mode: str,
+        policy: VersionPolicy,
+        hooks: Hooks,
+    ) -> None:
+        self.registry = registry
+        self.mode = mode
+        self._repository = repository
+        self._policy = policy
+        self._hooks = hooks
+        self._lock = asyncio.Lock()
+        self._states: dict[Key, tuple[str, str]] = {}
+        self._files: dict[Key, VersionFiles] = {}  # of each served version
+        self._failed: dict[Key, tuple[int, ...]] = {}  # identity that failed: not retried
+
+    # -- the three modes ---------------------------------------------------------------------
+
+    async def start(self, names: Iterable[str] = ()) -> None:
+        """Load at start, not yet warm (the server warms every version before it is ready):
+        all models, or in explicit mode those named (all when none is named)."""
+        wanted = set(names)
+        found = await asyncio.to_thread(discover, self._repository)
+        async with self._lock:
+            for name in sorted({files.name for files in found}):
+                if wanted and name not in wanted:
+                    continue
+                await self._reconcile(name, [f for f in found if f.name == name], warm=False)
+        for name in sorted(wanted - {files.name for files in found}):
+            log.error("--load-model %s: no such model under %s", shown(name), self._repository)
+
+    async def poll(self) -> None:
+        """Rescan the repository and follow it: new versions in, removed ones out."""
+        found = await asyncio.to_thread(discover, self._repository, quiet=True)
+        async with self._lock:
+            for name in sorted({files.name for files in found} | set(self.registry.names())):
+                await self._reconcile(name, [f for f in found if f.name == name])
+
+    async def poll_forever(self, interval_s: float) -> None:
+        """poll() every interval_s until cancelled; a failed scan is logged, the next one runs."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.poll()
+            except Exception:
+                log.exception("repository poll failed; retrying in %.1fs", interval_s)
+
+    async def load(self, name: str) -> None:
+        """Explicit mode: (re)load a model's versions from disk, by the version policy."""
+        self._allow("load")
+        found = [
+            files
+            for files in await asyncio.to_thread(discover, self._repository)
+            if files.name == name
+        ]
+        if not found:
+            raise ModelNotFound(
+                f"no model {shown(name)} in the repository (expected <name>/<version>/model.onnx)"
+            )
+        async with self._lock:
+            for key in [k for k in self._failed if k[0] == name]:
+                del self._failed[key]  # asked again: every version gets another try
+            await self._reconcile(name, found)
+            failed = [
+                f"version {files.version}: {self._states[(name, files.version)][1]}"
+                for files in found
+                if self._failed.get((name, files.version)) == files.identity
+            ]
+        if failed:
+            raise ModelLoadFailed(
+                f"load failed for model {shown(name)}: {'; '.join(failed)}; serving versions "
+                f"{sorted(self.registry.loaded(name))}"
+            )
+
+    async def unload(self, name: str) -> None:
+        """Explicit mode: stop serving every version of a model; returns once its queued
+        requests have finished and its sessions are released."""
+        self._allow("unload")
+        async with self._lock:
+            if not self.registry.loaded(name):
+                raise ModelNotFound(f"model {shown(name)} is not loaded")
+            for version in sorted(self.registry.loaded(name)):
+                await self._unload(name, version, "unloaded")
+
+    def _allow(self, action: str) -> None:
+        if self.mode != "explicit":
+            raise ModelControlDisabled(
+                f"explicit model load / unload is not allowed in --model-control-mode "
+                f"{self.mode}; {action} needs a server started with --model-control-mode explicit"
+            )
+
+    # -- the index ----------------------------------------------------------------------------
+
+    async def index(self, *, ready_only: bool = False) -> list[IndexEntry]:
+        """Every version on disk or served, with its state; READY ones only when asked."""
+        found = await asyncio.to_thread(discover, self._repository, quiet=True)
+        keys = {(f.name, f.version) for f in found} | set(self._states)
+        keys |= {(m.spec.name, m.spec.version) for m in self.registry.all()}
+        entries = []
+        for name, version in sorted(keys):
+            state, reason = self._states.get((name, version), (UNAVAILABLE, self._why_not()))
+            if not ready_only or state == READY:
+                entries.append(IndexEntry(name, version, state, reason))
+        return entries
+
+    def _why_not(self) -> str:
+        """Why a version on disk that was never tried is not served."""
+        return {
+            "none": "not loaded: --model-control-mode none reads the repository only at start",
+            "poll": f"not loaded: not selected by --version-policy {self._policy}, or not "
+            "polled yet",
+            "explicit": "not loaded: load it with RepositoryModelLoad",
+        }.get(self.mode, "not loaded")
+
+    # -- changes ------------------------------------------------------------------------------
+
+    async def _reconcile(self, name: str, found: list[VersionFiles], *, warm: bool = True) -> None:
+        """Serve the versions of name that the policy picks among those that load; then
+        withdraw the rest. Runs under the lock."""
+        on_disk = {files.version: files for files in found}
+        for key in [k for k in self._failed if k[0] == name and k[1] not in on_disk]:
+            del self._failed[key]  # gone from disk: a new folder of that version gets a try
+        while True:
+            candidates = [
+                v for v, files in on_disk.items() if self._failed.get((name, v)) != files.identity
+            ]
+            desired = self._policy.select(candidates)
+            served = self.registry.loaded(name)
+            stale = [
+                v
+                for v in sorted(desired)
+                if v not in served or self._files.get((name, v)) != on_disk[v]
+            ]
+            results = [await self._load(on_disk[v], warm=warm) for v in stale]
+            if all(results):
+                break  # else pick again: a failed version leaves room for the next newest
+        for version in sorted(set(self.registry.loaded(name)) - desired):
+            reason = (
+                "removed from the repository"
+                if version not in on_disk
+                else (f"not selected by --version-policy {self._policy}")
+            )
+            await self._unload(name, version, reason)
+        for key in [k for k in self._states if k[0] == name]:
+            if key[1] not in on_disk and key not in self._files:
+                del self._states[key]  # neither on disk nor served: nothing to show
+
+    async def _load(self, files: VersionFiles, *, warm: bool) -> bool:
+        key = (files.name, files.version)
+        serving = key in self._files
+        if not serving:
+            self._states[key] = (LOADING, "")
+        log.info("loading %s version %d", files.name, files.version)
+        try:
+            model = await asyncio.to_thread(self._open, files, warm)
+        except Exception as err:
+            reason = str(err) if isinstance(err, BrokenModel) else f"unexpected error: {err!r}"
+            log.error("not serving %s version %d: %s", files.name, files.version, reason)
+            self._failed[key] = files.identity
+            self._states[key] = (READY, f"reload failed: {reason}") if serving else (
+                UNAVAILABLE, reason
+            )  # fmt: skip
+            self._hooks.event(files.name, "load", "failure")
+            return False
+        self._failed.pop(key, None)
+        replaced = self.registry.publish(model)
+        self._files[key] = files
+        self._states[key] = (READY, "")
+        self._hooks.changed()
+        self._hooks.event(files.name, "load", "success")
+        log.info(
+            "serving %s version %d (d=%d, h=%d, causal=%s) on %s%s",
+            files.name, files.version, model.spec.embed_dim, model.spec.num_heads,
+            model.spec.causal, model.provider, " (reloaded)" if replaced else "",
+        )  # fmt: skip
+        if replaced is not None:
+            await self._hooks.settle(replaced)
+        return True
+
+    def _open(self, files: VersionFiles, warm: bool) -> OnnxModel:
+        model = self._hooks.open_model(files)
+        if warm:
+            self._hooks.prepare(model)
+        return model
+
+    async def _unload(self, name: str, version: int, reason: str) -> None:
+        key = (name, version)
+        model = self.registry.withdraw(name, version)
+        self._files.pop(key, None)
+        if model is None:
+            return
+        self._states[key] = (UNLOADING, reason)
+        self._hooks.changed()
+        log.info("unloading %s version %d (%s) once its queued requests finish", name, version,
+                 reason)  # fmt: skip
+        await self._hooks.settle(model)
+        del model  # the last reference: ONNX Runtime frees the sessions
+        self._states[key] = (UNAVAILABLE, reason)
+        self._hooks.event(name, "unload", "success")
+        log.info("unloaded %s version %d", name, version)
+
+
+def check_repository_name(name: str) -> None:
+    """This server has one repository; Triton's clients send an empty name."""
+    if name:
+        raise InvalidInput(
+            f"repository_name {shown(name)}: this server has one model repository; leave "
+            "repository_name empty"
+        )

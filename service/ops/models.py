@@ -1,0 +1,103 @@
+"""The server's side of model control: how a version is opened and warmed with this server's
+settings, and how metrics and health follow the served set."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from grpc_health.v1 import health, health_pb2
+
+from service.engine.model_control import Hooks, ModelController
+from service.engine.onnx_model import OnnxModel
+from service.engine.registry import ModelRegistry
+from service.engine.repository import VersionFiles, VersionPolicy
+from service.ops import metrics
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def build_controller(
+    settings: Settings,
+    providers: list[str],
+    registry: ModelRegistry,
+    *,
+    settle: Callable[[OnnxModel], Awaitable[None]],
+    changed: Callable[[], None],
+) -> ModelController:
+    def open_model(files: VersionFiles) -> OnnxModel:
+        model = OnnxModel(
+            files,
+            providers,
+            settings.intra_op_threads,
+            intra_op_spinning=settings.intra_op_spinning == "on",
+            cpu_arena=settings.cpu_arena == "on",
+        )
+        # What GetModel shows until warm-up has measured caps.
+        model.measure_batch_caps(
+            max_batch_size=settings.max_batch_size, max_seq_len=settings.max_seq_len, budget_s=0
+        )
+        return model
+
+    def prepare(model: OnnxModel) -> None:
+        model.warm_up()
+        caps = model.measure_batch_caps(
+            max_batch_size=settings.max_batch_size,
+            max_seq_len=settings.max_seq_len,
+            budget_s=settings.batch_cap_budget_s,
+        )
+        log.info("%s warm; batch caps: %s", model.key, caps.describe())
+
+    def event(name: str, action: str, outcome: str) -> None:
+        metrics.MODEL_LOAD_EVENTS.labels(name, action, outcome).inc()
+
+    return ModelController(
+        registry,
+        settings.model_repository,
+        mode=settings.model_control_mode,
+        policy=VersionPolicy.parse(settings.version_policy),
+        hooks=Hooks(
+            open_model=open_model, prepare=prepare, settle=settle, changed=changed, event=event
+        ),
+    )
+
+
+class ServedSet:
+    """Keeps attention_model_ready, attention_engine_info and the per-model health entries
+    (service name = model name) equal to what the registry serves."""
+
+    def __init__(self, registry: ModelRegistry, health_servicer: health.aio.HealthServicer):
+        self._registry = registry
+        self._health = health_servicer
+        self._shown: set[tuple[str, str, str]] = set()  # (model, version, provider)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def sync(self, *, ready: bool) -> None:
+        """Call on the event loop after every change (and once the server is ready)."""
+        served = {
+            (model.spec.name, str(model.spec.version), model.provider)
+            for model in self._registry.all()
+        }
+        for name, version, provider in self._shown - served:
+            metrics.MODEL_READY.remove(name, version)
+            metrics.ENGINE_INFO.remove(name, version, provider)
+        for name, version, provider in served:
+            metrics.MODEL_READY.labels(name, version).set(1 if ready else 0)
+            metrics.ENGINE_INFO.labels(name, version, provider).set(1)
+        names = {name for name, _, _ in served}
+        statuses = {
+            name: health_pb2.HealthCheckResponse.SERVING
+            if ready and name in names
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in names | {name for name, _, _ in self._shown}
+        }
+        self._shown = served
+        task = asyncio.ensure_future(self._set_health(statuses))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _set_health(self, statuses: dict[str, int]) -> None:
+        for name, status in statuses.items():
+            await self._health.set(name, status)  # type: ignore[arg-type]

@@ -1,0 +1,251 @@
+"""Model control without a server: version policy, the registry's swaps, the controller's
+order of work (warm before served, drained before released) and the batcher's settle()."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import weakref
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.batching.batcher import Batcher
+from service.batching.protocol import BatchLimits
+from service.engine.caps import BatchCaps
+from service.engine.model_control import Hooks, ModelController
+from service.engine.onnx_model import BrokenModel
+from service.engine.registry import ModelRegistry
+from service.engine.repository import OUTPUT_GRAPH, VersionFiles, VersionPolicy
+from service.errors import ModelControlDisabled, ModelLoadFailed, ModelNotFound
+
+
+def run_async(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Run an async test on a fresh event loop (no pytest plugin needed)."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("text", "versions", "chosen"),
+    [("all", [1, 3, 2], {1, 2, 3}), ("latest:1", [1, 3, 2], {3}), ("latest:2", [5], {5})],
+)
+def test_version_policy_selects(text: str, versions: list[int], chosen: set[int]) -> None:
+    assert VersionPolicy.parse(text).select(versions) == chosen
+    assert str(VersionPolicy.parse(text)) == text
+
+
+@pytest.mark.parametrize("text", ["", "latest", "latest:0", "latest:-1", "newest:1", "ALL"])
+def test_version_policy_refuses(text: str) -> None:
+    with pytest.raises(ValueError, match="all or latest:N"):
+        VersionPolicy.parse(text)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    version: int
+    embed_dim: int = 8
+    num_heads: int = 2
+    causal: bool = False
+
+
+@dataclass(eq=False)
+class FakeModel:
+    """Stands in for OnnxModel: what the registry, controller and batcher use of it."""
+
+    spec: _Spec
+    provider: str = "CPUExecutionProvider"
+    warm: bool = False
+    batch_caps: BatchCaps = field(default_factory=lambda: BatchCaps.uniform(64, 64))
+    gate: asyncio.Event | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.spec.name}/{self.spec.version}"
+
+    @property
+    def label(self) -> str:
+        return self.spec.name
+
+    def run(self, embeddings: np.ndarray, mask: np.ndarray, with_weights: bool):
+        return embeddings + self.spec.version, None
+
+
+def _publish(root: Path, name: str, version: int, content: bytes = b"ok") -> None:
+    """Write a version folder beside its place, then rename it in (as export does)."""
+    staging = root / name / f".{version}.staging"
+    staging.mkdir(parents=True)
+    (staging / OUTPUT_GRAPH).write_bytes(content)
+    staging.rename(root / name / str(version))
+
+
+class Recorder:
+    """Hooks that record the order of events and open FakeModels (b"bad" files break)."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+        self.events: list[tuple[str, ...]] = []
+        self.settled: list[str] = []
+
+    def open_model(self, files: VersionFiles) -> FakeModel:
+        if files.output_graph.read_bytes() == b"bad":
+            raise BrokenModel("ONNX Runtime cannot load it: not a model")
+        return FakeModel(_Spec(files.name, files.version))
+
+    def prepare(self, model: FakeModel) -> None:
+        # Warm-up happens before the registry serves the version.
+        assert model.key not in {m.key for m in self.registry.all()} or model.warm is False
+        model.warm = True
+        self.events.append(("warm", model.key))
+
+    async def settle(self, model: FakeModel) -> None:
+        self.settled.append(model.key)
+
+    def event(self, name: str, action: str, outcome: str) -> None:
+        self.events.append((action, outcome, name))
+
+    def hooks(self) -> Hooks:
+        return Hooks(
+            open_model=self.open_model,  # type: ignore[arg-type]
+            prepare=self.prepare,  # type: ignore[arg-type]
+            settle=self.settle,  # type: ignore[arg-type]
+            event=self.event,
+        )
+
+
+def _controller(root: Path, mode: str = "poll", policy: str = "all"):
+    registry = ModelRegistry([], "m")
+    recorder = Recorder(registry)
+    controller = ModelController(
+        registry, root, mode=mode, policy=VersionPolicy.parse(policy), hooks=recorder.hooks()
+    )
+    return controller, registry, recorder
+
+
+def _served(registry: ModelRegistry) -> list[str]:
+    return [m.key for m in registry.all()]
+
+
+def _states(entries) -> dict[str, tuple[str, str]]:
+    return {f"{e.name}/{e.version}": (e.state, e.reason) for e in entries}
+
+
+@run_async
+async def test_poll_serves_new_versions_warm_and_drops_removed_ones(tmp_path: Path) -> None:
+    _publish(tmp_path, "m", 1)
+    controller, registry, recorder = _controller(tmp_path)
+    await controller.start()
+    assert _served(registry) == ["m/1"]
+    assert registry.resolve("m", "").warm is False  # the server warms what start() loads
+    _publish(tmp_path, "m", 2)
+    await controller.poll()
+    assert _served(registry) == ["m/2", "m/1"]
+    assert registry.resolve("", "").spec.version == 2
+    assert registry.resolve("m", "2").warm
+    (tmp_path / "m" / "1").rename(tmp_path / "m" / ".1.retired")
+    await controller.poll()
+    assert _served(registry) == ["m/2"]
+    assert recorder.settled == ["m/1"]
+    assert ("load", "success", "m") in recorder.events
+    assert ("unload", "success", "m") in recorder.events
+    assert "m/1" not in _states(await controller.index())  # gone from disk and unloaded
+
+
+@run_async
+async def test_a_broken_version_never_displaces_a_working_one(tmp_path: Path) -> None:
+    _publish(tmp_path, "m", 1)
+    controller, registry, recorder = _controller(tmp_path, policy="latest:1")
+    await controller.start()
+    _publish(tmp_path, "m", 2, b"bad")
+    await controller.poll()
+    assert _served(registry) == ["m/1"]
+    state, reason = _states(await controller.index())["m/2"]
+    assert state == "UNAVAILABLE"
+    assert "cannot load it" in reason
+    assert recorder.events.count(("load", "failure", "m")) == 1
+    await controller.poll()  # the same broken folder is not tried again
+    assert recorder.events.count(("load", "failure", "m")) == 1
+    # A fixed version 3 replaces version 1 under latest:1.
+    _publish(tmp_path, "m", 3)
+    await controller.poll()
+    assert _served(registry) == ["m/3"]
+    assert recorder.settled == ["m/1"]
+    ready = _states(await controller.index(ready_only=True))
+    assert list(ready) == ["m/3"]
+
+
+@run_async
+async def test_a_replaced_folder_is_reloaded_in_place(tmp_path: Path) -> None:
+    _publish(tmp_path, "m", 1)
+    controller, registry, recorder = _controller(tmp_path)
+    await controller.start()
+    old = registry.resolve("m", "1")
+    (tmp_path / "m" / "1").rename(tmp_path / "m" / ".1.retired")
+    _publish(tmp_path, "m", 1, b"ok, again")
+    await controller.poll()
+    assert registry.resolve("m", "1") is not old
+    assert recorder.settled == ["m/1"]
+
+
+@run_async
+async def test_explicit_mode_loads_and_unloads_on_request(tmp_path: Path) -> None:
+    _publish(tmp_path, "a", 1)
+    _publish(tmp_path, "b", 1)
+    _publish(tmp_path, "broken", 1, b"bad")
+    controller, registry, _ = _controller(tmp_path, mode="explicit")
+    await controller.start(["a"])
+    assert registry.names() == ["a"]
+    assert _states(await controller.index())["b/1"] == (
+        "UNAVAILABLE",
+        "not loaded: load it with RepositoryModelLoad",
+    )
+    await controller.load("b")
+    assert registry.names() == ["a", "b"]
+    await controller.unload("b")
+    assert registry.names() == ["a"]
+    assert _states(await controller.index())["b/1"] == ("UNAVAILABLE", "unloaded")
+    with pytest.raises(ModelNotFound, match="no model 'nope'"):
+        await controller.load("nope")
+    with pytest.raises(ModelNotFound, match="not loaded"):
+        await controller.unload("b")
+    with pytest.raises(ModelLoadFailed, match="version 1: ONNX Runtime cannot load it"):
+        await controller.load("broken")
+
+
+@pytest.mark.parametrize("mode", ["none", "poll"])
+@run_async
+async def test_load_and_unload_refused_outside_explicit_mode(tmp_path: Path, mode: str) -> None:
+    controller, _, _ = _controller(tmp_path, mode=mode)
+    for call in (controller.load, controller.unload):
+        with pytest.raises(ModelControlDisabled, match=f"--model-control-mode {mode}"):
+            await call("m")
+
+
+@run_async
+async def test_batcher_settle_waits_for_queued_work_then_lets_go() -> None:
+    """settle() returns only after every queued request of the runner is answered, and the
+    batcher holds no reference to the runner afterwards (so its sessions can be freed)."""
+    batcher = Batcher(BatchLimits(max_batch_size=4, max_queue_delay_s=0.05, max_queue_size=64))
+    await batcher.start()
+    model = FakeModel(_Spec("m", 1))
+    x = np.ones((1, 3, 8), np.float32)
+    calls = [asyncio.create_task(batcher.submit(model, x, with_weights=False)) for _ in range(6)]
+    await asyncio.sleep(0)  # queued, not yet computed (the queue delay holds them)
+    await batcher.settle(model)
+    assert all(call.done() for call in calls)
+    assert all(np.array_equal(call.result().output, x + 1) for call in calls)
+    alive = weakref.ref(model)
+    del model, calls
+    gc.collect()
+    assert alive() is None
+    await batcher.stop()
