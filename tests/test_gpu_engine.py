@@ -271,3 +271,15 @@ def test_warm_up_runs_on_every_compute_thread() -> None:
     assert len(seen) == 3
     assert len(set(seen)) == 3
     assert all(name.startswith("batch-compute") for name in seen)
+
+
+def test_gpu_memory_is_shared_over_the_sessions_found(small_export: ExportResult) -> None:
+    files = _files(small_export)  # output, weights and fused graphs
+    assert onnx_model.count_sessions([files], "auto", CUDA) == 3
+    assert onnx_model.count_sessions([files], "auto", CPU) == 2
+    assert onnx_model.count_sessions([files, files], "off", CUDA) == 4
+    probe = lambda: cuda.probe_driver(loader(FakeLibrary(version=13000, memory=100 * GiB)))  # noqa: E731
+    options = cuda.cuda_options_for([CUDA, CPU], tf32=False, memory_fraction=0.8, sessions=4,
+                                    probe=probe)  # fmt: skip
+    assert options == CudaOptions(use_tf32=False, gpu_mem_limit_bytes=20 * GiB)
+    assert cuda.cuda_options_for([CPU], tf32=True, memory_fraction=0.8, sessions=4) is None

@@ -159,6 +159,21 @@ def arena_limit_bytes(total_memory_bytes: int, fraction: float, sessions: int) -
     return int(total_memory_bytes * fraction) // max(1, sessions)
 
 
+def cuda_options_for(
+    providers: list[str],
+    *,
+    tf32: bool,
+    memory_fraction: float,
+    sessions: int,
+    probe: Callable[[], DriverProbe] = probe_driver,
+) -> CudaOptions | None:
+    """The CUDA provider's options for this server, or None when CUDA is not in use."""
+    if CUDA not in providers:
+        return None
+    limit = arena_limit_bytes(probe().total_memory_bytes, memory_fraction, sessions)
+    return CudaOptions(use_tf32=tf32, gpu_mem_limit_bytes=limit)
+
+
 def choose_providers(preference: str, probe: Callable[[], DriverProbe] = probe_driver) -> list[str]:
     """[CUDA, CPU] when asked for cuda (CudaUnavailable if it cannot be had) or when auto finds
     it usable; else [CPU]. CPU stays listed for the few ops CUDA has no kernel for."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,7 @@ from service.engine.golden import GoldenMismatch, check_golden, golden_path
 from service.engine.repository import VersionFiles
 
 __all__ = ["CPU", "CUDA", "BrokenModel", "ModelSpec", "OnnxModel", "choose_providers",
-           "gpu_present", "warm_up_shapes"]  # fmt: skip
+           "count_sessions", "gpu_present", "warm_up_shapes"]  # fmt: skip
 log = logging.getLogger(__name__)
 
 INPUTS = ("embeddings", "key_padding_mask")
@@ -57,6 +58,19 @@ def warm_up_shapes(provider: str, max_batch_size: int, max_seq_len: int) -> list
     else:
         shapes = [(2, min(seq, max_seq_len)) for seq in (1, 16, 128)]
     return list(dict.fromkeys(shapes))
+
+
+def count_sessions(found: Iterable[VersionFiles], fused: str, provider: str) -> int:
+    """Sessions the versions found will open: each one's share of the GPU memory bound."""
+    return sum(
+        1
+        + (files.weights_graph is not None)
+        + (
+            fusing.wanted(fused, provider)
+            and (files.output_graph.parent / fusing.FUSED_GRAPH).is_file()
+        )
+        for files in found
+    )
 
 
 def _session(path: Path, options: ort.SessionOptions, providers: list[str],

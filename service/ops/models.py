@@ -9,10 +9,11 @@ from collections.abc import Awaitable, Callable
 
 from grpc_health.v1 import health, health_pb2
 
+from service.engine.cuda import cuda_options_for
 from service.engine.model_control import Hooks, ModelController
-from service.engine.onnx_model import OnnxModel
+from service.engine.onnx_model import OnnxModel, count_sessions, warm_up_shapes
 from service.engine.registry import ModelRegistry
-from service.engine.repository import VersionFiles, VersionPolicy
+from service.engine.repository import VersionFiles, VersionPolicy, discover
 from service.ops import metrics
 from service.settings import Settings
 
@@ -27,6 +28,15 @@ def build_controller(
     settle: Callable[[OnnxModel], Awaitable[None]],
     changed: Callable[[], None],
 ) -> ModelController:
+    found = discover(settings.model_repository, quiet=True)
+    # Each session's arena bound: a share of --gpu-mem-fraction over the sessions at start.
+    cuda = cuda_options_for(
+        providers,
+        tf32=settings.cuda_tf32 == "on",
+        memory_fraction=settings.gpu_mem_fraction,
+        sessions=count_sessions(found, settings.fused_attention, providers[0]),
+    )
+
     def open_model(files: VersionFiles) -> OnnxModel:
         model = OnnxModel(
             files,
@@ -34,6 +44,8 @@ def build_controller(
             settings.intra_op_threads,
             intra_op_spinning=settings.intra_op_spinning == "on",
             cpu_arena=settings.cpu_arena == "on",
+            cuda=cuda,
+            fused=settings.fused_attention,
         )
         # What GetModel shows until warm-up has measured caps.
         model.measure_batch_caps(
@@ -42,7 +54,9 @@ def build_controller(
         return model
 
     def prepare(model: OnnxModel) -> None:
-        model.warm_up()
+        largest = (settings.max_batch_size, settings.max_seq_len)
+        model.warm_up(warm_up_shapes(model.provider, *largest))
+        log.info("%s: %s", model.key, model.choose_output_graph(*largest))
         caps = model.measure_batch_caps(
             max_batch_size=settings.max_batch_size,
             max_seq_len=settings.max_seq_len,

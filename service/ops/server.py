@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 from threading import Thread
@@ -23,7 +24,7 @@ from service.api.validation import InputLimits
 from service.batching.batcher import Batcher
 from service.batching.protocol import BatchLimits
 from service.engine.model_control import ModelController
-from service.engine.onnx_model import CPU, CUDA, OnnxModel, choose_providers
+from service.engine.onnx_model import CPU, CUDA, OnnxModel, choose_providers, warm_up_shapes
 from service.engine.registry import ModelRegistry
 from service.errors import ShuttingDown
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
@@ -267,8 +268,15 @@ class AttentionServer:
 
     async def _warm_up(self, registry: ModelRegistry) -> None:
         settings = self._settings
+        assert self._batcher is not None
+        largest = (settings.max_batch_size, settings.max_seq_len)
         for model in registry.all():
-            await asyncio.to_thread(model.warm_up)
+            # On the threads that will run its batches (CUDA keeps per-thread handles), at the
+            # largest shape first on CUDA; then the fused graph is timed against the unfused.
+            shapes = warm_up_shapes(model.provider, *largest)
+            await self._batcher.on_every_thread(functools.partial(model.warm_up, shapes))
+            choice = await asyncio.to_thread(model.choose_output_graph, *largest)
+            log.info("%s: %s", model.key, choice)
             caps = await asyncio.to_thread(
                 model.measure_batch_caps,
                 max_batch_size=settings.max_batch_size,
