@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> Report:
     _print("libraries loaded", report["libraries_loaded"])
     shapes = [(4, 64), (2, args.max_seq_len), (8, 128)]
     off = _load(fp32, providers, fused="on", cuda=CudaOptions(use_tf32=False))
-    half = _load(fp16, providers, fused="off", cuda=CudaOptions())
+    half = _load(fp16, providers, fused="on", cuda=CudaOptions())
     report["providers"] = {"float32": check_sessions(off, providers),
                            "float16": check_sessions(half, providers)}  # fmt: skip
     _print("providers", report["providers"])
@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> Report:
     report["float16_parity"] = {f"{s}x": parity(half, ref16, shapes, s) for s in (1, 4, 16, 64)}
     _print("float16 parity", report["float16_parity"])
     report["fused"] = compare_fused(off, ref32, shapes, big)
+    report["fused"]["float16_parity_1x"] = parity(half, ref16, shapes, fused_graph=True)
     _print("fused vs unfused output graph", report["fused"])
     report["inflight"] = inflight(off, (min(32, big[0]), min(128, big[1])), args.inflight_calls)
     _print("1 vs 2 batches in flight", report["inflight"])
@@ -240,6 +241,9 @@ def judge(report: Report) -> list[str]:
     fused_parity = report["fused"]["parity"]
     if fused_parity["nonfinite"] or not fused_parity["relative"] <= 1e-4:
         failures.append(f"fused graph relative error {fused_parity['relative']:.2e} > 1e-4")
+    fused_half = report["fused"]["float16_parity_1x"]
+    if fused_half["nonfinite"] or not fused_half["relative"] <= 1e-2:
+        failures.append(f"fused float16 graph relative error {fused_half['relative']:.2e} > 1e-2")
     return failures
 
 
