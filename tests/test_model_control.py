@@ -207,7 +207,7 @@ async def test_explicit_mode_loads_and_unloads_on_request(tmp_path: Path) -> Non
     assert registry.names() == ["a"]
     assert _states(await controller.index())["b/1"] == (
         "UNAVAILABLE",
-        "not loaded: load it with RepositoryModelLoad",
+        "not loaded: RepositoryModelLoad loads the versions that --version-policy all picks",
     )
     await controller.load("b")
     assert registry.names() == ["a", "b"]

@@ -172,7 +172,8 @@ class ModelController:
             "none": "not loaded: --model-control-mode none reads the repository only at start",
             "poll": f"not loaded: not selected by --version-policy {self._policy}, or not "
             "polled yet",
-            "explicit": "not loaded: load it with RepositoryModelLoad",
+            "explicit": "not loaded: RepositoryModelLoad loads the versions that "
+            f"--version-policy {self._policy} picks",
         }.get(self.mode, "not loaded")
 
     # -- changes ------------------------------------------------------------------------------
