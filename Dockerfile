@@ -18,10 +18,11 @@ ARG PIP_FIND_LINKS
 WORKDIR /src
 COPY constraints.txt ./
 COPY wheelhouse /wheelhouse
+# Bytecode is not compiled: this stage runs once, and torch has thousands of modules.
 RUN python3 -m venv /opt/export \
- && /opt/export/bin/pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
-        "torch==2.13.0" \
- && /opt/export/bin/pip install --no-cache-dir -c constraints.txt \
+ && /opt/export/bin/pip install --no-cache-dir --no-compile \
+        --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
+ && /opt/export/bin/pip install --no-cache-dir --no-compile -c constraints.txt \
         onnx onnxscript "onnxruntime-gpu==1.31.1" numpy
 COPY export ./export
 ARG MODEL_NAME=mha
