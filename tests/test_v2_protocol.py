@@ -55,7 +55,7 @@ def test_server_and_model_state(server: ServerProcess, v2: triton.InferenceServe
     assert not v2.is_model_ready("nope")
     metadata = v2.get_server_metadata(as_json=True)
     assert metadata["name"] == "attention-serving"
-    assert set(metadata["extensions"]) == {"model_configuration", "statistics"}
+    assert set(metadata["extensions"]) == {"model_configuration", "statistics", "model_repository"}
 
 
 def test_model_metadata_and_config(v2: triton.InferenceServerClient) -> None:
@@ -251,8 +251,16 @@ def test_inference_statistics_count_requests(v2: triton.InferenceServerClient) -
 
 def test_unimplemented_calls_say_so(v2: triton.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException) as caught:
-        v2.get_model_repository_index()
+        v2.get_system_shared_memory_status()
     assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
+
+
+def test_repository_index_lists_every_version_ready(v2: triton.InferenceServerClient) -> None:
+    """--model-control-mode none (the default): the index answers; load/unload are refused
+    (tests/test_rollout.py covers the refusal and the other modes)."""
+    rows = {(m.name, m.version): m.state for m in v2.get_model_repository_index().models}
+    assert rows[("small", "1")] == rows[("small", "2")] == rows[("mha", "1")] == "READY"
+    assert set(rows.values()) == {"READY"}
 
 
 def test_both_apis_batch_together(model_repository) -> None:
