@@ -198,6 +198,24 @@ async def test_a_replaced_folder_is_reloaded_in_place(tmp_path: Path) -> None:
 
 
 @run_async
+async def test_a_failed_reload_keeps_the_served_version(tmp_path: Path) -> None:
+    _publish(tmp_path, "m", 1)
+    controller, registry, recorder = _controller(tmp_path, policy="latest:1")
+    await controller.start()
+    old = registry.resolve("m", "1")
+    (tmp_path / "m" / "1").rename(tmp_path / "m" / ".1.retired")
+    _publish(tmp_path, "m", 1, b"bad")
+    for _ in range(2):  # tried once, not again
+        await controller.poll()
+        assert registry.resolve("m", "") is old
+    state, reason = _states(await controller.index())["m/1"]
+    assert state == "READY"
+    assert reason.startswith("reload failed: ONNX Runtime cannot load it")
+    assert recorder.events.count(("load", "failure", "m")) == 1
+    assert recorder.settled == []
+
+
+@run_async
 async def test_explicit_mode_loads_and_unloads_on_request(tmp_path: Path) -> None:
     _publish(tmp_path, "a", 1)
     _publish(tmp_path, "b", 1)

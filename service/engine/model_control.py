@@ -185,14 +185,13 @@ class ModelController:
         for key in [k for k in self._failed if k[0] == name and k[1] not in on_disk]:
             del self._failed[key]  # gone from disk: a new folder of that version gets a try
         while True:
-            candidates = [
-                v for v, files in on_disk.items() if self._failed.get((name, v)) != files.identity
-            ]
-            desired = self._policy.select(candidates)
             served = self.registry.loaded(name)
+            failed = {v for v, f in on_disk.items() if self._failed.get((name, v)) == f.identity}
+            # A served version whose new files failed keeps serving its old ones.
+            desired = self._policy.select(v for v in on_disk if v not in failed or v in served)
             stale = [
                 v
-                for v in sorted(desired)
+                for v in sorted(desired - failed)
                 if v not in served or self._files.get((name, v)) != on_disk[v]
             ]
             results = [await self._load(on_disk[v], warm=warm) for v in stale]
