@@ -195,6 +195,10 @@ def failed_checks(figures: Figures, config: VanishConfig) -> list[str]:
         "every vanished call dropped before compute": figures["dropped_total"]
         == figures["vanished_calls"],
         "none of them computed": figures["computed_without_weights"] == 0,
+        "each drop at its deadline counted as a deadline drop": figures["dropped_metric"][
+            "deadline"
+        ]
+        == config.rounds * config.per_wave,
         "queue depth and bytes back to 0": figures["queue_depth_end"] == 0
         and figures["queue_bytes_end"] == 0,
         "a valid request after each round is right": figures["valid_checks_right"]

@@ -345,8 +345,11 @@ class Batcher:
         while True:
             self._wakeup.clear()
             wait_s = self._launch_ready(time.monotonic())
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives
+            # just as the wait completes, and stop() then waited for this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), timeout=wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self._wakeup.wait()
 
     def _launch_ready(self, now: float) -> float | None:
         """Start every batch that is ready and has a free slot; else how long until one is
