@@ -297,6 +297,8 @@ def test_tritonclient_drives_explicit_mode(tmp_path: Path, staging: Path) -> Non
         result = client.infer(NAME, [infer_input])
         assert result.as_numpy("output").shape == x.shape
         assert server.metric("attention_model_ready", model=NAME, version="1") == 1
+        with AttentionClient(server.target) as attention:
+            assert attention.is_serving(NAME)  # the model's own health entry
 
         client.unload_model(NAME)
         with pytest.raises(InferenceServerException) as refused:
@@ -311,6 +313,9 @@ def test_tritonclient_drives_explicit_mode(tmp_path: Path, staging: Path) -> Non
         ]  # fmt: skip
         with AttentionClient(server.target) as attention:
             assert [m.name for m in attention.list_models()] == ["other"]
+            assert not attention.is_serving(NAME)
+            assert attention.is_serving("other")
+            assert attention.is_serving()
 
         with pytest.raises(InferenceServerException, match="no model 'nope'") as unknown:
             client.load_model("nope")
