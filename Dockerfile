@@ -17,9 +17,10 @@ ARG PIP_NO_INDEX
 ARG PIP_FIND_LINKS
 WORKDIR /src
 COPY constraints.txt ./
-COPY wheelhouse /wheelhouse
 # Bytecode is not compiled: this stage runs once, and torch has thousands of modules.
-RUN python3 -m venv /opt/export \
+# wheelhouse/ is mounted, not copied, so no layer keeps the wheels.
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python3 -m venv /opt/export \
  && /opt/export/bin/pip install --no-cache-dir --no-compile \
         --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
  && /opt/export/bin/pip install --no-cache-dir --no-compile -c constraints.txt \
@@ -31,7 +32,7 @@ ARG NUM_HEADS=8
 RUN /opt/export/bin/python -m export --name "${MODEL_NAME}" --embed-dim "${EMBED_DIM}" \
         --num-heads "${NUM_HEADS}" --out /models
 
-# --- deps: the serving virtualenv (wheels stay in this stage, out of the image) ---------
+# --- deps: the serving virtualenv, copied into the image without pip or build files -----
 FROM ${PYTHON_IMAGE} AS deps
 ARG PIP_NO_INDEX
 ARG PIP_FIND_LINKS
@@ -39,10 +40,10 @@ ARG PIP_FIND_LINKS
 # serves on the CPU, which is what CI builds.
 ARG ONNXRUNTIME="onnxruntime-gpu[cuda,cudnn]==1.31.1"
 WORKDIR /app
-COPY wheelhouse /wheelhouse
 COPY pyproject.toml constraints.txt README.md ./
 COPY service ./service
-RUN python3 -m venv /opt/venv \
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir -c constraints.txt "${ONNXRUNTIME}" .
 
 # --- serve: no torch ---------------------------------------------------------------------
