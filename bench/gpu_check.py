@@ -15,6 +15,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from functools import partial
@@ -103,8 +104,9 @@ def first_largest_run(files: VersionFiles, providers: list[str], shape: tuple[in
                                "after_largest_runs": after}}  # fmt: skip
 
 
-def compare_fused(model: OnnxModel, reference: gpu_probe.Reference,
-                  shapes: list[tuple[int, int]], big: tuple[int, int]) -> Report:  # fmt: skip
+def compare_fused(model: OnnxModel, files: VersionFiles, providers: list[str],
+                  reference: gpu_probe.Reference, shapes: list[tuple[int, int]],
+                  big: tuple[int, int]) -> Report:  # fmt: skip
     """The fused output graph's error and speed against the unfused one, and what the
     server's --fused-attention auto would decide from them."""
     if model._fused is None:
@@ -116,8 +118,17 @@ def compare_fused(model: OnnxModel, reference: gpu_probe.Reference,
         fused_s = fused.best_seconds(partial(model._fused.run, ["output"], feeds))
         timings.append(fused.Timing(batch, seq, unfused_s, fused_s))
     use, why = fused.decide("auto", timings)
+    chosen = [(name, CudaOptions().provider_options()) if name == CUDA else name
+              for name in providers]  # fmt: skip
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-profile-"))
+    feeds = model._inputs(2, 16)
+    placement = {
+        name: gpu_probe.node_providers(path, chosen, feeds, folder)
+        for name, path in (("unfused", files.output_graph),
+                           ("fused", files.output_graph.parent / fused.FUSED_GRAPH))
+    }  # fmt: skip
     return {"parity": parity(model, reference, shapes, fused_graph=True),
-            "server_would_use_it": use, "why": why}  # fmt: skip
+            "server_would_use_it": use, "why": why, "ops_ran_on": placement}  # fmt: skip
 
 
 def inflight(model: OnnxModel, shape: tuple[int, int], calls: int) -> Report:
@@ -208,7 +219,7 @@ def run(args: argparse.Namespace) -> Report:
     _print("float32 parity", report["float32_parity"])
     report["float16_parity"] = {f"{s}x": parity(half, ref16, shapes, s) for s in (1, 4, 16, 64)}
     _print("float16 parity", report["float16_parity"])
-    report["fused"] = compare_fused(off, ref32, shapes, big)
+    report["fused"] = compare_fused(off, fp32, providers, ref32, shapes, big)
     report["fused"]["float16_parity_1x"] = parity(half, ref16, shapes, fused_graph=True)
     _print("fused vs unfused output graph", report["fused"])
     report["inflight"] = inflight(off, (min(32, big[0]), min(128, big[1])), args.inflight_calls)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -130,3 +131,26 @@ def gpu_memory_used_mib(device: int = 0) -> float | None:
         return memory.used / (1 << 20) if ok else None
     except (OSError, AttributeError):
         return None
+
+
+def node_providers(
+    path: Path, providers: list[str | tuple[str, dict[str, str]]], feeds: dict[str, np.ndarray],
+    folder: Path,
+) -> dict[str, list[str]]:  # fmt: skip
+    """Which execution provider ran each op type of one call (ONNX Runtime's profiler): an op
+    with no CUDA kernel runs on CPU without any error, which only this shows."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(folder / path.stem)
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=providers)
+    session.run(None, feeds)
+    trace = json.loads(Path(session.end_profiling()).read_text())
+    found: dict[str, set[str]] = {}
+    for event in trace:
+        args = event.get("args", {})
+        if event.get("cat") == "Node" and "provider" in args:
+            found.setdefault(args.get("op_name", "?"), set()).add(args["provider"])
+    return {op: sorted(names) for op, names in sorted(found.items())}

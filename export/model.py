@@ -43,6 +43,17 @@ class MultiHeadSelfAttention(nn.Module):
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.query_scale = self.head_dim**-0.5  # 1.0 once folded into the q projection
+
+    def fold_query_scale(self) -> None:
+        """Fold 1/sqrt(d/h) into the q rows of the projection (the exporter does, in float32):
+        q leaves the projection already scaled, and the graph holds no separate scale that an
+        optimizer pass could move past Q·Kᵀ (in float16 that product overflows unscaled)."""
+        with torch.no_grad():
+            self.in_proj_weight[: self.embed_dim] *= self.query_scale
+            if self.in_proj_bias is not None:
+                self.in_proj_bias[: self.embed_dim] *= self.query_scale
+        self.query_scale = 1.0
 
     def _project(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (already scaled by 1/sqrt(d/h)), k, v as [b, h, t, d/h]."""
@@ -51,9 +62,10 @@ class MultiHeadSelfAttention(nn.Module):
         qkv = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         query, key, value = qkv.unbind(0)
         # Scale q before Q·Kᵀ, not the scores after it: in float16 the product of unscaled q
-        # overflows (inf, then NaN) from ~64x unit inputs on, and whether an optimizer pass
-        # folds a later scale into the MatMul must not decide that.
-        return query * (self.head_dim**-0.5), key, value
+        # overflows (inf, then NaN) from ~64x unit inputs on.
+        if self.query_scale != 1.0:
+            query = query * self.query_scale
+        return query, key, value
 
     def forward(
         self, embeddings: torch.Tensor, key_padding_mask: torch.Tensor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,7 +150,9 @@ def run_export(request: ExportRequest) -> ExportResult:
     if request.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {request.dtype!r}")
     source = load_source(request)
-    module = source.module.to(DTYPES[request.dtype])
+    module = copy.deepcopy(source.module)
+    module.fold_query_scale()  # in float32, before any cast
+    module = module.to(DTYPES[request.dtype])
     tolerance = DEFAULT_TOLERANCE[request.dtype]
     if request.tolerance is not None:
         tolerance = Tolerance(rtol=request.tolerance, atol=tolerance.atol)

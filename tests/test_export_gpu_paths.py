@@ -22,9 +22,10 @@ def _ops(path) -> list[str]:
     return [node.op_type for node in onnx.load(str(path)).graph.node]
 
 
-def test_scores_matmul_takes_an_already_scaled_query(small_export: ExportResult) -> None:
-    """In the file itself (before any ONNX Runtime pass), Q·Kᵀ multiplies a q that was scaled
-    by 1/sqrt(d/h), and nothing scales the scores after the product."""
+def test_query_leaves_the_projection_already_scaled(small_export: ExportResult) -> None:
+    """In the file itself, Q·Kᵀ multiplies the projection's q directly: 1/sqrt(d/h) is folded
+    into the q rows of the projection weights, so no Mul or Div is left for an ONNX Runtime
+    pass to move past the product, and nothing scales the scores after it."""
     model = onnx.load(str(small_export.files.output_only))
     constants = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
     producer = {out: node for node in model.graph.node for out in node.output}
@@ -33,19 +34,25 @@ def test_scores_matmul_takes_an_already_scaled_query(small_export: ExportResult)
         for node in model.graph.node
         if node.op_type == "MatMul" and not any(name in constants for name in node.input)
     )  # the first activation x activation product is Q·Kᵀ; the second is weights·V
-    query = producer[scores.input[0]]
-    assert query.op_type == "Mul"
-    scale = [constants[name] for name in query.input if name in constants]
-    assert len(scale) == 1
-    np.testing.assert_allclose(float(scale[0]), (D // H) ** -0.5, rtol=1e-6)
+    assert producer[scores.input[0]].op_type not in ("Mul", "Div")
+    assert not [node for node in model.graph.node if node.op_type in ("Mul", "Div")]
     consumers = [node.op_type for node in model.graph.node if scores.output[0] in node.input]
-    assert consumers == ["Where"]  # the mask, then Softmax: no Mul or Div on the scores
+    assert consumers == ["Where"]  # the mask, then Softmax
+    _, state, _ = build_module(D, H, bias=True, seed=0)
+    (w_t,) = [value for value in constants.values() if value.shape == (D, 3 * D)]
+    (bias,) = [value for value in constants.values() if value.shape == (3 * D,)]
+    scale = (D // H) ** -0.5
+    np.testing.assert_allclose(w_t[:, :D], state["in_proj_weight"][:D].numpy().T * scale, rtol=1e-6)
+    np.testing.assert_allclose(w_t[:, D:], state["in_proj_weight"][D:].numpy().T, rtol=0)
+    np.testing.assert_allclose(bias[:D], state["in_proj_bias"][:D].numpy() * scale, rtol=1e-6)
 
 
-def _emulated_float16(scale: float, *, prescaled: bool) -> tuple[int, float]:
+def _emulated_float16(scale: float, *, prescaled: bool, folded: bool = False) -> tuple[int, float]:
     """torch float16 arithmetic on CPU (float16 storage, float32 accumulation in matmuls):
     (non-finite outputs, relative error against float64) at scale x unit inputs."""
     module, _, _ = build_module(512, 8, bias=True, seed=0)
+    if folded:
+        module.fold_query_scale()
     half = module.half().eval()
     layer = layer_for(512, 8).double()
     rng = np.random.default_rng(0)
@@ -71,8 +78,8 @@ def _emulated_float16(scale: float, *, prescaled: bool) -> tuple[int, float]:
 
 def test_float16_cannot_overflow_in_the_scores_at_64x_inputs() -> None:
     assert _emulated_float16(64, prescaled=False)[0] > 0  # what the old ordering did
-    nonfinite, _ = _emulated_float16(64, prescaled=True)
-    assert nonfinite == 0
+    assert _emulated_float16(64, prescaled=True)[0] == 0
+    assert _emulated_float16(64, prescaled=True, folded=True)[0] == 0  # as exported
 
 
 @pytest.mark.parametrize(("scale", "bound"), [(1, 2e-3), (4, 1e-2)])
