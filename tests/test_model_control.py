@@ -267,3 +267,34 @@ async def test_batcher_settle_waits_for_queued_work_then_lets_go() -> None:
     gc.collect()
     assert alive() is None
     await batcher.stop()
+
+
+@run_async
+async def test_served_set_follows_the_registry_and_warns_of_calls_too_large(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from grpc_health.v1 import health, health_pb2
+
+    from service.ops import metrics
+    from service.ops.models import ServedSet
+
+    registry = ModelRegistry([], "m")
+    servicer = health.aio.HealthServicer()
+    served = ServedSet(registry, servicer)  # type: ignore[arg-type]
+    served.check_limits(lambda model: (model.spec.version * 100, 0), (150, 150))
+    small, large = FakeModel(_Spec("m", 1)), FakeModel(_Spec("m", 2))
+    registry.publish(small)  # type: ignore[arg-type]
+    served.sync(ready=True)
+    registry.publish(large)  # type: ignore[arg-type]
+    served.sync(ready=True)
+    assert [r.getMessage() for r in caplog.records if "m/2 takes calls" in r.getMessage()]
+    assert not [r for r in caplog.records if "m/1 takes calls" in r.getMessage()]
+    assert metrics.MODEL_READY.labels("m", "2")._value.get() == 1
+    registry.withdraw("m", 1)
+    registry.withdraw("m", 2)
+    served.sync(ready=True)
+    await asyncio.sleep(0.05)  # the health update runs as a task
+    ready = [s.name for s in metrics.MODEL_READY.collect()[0].samples if s.labels["model"] == "m"]
+    assert ready == []
+    reply = await servicer.Check(health_pb2.HealthCheckRequest(service="m"), None)
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -87,6 +87,15 @@ class ServedSet:
         self._health = health_servicer
         self._shown: set[tuple[str, str, str]] = set()  # (model, version, provider)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._needs: Callable[[OnnxModel], tuple[int, int]] | None = None
+        self._limits = (0, 0)
+
+    def check_limits(
+        self, needs: Callable[[OnnxModel], tuple[int, int]], limits: tuple[int, int]
+    ) -> None:
+        """From now on, warn about a newly served version whose largest legal call (receive,
+        send bytes) exceeds the gRPC message limits the server was started with."""
+        self._needs, self._limits = needs, limits
 
     def sync(self, *, ready: bool) -> None:
         """Call on the event loop after every change (and once the server is ready)."""
@@ -94,6 +103,7 @@ class ServedSet:
             (model.spec.name, str(model.spec.version), model.provider)
             for model in self._registry.all()
         }
+        self._warn_too_large(served - self._shown)
         for name, version, provider in self._shown - served:
             metrics.MODEL_READY.remove(name, version)
             metrics.ENGINE_INFO.remove(name, version, provider)
@@ -111,6 +121,20 @@ class ServedSet:
         task = asyncio.ensure_future(self._set_health(statuses))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _warn_too_large(self, new: set[tuple[str, str, str]]) -> None:
+        if self._needs is None:
+            return
+        for model in self._registry.all():
+            if (model.spec.name, str(model.spec.version), model.provider) not in new:
+                continue
+            needs = self._needs(model)
+            if needs[0] > self._limits[0] or needs[1] > self._limits[1]:
+                log.warning(
+                    "%s takes calls of up to %d bytes (answers %d) but the gRPC limits were set "
+                    "at start to %d (%d) from the models served then: larger calls get "
+                    "RESOURCE_EXHAUSTED until a restart", model.key, *needs, *self._limits,
+                )  # fmt: skip
 
     async def _set_health(self, statuses: dict[str, int]) -> None:
         for name, status in statuses.items():

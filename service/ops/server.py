@@ -77,9 +77,9 @@ def queue_bytes(settings: Settings) -> int:
 
 
 def message_limits(registry: ModelRegistry, settings: Settings) -> tuple[int, int]:
-    """(receive, send) byte limits from the largest legal request and response; gRPC's
-    largest when the models may change (poll, explicit), since a later one may be larger."""
-    if settings.model_control_mode != "none" or not registry.all():
+    """(receive, send) byte limits from the largest legal request and response of the models
+    served at start; gRPC's largest when there is none yet (explicit mode, empty poll)."""
+    if not registry.all():
         return GRPC_MAX_MESSAGE_BYTES, GRPC_MAX_MESSAGE_BYTES
     largest_d = max(model.spec.embed_dim for model in registry.all())
     largest_h = max(model.spec.num_heads for model in registry.all())
@@ -141,6 +141,11 @@ class AttentionServer:
             on_failure=self._on_batcher_failure,
         )
         receive_bytes, send_bytes = message_limits(registry, settings)
+        assert self._served is not None
+        self._served.check_limits(
+            lambda model: message_limits(ModelRegistry([model], ""), settings),
+            (receive_bytes, send_bytes),
+        )
         server = grpc.aio.server(
             options=server_options(
                 receive_bytes=receive_bytes,
