@@ -15,6 +15,7 @@ import grpc
 from service.api.handlers import Undecodable
 from service.api.status import code_for
 from service.api.wire import WireMessage
+from service.batching.protocol import ended_at_deadline
 from service.errors import InvalidInput, ServingError
 from service.ops import metrics
 from service.text import shown
@@ -67,7 +68,7 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
                 await context.abort(code, str(err))
             except asyncio.CancelledError:
                 remaining = context.time_remaining()
-                expired = remaining is not None and remaining <= 0
+                expired = ended_at_deadline(remaining)
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
                 raise
             except Exception:

@@ -26,6 +26,7 @@ import grpc
 from service.api.handlers import Undecodable
 from service.api.rpc import serialized
 from service.api.status import code_for
+from service.batching.protocol import ended_at_deadline
 from service.errors import InvalidInput, ServingError
 from service.ops import metrics
 from service.text import shown
@@ -238,7 +239,7 @@ class _Stream(Generic[Request, Response]):
         except asyncio.CancelledError:
             self._reserve(-reserved)  # no answer will be written
             remaining = self._context.time_remaining()
-            expired = remaining is not None and remaining <= 0
+            expired = ended_at_deadline(remaining)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except Exception:

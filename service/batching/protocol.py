@@ -26,6 +26,19 @@ class Runner(Protocol):
     ) -> tuple[np.ndarray, np.ndarray | None]: ...
 
 
+# A call cancelled this close to its deadline ended at its deadline: the client's deadline
+# timer fires before the server's by the time the request took to arrive, and the client
+# then cancels the call (measured: with 400 calls in flight on one connection, up to 7% of
+# those that expired in the queue were cancelled >50 ms before the server's deadline).
+DEADLINE_SLACK_S = 0.25
+
+
+def ended_at_deadline(remaining_s: float | None) -> bool:
+    """Whether a call cancelled with remaining_s left before its deadline (None: it had no
+    deadline) counts as DEADLINE_EXCEEDED rather than CANCELLED. One rule for every counter."""
+    return remaining_s is not None and remaining_s <= DEADLINE_SLACK_S
+
+
 class BatchFailed(RuntimeError):
     """The batch this request was in failed; the cause is chained."""
 
