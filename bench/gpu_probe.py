@@ -25,6 +25,8 @@ def numpy_reference(model_path: Path) -> Reference:
     meta = {p.key: p.value for p in model.metadata_props}
     d, h = int(meta["embed_dim"]), int(meta["num_heads"])
     causal = meta.get("causal") == "true"
+    # Exports since the fold carry 1/sqrt(d/h) in the q rows of the weights already.
+    query_scale = 1.0 if meta.get("query_scale_folded") == "true" else (d // h) ** -0.5
     by_shape: dict[tuple[int, ...], np.ndarray] = {}
     for tensor in model.graph.initializer:
         value = numpy_helper.to_array(tensor)
@@ -38,7 +40,7 @@ def numpy_reference(model_path: Path) -> Reference:
         x = embeddings.astype(np.float64)
         b, t, _ = x.shape
         qkv = (x @ w_in + b_in).reshape(b, t, 3, h, d // h).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0] * (d // h) ** -0.5, qkv[1], qkv[2]
+        q, k, v = qkv[0] * query_scale, qkv[1], qkv[2]
         scores = q @ k.transpose(0, 1, 3, 2)
         blocked = np.broadcast_to(mask[:, None, None, :], scores.shape)
         if causal:

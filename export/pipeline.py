@@ -101,6 +101,9 @@ def build_metadata(
         "weights_sha256": weights_hash,
         "weights_source": source,
         "opset": str(OPSET),
+        # 1/sqrt(d/h) lives in the q rows of the projection weights (fold_query_scale), so a
+        # reader of the weights (bench/gpu_probe.py) must not apply it again.
+        "query_scale_folded": "true",
         "exporter": f"torch.onnx(dynamo) torch={torch.__version__} "
         f"onnx={_package_version('onnx')} onnxscript={_package_version('onnxscript')}",
     }

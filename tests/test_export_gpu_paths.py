@@ -38,6 +38,7 @@ def test_query_leaves_the_projection_already_scaled(small_export: ExportResult) 
     assert not [node for node in model.graph.node if node.op_type in ("Mul", "Div")]
     consumers = [node.op_type for node in model.graph.node if scores.output[0] in node.input]
     assert consumers == ["Where"]  # the mask, then Softmax
+    assert {p.key: p.value for p in model.metadata_props}["query_scale_folded"] == "true"
     _, state, _ = build_module(D, H, bias=True, seed=0)
     (w_t,) = [value for value in constants.values() if value.shape == (D, 3 * D)]
     (bias,) = [value for value in constants.values() if value.shape == (3 * D,)]

@@ -283,3 +283,20 @@ def test_gpu_memory_is_shared_over_the_sessions_found(small_export: ExportResult
                                     probe=probe)  # fmt: skip
     assert options == CudaOptions(use_tf32=False, gpu_mem_limit_bytes=20 * GiB)
     assert cuda.cuda_options_for([CPU], tf32=True, memory_fraction=0.8, sessions=4) is None
+
+
+def test_a_fused_graph_that_cannot_load_drops_only_itself(
+    small_export: ExportResult, tmp_path: Path
+) -> None:
+    broken = tmp_path / "model.fused.onnx"
+    broken.write_bytes(b"not onnx")
+    model = OnnxModel(_files(small_export), [CPU], 1)  # auto on CPU: fused not loaded at all
+    assert model._load_fused(broken, ort.SessionOptions(), [CPU], None) is None
+    folder = tmp_path / "v"
+    folder.mkdir()
+    for graph in (small_export.files.output_only, small_export.files.with_weights):
+        (folder / graph.name).write_bytes(graph.read_bytes())
+    (folder / "model.fused.onnx").write_bytes(b"not onnx")
+    files = VersionFiles("small", 1, folder / "model.onnx", folder / "model.with_weights.onnx")
+    with pytest.raises(BrokenModel, match=r"cannot load model\.fused\.onnx"):
+        OnnxModel(files, [CPU], 1, fused="on")

@@ -150,10 +150,10 @@ class OnnxModel:
                 if files.weights_graph
                 else None
             )
-            # A candidate: choose_output_graph() decides whether output-only requests use it.
-            self._fused = _session(fused_path, options, providers, cuda) if want_fused else None
         except Exception as err:  # ORT raises its own exception types for bad files
             raise BrokenModel(f"ONNX Runtime cannot load it: {err}") from err
+        # A candidate: choose_output_graph() decides whether output-only requests use it.
+        self._fused = self._load_fused(fused_path, options, providers, cuda) if want_fused else None
         self._use_fused = False
         self.spec = _read_spec(self._plain, files)
         self.key = f"{files.name}/{files.version}"
@@ -161,6 +161,19 @@ class OnnxModel:
         # Until measure_batch_caps() runs, only --max-batch-size limits a batch.
         self.batch_caps = BatchCaps.uniform(2**31 - 1, 2**31 - 1)
         self._check_golden(files)
+
+    def _load_fused(self, path: Path, options: ort.SessionOptions, providers: list[str],
+                    cuda: CudaOptions | None) -> ort.InferenceSession | None:  # fmt: skip
+        """The fused graph is optional: failing to load, it is skipped (auto), or the version
+        refused (--fused-attention on)."""
+        try:
+            return _session(path, options, providers, cuda)
+        except Exception as err:  # ORT's own exception types, e.g. an op it cannot run here
+            if self._fused_mode == "on":
+                raise BrokenModel(f"ONNX Runtime cannot load {path.name}: {err}") from err
+            log.warning("%s: %s not used, ONNX Runtime cannot load it: %s", path.parent, path.name,
+                        err)  # fmt: skip
+            return None
 
     def _sessions(self) -> dict[str, ort.InferenceSession]:
         graphs = {"output": self._plain, "output+attention_weights": self._full,
