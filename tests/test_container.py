@@ -96,6 +96,7 @@ def image(request: pytest.FixtureRequest) -> str:
         if REQUIRED:
             pytest.fail(reason)
         pytest.skip(reason)
+    previous = _podman("image", "inspect", "--format", "{{.Id}}", IMAGE, check=False)
     started = time.monotonic()
     env = {**os.environ, "IMAGE": IMAGE, "BASE_IMAGE": BASE_IMAGE}
     build = subprocess.run(
@@ -105,6 +106,8 @@ def image(request: pytest.FixtureRequest) -> str:
     build_s = time.monotonic() - started
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
     size = int(_podman("image", "inspect", "--format", "{{.Size}}", IMAGE))
+    if previous and previous != _podman("image", "inspect", "--format", "{{.Id}}", IMAGE):
+        _podman("rmi", previous, check=False)  # the last run's image, untagged now: disk
     cached = build.stdout.count("Using cache")
     _report(request, f"image {IMAGE}: {size / 2**20:.0f} MiB, built in {build_s:.1f} s "
                      f"(wheelhouse + base + podman build; {cached} layers from cache)")  # fmt: skip
