@@ -5,6 +5,8 @@ their contents are checked by test_deployment.py and test_monitoring.py."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -27,6 +29,11 @@ ENTRY_POINTS = sorted(
 
 def _render(entry: str) -> list[dict]:
     """kubectl kustomize when present (patches applied); else the files the entry pulls in."""
+    return copy.deepcopy(_rendered(entry))
+
+
+@functools.cache
+def _rendered(entry: str) -> list[dict]:
     kubectl = shutil.which("kubectl")
     if kubectl:
         done = subprocess.run([kubectl, "kustomize", str(K8S / entry)], capture_output=True,
