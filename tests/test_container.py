@@ -108,6 +108,9 @@ def image(request: pytest.FixtureRequest) -> str:
     size = int(_podman("image", "inspect", "--format", "{{.Size}}", IMAGE))
     if previous and previous != _podman("image", "inspect", "--format", "{{.Id}}", IMAGE):
         _podman("rmi", previous, check=False)  # the last run's image, untagged now: disk
+    # Stage caches of older builds: a day's worth kept, so disk stays bounded on a machine
+    # that runs CI again and again (the export stage is rebuilt at most once a day).
+    _podman("image", "prune", "--force", "--filter", "until=24h", check=False)
     cached = build.stdout.count("Using cache")
     _report(request, f"image {IMAGE}: {size / 2**20:.0f} MiB, built in {build_s:.1f} s "
                      f"(wheelhouse + base + podman build; {cached} layers from cache)")  # fmt: skip
