@@ -298,3 +298,36 @@ async def test_served_set_follows_the_registry_and_warns_of_calls_too_large(
     assert ready == []
     reply = await servicer.Check(health_pb2.HealthCheckRequest(service="m"), None)
     assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@run_async
+async def test_a_repository_or_model_folder_that_cannot_be_read_is_not_a_removal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unmounted volume, an NFS error or a folder the server may not read says nothing
+    about which versions exist: poll keeps serving them (before, it unloaded every one)."""
+    root = tmp_path / "models"
+    _publish(root, "m", 1)
+    _publish(root, "n", 1)
+    controller, registry, recorder = _controller(root)
+    await controller.start()
+    root.rename(tmp_path / "away")  # the repository is gone for a moment
+    await controller.poll()
+    assert _served(registry) == ["m/1", "n/1"]
+    (tmp_path / "away").rename(root)
+    listdir = Path.iterdir
+
+    def unreadable_m(path: Path):
+        if path == root / "m":
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr(Path, "iterdir", unreadable_m)
+    (root / "n" / "1").rename(root / "n" / ".1.retired")  # a real removal still counts
+    await controller.poll()
+    assert _served(registry) == ["m/1"]
+    monkeypatch.undo()
+    (root / "m" / "1").rename(root / "m" / ".1.retired")
+    await controller.poll()
+    assert _served(registry) == []
+    assert recorder.settled == ["n/1", "m/1"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from service.engine.onnx_model import BrokenModel, OnnxModel
 from service.engine.registry import ModelRegistry
-from service.engine.repository import VersionFiles, VersionPolicy, discover
+from service.engine.repository import Scan, VersionFiles, VersionPolicy, discover, scan
 from service.errors import InvalidInput, ModelControlDisabled, ModelLoadFailed, ModelNotFound
 from service.text import shown
 
@@ -76,6 +76,7 @@ class ModelController:
         self._states: dict[Key, tuple[str, str]] = {}
         self._files: dict[Key, VersionFiles] = {}  # of each served version
         self._failed: dict[Key, tuple[int, ...]] = {}  # identity that failed: not retried
+        self._unreadable: frozenset[str] = frozenset()  # at the last poll; "": the repository
 
     # -- the three modes ---------------------------------------------------------------------
 
@@ -93,11 +94,30 @@ class ModelController:
             log.error("--load-model %s: no such model under %s", shown(name), self._repository)
 
     async def poll(self) -> None:
-        """Rescan the repository and follow it: new versions in, removed ones out."""
-        found = await asyncio.to_thread(discover, self._repository, quiet=True)
+        """Rescan the repository and follow it: new versions in, removed ones out. A model
+        whose folder cannot be read (or all of them, when the repository cannot be listed)
+        keeps what it serves: an unmounted volume or an NFS error is not a removal."""
+        found = await asyncio.to_thread(scan, self._repository, quiet=True)
+        self._warn_unreadable(found)
+        if not found.listed:
+            return
+        versions = found.versions
         async with self._lock:
-            for name in sorted({files.name for files in found} | set(self.registry.names())):
-                await self._reconcile(name, [f for f in found if f.name == name])
+            for name in sorted({files.name for files in versions} | set(self.registry.names())):
+                if name not in found.unreadable:
+                    await self._reconcile(name, [f for f in versions if f.name == name])
+
+    def _warn_unreadable(self, found: Scan) -> None:
+        """Log once when (part of) the repository becomes unreadable, and once when it is back."""
+        unreadable = found.unreadable if found.listed else frozenset({""})
+        for name in sorted(unreadable - self._unreadable):
+            what = "the repository" if not name else f"model folder {shown(name)}"
+            log.warning("cannot read %s under %s; serving what was loaded until it can be read",
+                        what, self._repository)  # fmt: skip
+        for name in sorted(self._unreadable - unreadable):
+            what = "the repository" if not name else f"model folder {shown(name)}"
+            log.info("%s under %s can be read again", what, self._repository)
+        self._unreadable = unreadable
 
     async def poll_forever(self, interval_s: float) -> None:
         """poll() every interval_s until cancelled; a failed scan is logged, the next one runs."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,41 +73,80 @@ def _identity(version_folder: Path, output_graph: Path) -> tuple[int, ...]:
     return (folder.st_ino, graph.st_ino, graph.st_mtime_ns, graph.st_size)
 
 
+@dataclass(frozen=True)
+class Scan:
+    """One look at the repository. What could not be listed is unknown, not removed: listed is
+    False when the repository itself could not be (missing, unmounted, an I/O error), and
+    unreadable names the models whose folders could not be."""
+
+    versions: list[VersionFiles]
+    listed: bool = True
+    unreadable: frozenset[str] = frozenset()
+
+
 def discover(repository: Path, *, quiet: bool = False) -> list[VersionFiles]:
+    """Every well-formed version folder by (name, version); see scan()."""
+    return scan(repository, quiet=quiet).versions
+
+
+def scan(repository: Path, *, quiet: bool = False) -> Scan:
     """Every well-formed version folder by (name, version); others are logged (at debug level
     when quiet, for repeated polls), skipped."""
     level = logging.DEBUG if quiet else logging.ERROR
-    if not repository.is_dir():
-        log.log(level, "model repository %s does not exist or is not a folder", repository)
-        return []
-    found = []
-    for model_folder in sorted(p for p in repository.iterdir() if p.is_dir()):
+    try:
+        model_folders = sorted(p for p in repository.iterdir() if p.is_dir())
+    except OSError as err:
+        log.log(level, "cannot list the model repository %s: %s", repository, err)
+        return Scan([], listed=False)
+    found: list[VersionFiles] = []
+    unreadable: set[str] = set()
+    for model_folder in model_folders:
         if model_folder.name.startswith("."):
             continue
         try:
-            version_folders = sorted(p for p in model_folder.iterdir() if p.is_dir())
-        except OSError:  # removed while we looked (poll mode): the next scan will not see it
+            found += _versions(model_folder, level)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed while we looked (poll mode): the next scan will not see it
+        except OSError as err:
+            log.log(level, "cannot read %s: %s", model_folder, err)
+            unreadable.add(model_folder.name)
+    return Scan(
+        sorted(found, key=lambda files: (files.name, files.version)),
+        unreadable=frozenset(unreadable),
+    )
+
+
+def _versions(model_folder: Path, level: int) -> list[VersionFiles]:
+    """The well-formed versions of one model; OSError when its folder cannot be read."""
+    found = []
+    for version_folder in sorted(p for p in model_folder.iterdir() if p.is_dir()):
+        if version_folder.name.startswith("."):
+            continue  # staging folders of an export in progress
+        version = parse_version(version_folder.name)
+        if version is None:
+            log.log(level, "skipping %r: a version folder's name must be %s",
+                    str(version_folder), VERSION_RULE)  # fmt: skip
             continue
-        for version_folder in version_folders:
-            if version_folder.name.startswith("."):
-                continue  # staging folders of an export in progress
-            version = parse_version(version_folder.name)
-            if version is None:
-                log.log(level, "skipping %r: a version folder's name must be %s",
-                        str(version_folder), VERSION_RULE)  # fmt: skip
-                continue
-            output_graph = version_folder / OUTPUT_GRAPH
-            if not output_graph.is_file():
-                log.log(level, "skipping %s: no %s in it", version_folder, OUTPUT_GRAPH)
-                continue
-            weights_graph = version_folder / WEIGHTS_GRAPH
-            found.append(
-                VersionFiles(
-                    name=model_folder.name,
-                    version=version,
-                    output_graph=output_graph,
-                    weights_graph=weights_graph if weights_graph.is_file() else None,
-                    identity=_identity(version_folder, output_graph),
-                )
+        output_graph = version_folder / OUTPUT_GRAPH
+        if not _is_file(output_graph):
+            log.log(level, "skipping %s: no %s in it", version_folder, OUTPUT_GRAPH)
+            continue
+        weights_graph = version_folder / WEIGHTS_GRAPH
+        found.append(
+            VersionFiles(
+                name=model_folder.name,
+                version=version,
+                output_graph=output_graph,
+                weights_graph=weights_graph if _is_file(weights_graph) else None,
+                identity=_identity(version_folder, output_graph),
             )
-    return sorted(found, key=lambda files: (files.name, files.version))
+        )
+    return found
+
+
+def _is_file(path: Path) -> bool:
+    """Path.is_file(), except that an error other than "not there" is raised, not False."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
