@@ -18,6 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from bench.stats import Lengths
+from service.engine.cuda import CUDA, CudaOptions
 from service.engine.onnx_model import choose_providers
 from service.settings import PROVIDERS
 
@@ -37,8 +38,13 @@ def session(model: Path, threads: int, provider: str) -> ort.InferenceSession:
     options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
-    # The server's own choice (auto = CUDA when usable), so both run on the same device.
-    return ort.InferenceSession(str(model), options, providers=choose_providers(provider))
+    # The server's own choice (auto = CUDA when usable) and its CUDA options (TF32 off), so
+    # both run on the same device with the same arithmetic.
+    providers: list[str | tuple[str, dict[str, str]]] = [
+        (name, CudaOptions().provider_options()) if name == CUDA else name
+        for name in choose_providers(provider)
+    ]
+    return ort.InferenceSession(str(model), options, providers=providers)
 
 
 def embed_dim(sess: ort.InferenceSession) -> int:
