@@ -331,3 +331,15 @@ async def test_a_repository_or_model_folder_that_cannot_be_read_is_not_a_removal
     await controller.poll()
     assert _served(registry) == []
     assert recorder.settled == ["n/1", "m/1"]
+
+
+@run_async
+async def test_explicit_mode_refuses_to_start_with_a_model_not_in_the_repository(
+    tmp_path: Path,
+) -> None:
+    """--load-model with a typo: before, an error line and a server that served nothing."""
+    _publish(tmp_path, "a", 1)
+    controller, registry, _ = _controller(tmp_path, mode="explicit")
+    with pytest.raises(ModelNotFound, match=r"--load-model 'nope': no such model under"):
+        await controller.start(["a", "nope"])
+    assert registry.names() == []

@@ -82,16 +82,21 @@ class ModelController:
 
     async def start(self, names: Iterable[str] = ()) -> None:
         """Load at start, not yet warm (the server warms every version before it is ready):
-        all models, or in explicit mode those named (all when none is named)."""
+        all models, or in explicit mode those named (all when none is named). ModelNotFound
+        when a named model has no folder: a typo must not start a server that serves nothing."""
         wanted = set(names)
         found = await asyncio.to_thread(discover, self._repository)
+        missing = sorted(wanted - {files.name for files in found})
+        if missing:
+            raise ModelNotFound(
+                f"--load-model {', '.join(shown(name) for name in missing)}: no such model under "
+                f"{self._repository} (expected <name>/<version>/model.onnx)"
+            )
         async with self._lock:
             for name in sorted({files.name for files in found}):
                 if wanted and name not in wanted:
                     continue
                 await self._reconcile(name, [f for f in found if f.name == name], warm=False)
-        for name in sorted(wanted - {files.name for files in found}):
-            log.error("--load-model %s: no such model under %s", shown(name), self._repository)
 
     async def poll(self) -> None:
         """Rescan the repository and follow it: new versions in, removed ones out. A model

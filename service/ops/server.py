@@ -26,7 +26,7 @@ from service.batching.protocol import BatchLimits
 from service.engine.model_control import ModelController
 from service.engine.onnx_model import CPU, CUDA, OnnxModel, choose_providers, warm_up_shapes
 from service.engine.registry import ModelRegistry
-from service.errors import ShuttingDown
+from service.errors import ModelNotFound, ShuttingDown
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.ops import metrics
@@ -246,7 +246,10 @@ class AttentionServer:
             settle=self._settle,
             changed=lambda: served.sync(ready=self.ready),
         )
-        await self.models.start(settings.load_model)
+        try:
+            await self.models.start(settings.load_model)
+        except ModelNotFound as err:
+            raise StartupError(str(err)) from err
         if not registry.names() and settings.model_control_mode == "none":
             raise StartupError(
                 f"no servable model under {settings.model_repository} (expected "
