@@ -296,3 +296,32 @@ def test_server_with_an_unreadable_certificate_exits_with_a_clear_error(
     assert f"cannot start: cannot read the private key (--tls-key) {missing}" in done.stderr
     assert "No such file or directory" in done.stderr
     assert "listening" not in done.stderr  # refused before binding or loading a model
+
+
+def test_a_client_ca_bundle_with_several_cas_and_utf8_comments(
+    repository: Path, pki: Pki, tmp_path: Path
+) -> None:
+    """A bundle as curl's cacert.pem writes it (issuer comments in UTF-8 between the blocks):
+    it loads (before: a TypeError from ssl's cadata, a traceback instead of a startup message),
+    and a client of any CA in it is accepted, others are not."""
+    bundle = tmp_path / "client-cas.pem"
+    bundle.write_bytes(
+        "# Issuer: CN=Főtanúsítvány (someone else's CA)\n".encode()
+        + pki.other_ca_file.read_bytes()
+        + "\n# Issuer: CN=test CA – ours\n".encode()
+        + pki.ca_file.read_bytes()
+    )
+    load_material(TlsFiles(pki.server_cert, pki.server_key, bundle))
+    third = Authority("a third CA")
+    outsider = third.issue("outsider", server=False).write(tmp_path, "outsider")
+    flags = ("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+             "--tls-client-ca", str(bundle))  # fmt: skip
+    with TlsServerProcess(repository, *flags, credentials=pki.credentials(pki.client)) as server:
+        for client in (pki.client, pki.stranger):
+            assert _health(server.target, pki.credentials(client)) == (
+                health_pb2.HealthCheckResponse.SERVING
+            )
+        with pytest.raises(grpc.RpcError) as refused:
+            _health(server.target, pki.credentials(outsider))
+        assert refused.value.code() in REFUSED
+        assert server.terminate() == 0, server.log

@@ -70,17 +70,23 @@ def load_material(files: TlsFiles) -> _Material:
             f"--tls-cert {files.cert} and --tls-key {files.key} are not a certificate and its "
             f"key: {err.reason or err}"
         ) from err
-    if client_ca is not None:
+    if files.client_ca is not None:
         try:
-            check.load_verify_locations(cadata=client_ca.decode("ascii", "replace"))
+            # By path, not cadata=: a bundle's text between PEM blocks may be UTF-8 (curl's
+            # cacert.pem names issuers in comments), which cadata refuses with a TypeError.
+            check.load_verify_locations(cafile=files.client_ca)
         except ssl.SSLError as err:
             raise TlsError(
                 f"--tls-client-ca {files.client_ca} is not a PEM CA certificate: "
                 f"{err.reason or err}"
             ) from err
     # The check read the paths again: had they changed meanwhile, the bytes could differ.
-    if files.cert.read_bytes() != cert or files.key.read_bytes() != key:
-        raise TlsError(f"{files.cert} or {files.key} changed while being read")
+    if (
+        files.cert.read_bytes() != cert
+        or files.key.read_bytes() != key
+        or (files.client_ca is not None and files.client_ca.read_bytes() != client_ca)
+    ):
+        raise TlsError(f"{files.cert}, {files.key} or the client CA changed while being read")
     return _Material(cert, key, client_ca)
 
 
