@@ -36,15 +36,18 @@ RUN /opt/export/bin/python -m export --name "${MODEL_NAME}" --embed-dim "${EMBED
 FROM ${PYTHON_IMAGE} AS deps
 ARG PIP_NO_INDEX
 ARG PIP_FIND_LINKS
-# The GPU build by default; "onnxruntime-gpu==1.31.1" (no NVIDIA wheels, ~3 GB smaller) still
-# serves on the CPU, which is what CI builds.
-ARG ONNXRUNTIME="onnxruntime-gpu[cuda,cudnn]==1.31.1"
+# The GPU build by default, with cuBLAS named and every NVIDIA wheel pinned by
+# constraints-gpu.txt; "onnxruntime-gpu==1.31.1" (no NVIDIA wheels, ~3 GB smaller) still
+# serves on the CPU, which is what CI builds. Space-separated requirements.
+ARG ONNXRUNTIME="onnxruntime-gpu[cuda,cudnn]==1.31.1 nvidia-cublas"
 WORKDIR /app
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml constraints.txt constraints-gpu.txt README.md ./
 COPY service ./service
+# hadolint ignore=SC2086
 RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     python3 -m venv /opt/venv \
- && /opt/venv/bin/pip install --no-cache-dir -c constraints.txt "${ONNXRUNTIME}" .
+ && /opt/venv/bin/pip install --no-cache-dir -c constraints.txt -c constraints-gpu.txt \
+        ${ONNXRUNTIME} .
 
 # --- serve: no torch ---------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS serve

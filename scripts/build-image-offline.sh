@@ -32,9 +32,11 @@ fi
 #    on bookworm) and architecture; pip's cache makes a second run quick.
 if [[ "${SKIP_WHEELHOUSE:-0}" != 1 ]]; then
     mapfile -t serving < <(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+    read -ra onnxruntime_reqs <<< "$ONNXRUNTIME"  # space-separated, as the Dockerfile's ARG
     # shellcheck disable=SC2086
     $PIP download --quiet --dest wheelhouse --constraint constraints.txt \
-        "${serving[@]}" "$ONNXRUNTIME" "torch==2.13.0" onnx onnxscript "setuptools>=68"
+        --constraint constraints-gpu.txt "${serving[@]}" "${onnxruntime_reqs[@]}" \
+        "torch==2.13.0" onnx onnxscript "setuptools>=68"
 fi
 
 # 2. The base: Debian's python3 from Debian's packages, made once and kept in the image store.

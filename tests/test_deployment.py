@@ -60,7 +60,11 @@ def test_dockerfile_exports_in_a_build_stage_and_serves_without_torch() -> None:
     assert re.search(r"^EXPOSE 8001 8002$", serve_stage, re.M)
     assert '"python", "-m", "service"' in serve_stage
     # GPU-capable by default; offline builds (scripts/build-image-offline.sh) override these.
-    assert re.search(r'^ARG ONNXRUNTIME="onnxruntime-gpu\[cuda,cudnn\]==', deps_stage, re.M)
+    assert re.search(
+        r'^ARG ONNXRUNTIME="onnxruntime-gpu\[cuda,cudnn\]==\S+ nvidia-cublas"', deps_stage, re.M
+    )
+    # The NVIDIA wheels of the GPU build are pinned (cuBLAS by name), not whatever pip resolves.
+    assert "-c constraints-gpu.txt" in deps_stage
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
     assert re.search(r"^ENV LD_LIBRARY_PATH=/usr/local/nvidia/lib64:", serve_stage, re.M)
     for source in re.findall(r"^COPY (?!--from)(?:--\S+ )*(.+) \S+$", text, re.M):
