@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import threading
 import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -96,8 +97,13 @@ class Recorder:
         self.registry = registry
         self.events: list[tuple[str, ...]] = []
         self.settled: list[str] = []
+        self.gate: threading.Event | None = None  # when set, open_model waits for it
+        self.opening = threading.Event()
 
     def open_model(self, files: VersionFiles) -> FakeModel:
+        if self.gate is not None:
+            self.opening.set()
+            self.gate.wait(10)
         if files.output_graph.read_bytes() == b"bad":
             raise BrokenModel("ONNX Runtime cannot load it: not a model")
         return FakeModel(_Spec(files.name, files.version))
@@ -343,3 +349,36 @@ async def test_explicit_mode_refuses_to_start_with_a_model_not_in_the_repository
     with pytest.raises(ModelNotFound, match=r"--load-model 'nope': no such model under"):
         await controller.start(["a", "nope"])
     assert registry.names() == []
+
+
+@run_async
+async def test_a_load_or_unload_whose_caller_goes_away_still_completes(tmp_path: Path) -> None:
+    """A client's deadline cancels its RepositoryModelLoad; before, the load stopped halfway
+    and the index showed LOADING for good (and the version was never served)."""
+    _publish(tmp_path, "a", 1)
+    controller, registry, recorder = _controller(tmp_path, mode="explicit")
+    await controller.start()
+    _publish(tmp_path, "b", 1)
+    recorder.gate = threading.Event()
+    call = asyncio.ensure_future(controller.load("b"))
+    assert await asyncio.to_thread(recorder.opening.wait, 10)
+    call.cancel()  # the caller's deadline
+    recorder.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    for _ in range(200):
+        if "b" in registry.names():
+            break
+        await asyncio.sleep(0.01)
+    assert _states(await controller.index())["b/1"] == ("READY", "")
+    call = asyncio.ensure_future(controller.unload("b"))
+    await asyncio.sleep(0)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    for _ in range(200):
+        if _states(await controller.index())["b/1"][0] == "UNAVAILABLE":
+            break
+        await asyncio.sleep(0.01)
+    assert _states(await controller.index())["b/1"] == ("UNAVAILABLE", "unloaded")
+    assert registry.names() == ["a"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from service.engine.onnx_model import BrokenModel, OnnxModel
 from service.engine.registry import ModelRegistry
@@ -77,6 +78,7 @@ class ModelController:
         self._files: dict[Key, VersionFiles] = {}  # of each served version
         self._failed: dict[Key, tuple[int, ...]] = {}  # identity that failed: not retried
         self._unreadable: frozenset[str] = frozenset()  # at the last poll; "": the repository
+        self._changes: set[asyncio.Future[None]] = set()  # loads and unloads under way
 
     # -- the three modes ---------------------------------------------------------------------
 
@@ -136,6 +138,25 @@ class ModelController:
     async def load(self, name: str) -> None:
         """Explicit mode: (re)load a model's versions from disk, by the version policy."""
         self._allow("load")
+        await self._to_the_end(self._load_model(name))
+
+    async def unload(self, name: str) -> None:
+        """Explicit mode: stop serving every version of a model; returns once its queued
+        requests have finished and its sessions are released."""
+        self._allow("unload")
+        await self._to_the_end(self._unload_model(name))
+
+    async def _to_the_end(self, change: Coroutine[Any, Any, None]) -> None:
+        """Run a change to its end even when the caller goes away (a client's deadline cancels
+        its call): cut off halfway, a version stayed LOADING or UNLOADING for good."""
+        task = asyncio.ensure_future(change)
+        self._changes.add(task)
+        task.add_done_callback(self._changes.discard)
+        # Retrieved here too, so an error nobody awaits any more is not reported as lost.
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        await asyncio.shield(task)
+
+    async def _load_model(self, name: str) -> None:
         found = [
             files
             for files in await asyncio.to_thread(discover, self._repository)
@@ -160,10 +181,7 @@ class ModelController:
                 f"{sorted(self.registry.loaded(name))}"
             )
 
-    async def unload(self, name: str) -> None:
-        """Explicit mode: stop serving every version of a model; returns once its queued
-        requests have finished and its sessions are released."""
-        self._allow("unload")
+    async def _unload_model(self, name: str) -> None:
         async with self._lock:
             if not self.registry.loaded(name):
                 raise ModelNotFound(f"model {shown(name)} is not loaded")
