@@ -104,6 +104,9 @@ class Recorder:
         if self.gate is not None:
             self.opening.set()
             self.gate.wait(10)
+        golden = files.output_graph.parent / "golden.npz"
+        if golden.exists() and golden.read_bytes() == b"half":
+            raise BrokenModel("golden check failed: cannot read golden.npz")
         if files.output_graph.read_bytes() == b"bad":
             raise BrokenModel("ONNX Runtime cannot load it: not a model")
         return FakeModel(_Spec(files.name, files.version))
@@ -382,3 +385,24 @@ async def test_a_load_or_unload_whose_caller_goes_away_still_completes(tmp_path:
         await asyncio.sleep(0.01)
     assert _states(await controller.index())["b/1"] == ("UNAVAILABLE", "unloaded")
     assert registry.names() == ["a"]
+
+
+@run_async
+async def test_a_version_copied_in_place_is_tried_again_once_any_file_of_it_changes(
+    tmp_path: Path,
+) -> None:
+    """A folder copied straight into place (not renamed) that a poll saw with its golden file
+    half written: once the copy finishes it loads (before, only model.onnx counted, so the
+    version stayed UNAVAILABLE until model.onnx itself changed)."""
+    _publish(tmp_path, "m", 1)
+    controller, registry, _ = _controller(tmp_path)
+    await controller.start()
+    folder = tmp_path / "m" / "2"
+    folder.mkdir()
+    (folder / OUTPUT_GRAPH).write_bytes(b"ok")
+    (folder / "golden.npz").write_bytes(b"half")
+    await controller.poll()
+    assert _states(await controller.index())["m/2"][0] == "UNAVAILABLE"
+    (folder / "golden.npz").write_bytes(b"the whole golden file")
+    await controller.poll()
+    assert _served(registry) == ["m/2", "m/1"]

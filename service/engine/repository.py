@@ -56,7 +56,8 @@ class VersionPolicy:
 @dataclass(frozen=True)
 class VersionFiles:
     """The graphs of one model version; the weights graph is optional. identity changes when
-    the folder is replaced (a new export renamed over it), so a poll can tell and reload."""
+    the folder is replaced (a new export renamed over it) or a file in it changes, so a poll
+    can tell and reload."""
 
     name: str
     version: int
@@ -65,12 +66,18 @@ class VersionFiles:
     identity: tuple[int, ...] = ()
 
 
-def _identity(version_folder: Path, output_graph: Path) -> tuple[int, ...]:
+def _identity(version_folder: Path) -> tuple[int, ...]:
+    """The folder's inode and each file's (inode, mtime, size), in name order: it changes when
+    the folder is replaced, and when any file in it does (a copy that was not renamed in
+    finishes its golden file or second graph after a poll saw them half-written)."""
     try:
-        folder, graph = version_folder.stat(), output_graph.stat()
+        stamps = [version_folder.stat().st_ino]
+        for path in sorted(version_folder.iterdir()):
+            info = path.stat()
+            stamps += [info.st_ino, info.st_mtime_ns, info.st_size]
     except OSError:  # removed while we looked: the next scan will not see it
         return ()
-    return (folder.st_ino, graph.st_ino, graph.st_mtime_ns, graph.st_size)
+    return tuple(stamps)
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,7 @@ def _versions(model_folder: Path, level: int) -> list[VersionFiles]:
                 version=version,
                 output_graph=output_graph,
                 weights_graph=weights_graph if _is_file(weights_graph) else None,
-                identity=_identity(version_folder, output_graph),
+                identity=_identity(version_folder),
             )
         )
     return found
