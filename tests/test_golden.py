@@ -85,9 +85,13 @@ def test_non_finite_output_is_refused(repository: Path) -> None:
         check_golden(good / GOLDEN_FILE, nan_run, np.dtype(np.float32), has_weights_graph=False)
 
 
-def test_corrupt_golden_file_is_refused(tmp_path: Path, repository: Path) -> None:
+@pytest.mark.parametrize("half", [False, True])
+def test_corrupt_golden_file_is_refused(tmp_path: Path, repository: Path, half: bool) -> None:
+    """Garbage, or a golden file half written (a zip cut short: BadZipFile, which was reported
+    as an unexpected error instead of a refused golden file)."""
     broken = tmp_path / GOLDEN_FILE
-    broken.write_bytes(b"not an npz")
+    good = (repository / "good" / "1" / GOLDEN_FILE).read_bytes()
+    broken.write_bytes(good[: len(good) // 2] if half else b"not an npz")
     with pytest.raises(GoldenMismatch, match="cannot read"):
         check_golden(
             broken, _runner(repository / "good" / "1"), np.dtype(np.float32), has_weights_graph=True

@@ -3,6 +3,7 @@ run on, the answer its exporter stored (golden.npz beside the graphs), or it is 
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def check_golden(
             data = {key: golden[key] for key in golden.files}
         embeddings, mask = data["embeddings"].astype(dtype), data["key_padding_mask"].astype(bool)
         want_output, want_weights = data["output"], data["attention_weights"]
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
         raise GoldenMismatch(f"cannot read {path.name}: {err}") from err
     real = ~mask
     rows = np.broadcast_to(real[:, None, :], want_weights.shape[:3])
