@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="overload: the server's --max-queue-size (its queue wait must fit the deadline)",
     )
     add("--drain-callers", type=int, default=64, help="drain: busy callers at SIGTERM")
-    add("--vanish-rounds", type=int, default=8, help="vanish: rounds of waves")
+    add("--vanish-rounds", type=int, default=20, help="vanish: rounds of waves")
     add("--vanish-per-wave", type=int, default=400, help="vanish: unary calls per wave")
     add("--fuzz-requests", type=int, default=10_000, help="fuzz: malformed requests")
     add("--soak-requests", type=int, default=100_000, help="soak: requests")
