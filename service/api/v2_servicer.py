@@ -27,6 +27,7 @@ from service.batching.statistics import Duration
 from service.engine.model_control import ModelController, check_repository_name
 from service.engine.onnx_model import OnnxModel
 from service.engine.registry import SERVER_LABEL, ModelRegistry
+from service.engine.repository import VersionPolicy
 from service.errors import InvalidInput, ModelNotFound, NotSupported
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
@@ -337,10 +338,10 @@ def _names(keys: Iterable[str]) -> str:
 
 def _version_policy(text: str) -> config.ModelVersionPolicy:
     """--version-policy as Triton's ModelConfig writes it."""
-    if text.startswith("latest:"):
-        latest = config.ModelVersionPolicy.Latest(num_versions=int(text.removeprefix("latest:")))
-        return config.ModelVersionPolicy(latest=latest)
-    return config.ModelVersionPolicy(all=config.ModelVersionPolicy.All())
+    policy, latest = config.ModelVersionPolicy, VersionPolicy.parse(text).latest
+    if latest is not None:
+        return policy(latest=policy.Latest(num_versions=latest))
+    return policy(all=policy.All())
 
 
 def _stream_error(

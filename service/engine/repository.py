@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.settings import VERSION_POLICY
+
 log = logging.getLogger(__name__)
 
 OUTPUT_GRAPH = "model.onnx"
@@ -28,7 +30,6 @@ def parse_version(text: str) -> int | None:
     return int(text) if VERSION.fullmatch(text) else None
 
 
-POLICY = re.compile(r"all|latest:([1-9][0-9]{0,5})")
 POLICY_RULE = "all or latest:N with N a positive integer"
 
 
@@ -40,10 +41,9 @@ class VersionPolicy:
 
     @classmethod
     def parse(cls, text: str) -> VersionPolicy:
-        match = POLICY.fullmatch(text)
-        if match is None:
+        if VERSION_POLICY.fullmatch(text) is None:  # the rule the settings check
             raise ValueError(f"version policy {text!r} is not {POLICY_RULE}")
-        return cls(int(match.group(1)) if match.group(1) else None)
+        return cls(None if text == "all" else int(text.removeprefix("latest:")))
 
     def select(self, versions: Iterable[int]) -> set[int]:
         newest_first = sorted(set(versions), reverse=True)
