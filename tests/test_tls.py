@@ -325,3 +325,28 @@ def test_a_client_ca_bundle_with_several_cas_and_utf8_comments(
             _health(server.target, pki.credentials(outsider))
         assert refused.value.code() in REFUSED
         assert server.terminate() == 0, server.log
+
+
+def test_files_written_in_place_are_refused_once_per_problem_then_reloaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """cp over a mounted file writes it in pieces; each piece is a change. Before, each
+    refused change logged a warning (a dozen for one copy) and every handshake reread the
+    files while they stayed bad."""
+    ca = Authority("CA")
+    cert, key = ca.issue("server", server=True).write(tmp_path, "tls")
+    credentials = server_tls(cert, key, None)
+    assert credentials is not None
+    new = ca.issue("server", server=True)
+    for end in range(100, len(new.cert), 100):  # the certificate, written 100 bytes at a time
+        cert.write_bytes(new.cert[:end])
+        assert credentials.fetch() is None
+        assert credentials.fetch() is None  # the next handshake: nothing reread, nothing logged
+    cert.write_bytes(new.cert)
+    assert credentials.fetch() is None  # the new certificate with the old key
+    key.write_bytes(new.key)
+    assert credentials.fetch() is not None
+    warnings = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
+    assert 1 <= len(warnings) <= 3, warnings  # one per distinct problem
+    assert len(set(warnings)) == len(warnings)
+    assert credentials.reloads == 1

@@ -114,7 +114,8 @@ class ReloadingCredentials:
         self._lock = threading.Lock()
         self._stamp = _stamp_or_none(files)
         self._initial = _configuration(load_material(files))  # TlsError: a startup error
-        self._refused: Stamp | None = None
+        self._refused: str | None = None  # the problem last logged, until a good reload
+        self._refused_stamp: Stamp | None = None
 
     @property
     def mutual(self) -> bool:
@@ -136,17 +137,20 @@ class ReloadingCredentials:
 
     def _fetch_locked(self) -> grpc.ServerCertificateConfiguration | None:
         stamp = _stamp_or_none(self.files)
-        if stamp is None or stamp == self._stamp:
-            return None
+        if stamp is None or stamp in (self._stamp, self._refused_stamp):
+            return None  # unchanged, or refused already: not reread before every handshake
         try:
             material = load_material(self.files)
         except TlsError as err:
-            if stamp != self._refused:  # once per change, not once per connection
+            # Once per problem, not per connection or per write: a file copied in place changes
+            # (and is refused) many times while it is written.
+            if str(err) != self._refused:
                 log.warning("TLS files changed but cannot be used (%s); keeping the current "
                             "certificate until they are fixed", err)  # fmt: skip
-                self._refused = stamp
+                self._refused = str(err)
+            self._refused_stamp = stamp
             return None
-        self._stamp = stamp
+        self._stamp, self._refused = stamp, None
         self.reloads += 1
         log.info("TLS certificate reloaded from %s (reload %d)", self.files.cert, self.reloads)
         return _configuration(material)
