@@ -7,8 +7,6 @@ import math
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from service.client import AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
@@ -155,45 +153,6 @@ def test_bad_requests_do_not_leak_memory(server: ServerProcess, stub) -> None:
     assert grown < requests * 24 * 1024, f"RSS grew {grown / 2**20:.1f} MiB over {requests}"
 
 
-HUGE_DIMS = [0, 2**31, 2**62, 2**63 - 1]
-# Strings that str.isdigit() accepts: superscripts, other scripts' digits, thousands of them.
-DIGIT_STRINGS = st.text(alphabet="0123456789²³¹١٢３４", min_size=1, max_size=30) | st.just(
-    "9" * 5000
-)
-
-
-@settings(
-    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(
-    shape=st.lists(st.one_of(st.integers(-2, 70), st.sampled_from(HUGE_DIMS)), max_size=5),
-    dtype=st.integers(0, 4),
-    extra_bytes=st.integers(-8, 8),
-    model=st.one_of(st.sampled_from(["", "small", "half", "nope"]), st.text(max_size=300)),
-    version=st.one_of(st.sampled_from(["", "1", "2"]), st.text(max_size=30), DIGIT_STRINGS),
-    request_id=st.text(max_size=300),
-    weights=st.booleans(),
-    fill=st.sampled_from([0.0, 1.0, math.nan, math.inf, 1e30]),
-)
-def test_fuzzed_requests_get_a_clean_status(
-    stub, shape, dtype, extra_bytes, model, version, request_id, weights, fill
-) -> None:
-    """Arbitrary shapes (zero and huge dimensions too), dtypes, byte counts, values, model
-    names, versions and request ids: OK or a documented status, never INTERNAL, and the
-    server stays up."""
-    elements = math.prod(shape) if shape and all(d >= 0 for d in shape) else 0
-    itemsize = 2 if dtype == pb.FLOAT16 else 4
-    size = max(0, min(elements * itemsize, 1 << 20) + extra_bytes)
-    data = np.full(size // 4 + 1, fill, np.float32).tobytes()[:size]
-    request = pb.AttendRequest(
-        model=model,
-        model_version=version,
-        request_id=request_id,
-        embeddings=pb.Tensor(shape=shape, dtype=dtype, data=data),
-        return_attention_weights=weights,
-    )
-    call = stub.Attend.future(request, timeout=30)
-    error = call.exception()
-    if error is not None:
-        assert error.code() in (INVALID, grpc.StatusCode.NOT_FOUND), (error.code(), error.details())
-        assert error.details()
+# The property-based fuzzer of both APIs (malformed requests, a valid one after each) is in
+# bench/stress/fuzz.py; tests/stress/test_clients.py runs it in CI, `python -m bench.stress
+# --scenarios fuzz` 10,000 times.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 import grpc
@@ -11,8 +10,6 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -291,47 +288,6 @@ def test_both_apis_batch_together(model_repository) -> None:
     for x, result in zip(inputs[n:], results[n:], strict=True):
         assert result.batch_size == 2 * n
         np.testing.assert_allclose(result.output, attend_alone(reference_small, x)[0], atol=1e-5)
-
-
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(
-    name=st.sampled_from(["embeddings", "x", ""]),
-    datatype=st.sampled_from(["FP32", "FP16", "FP64", "INT8", "BYTES", ""]),
-    shape=st.lists(st.one_of(st.integers(-1, 40), st.sampled_from([0, 2**62])), max_size=4),
-    extra=st.integers(-4, 4),
-    raw=st.booleans(),
-    outputs=st.lists(st.sampled_from(["output", "attention_weights", "nope"]), max_size=3),
-    model=st.one_of(st.sampled_from(["small", "half", "", "nope"]), st.text(max_size=200)),
-    version=st.one_of(st.sampled_from(["", "1", "2"]), st.text("0123456789²١３", max_size=25)),
-    parameter=st.sampled_from(["", "binary_data_output", "priority", "timeout"]),
-)
-def test_fuzzed_v2_requests_get_a_clean_status(
-    server: ServerProcess, name, datatype, shape, extra, raw, outputs, model, version, parameter
-) -> None:
-    elements = math.prod(shape) if shape and all(d >= 0 for d in shape) else 0
-    request = service_pb2.ModelInferRequest(model_name=model, model_version=version)
-    if parameter:
-        request.parameters[parameter].int64_param = 1
-    tensor = request.inputs.add(name=name, datatype=datatype, shape=shape)
-    for output in outputs:
-        request.outputs.add(name=output)
-    if raw:
-        request.raw_input_contents.append(b"\0" * max(0, min(elements * 4, 1 << 20) + extra))
-    else:
-        tensor.contents.fp32_contents.extend([0.5] * max(0, min(elements, 1 << 18) + extra))
-    with grpc.insecure_channel(server.target) as channel:
-        error = (
-            service_pb2_grpc.GRPCInferenceServiceStub(channel)
-            .ModelInfer.future(request, timeout=30)
-            .exception()
-        )
-    if error is not None:
-        assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (
-            error.details()
-        )
-        assert error.details()
 
 
 def test_aio_client_sees_the_same_server(server: ServerProcess) -> None:
