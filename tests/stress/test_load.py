@@ -22,7 +22,7 @@ def test_overload_refuses_the_excess_quickly_and_recovers(mha_only: Path, figure
     """3x the measured capacity for a few seconds: accepted calls all finish OK within their
     deadline, the excess gets RESOURCE_EXHAUSTED, health stays SERVING, the queue drains and
     resident memory comes back."""
-    flags = ("--max-batch-size", "8", "--max-queue-size", "64")
+    flags = ("--max-batch-size", "8", "--max-queue-size", "128")  # 16 MiB queued at most
     config = overload.OverloadConfig(
         server=ServerSpec(repository=mha_only, flags=flags, measure_caps=False),
         seq=64, warmup_s=0.5, capacity_s=2.0, overload_s=3.0, deadline_s=60.0,
