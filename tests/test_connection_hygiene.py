@@ -14,7 +14,7 @@ import pytest
 
 from service.client import AttentionClient, attend_request
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.ops.grpc_options import server_options
+from service.ops.grpc_options import HANDSHAKE_TIMEOUT_MS, connection_options, server_options
 from service.settings import load_settings
 from tests.server_process import ServerProcess
 from tests.tls_helpers import tiny_repository
@@ -124,6 +124,7 @@ def test_server_options_bound_every_connection() -> None:
     assert options["grpc.http2.min_ping_interval_without_data_ms"] > 0
     assert options["grpc.keepalive_permit_without_calls"] == 1
     assert options["grpc.max_concurrent_streams"] >= 1
+    assert options["grpc.server_handshake_timeout_ms"] == HANDSHAKE_TIMEOUT_MS
     assert (
         options["grpc.max_receive_message_length"],
         options["grpc.max_send_message_length"],
@@ -164,3 +165,30 @@ def test_a_client_pinging_too_often_is_sent_away_and_a_quiet_one_is_not(
     print({name: [state.name for state in seen] for name, seen in states.items()})
     assert grpc.ChannelConnectivity.READY in states["quiet"]
     assert grpc.ChannelConnectivity.IDLE not in states["quiet"][1:]
+
+
+def test_a_connection_that_never_finishes_its_tls_handshake_is_closed(tmp_path: Path) -> None:
+    """A client that connects and stays silent held the connection for gRPC's default 120 s
+    (hundreds of them, as many descriptors); the server now closes it at its deadline."""
+    import asyncio
+    import socket
+
+    from tests.tls_helpers import Authority
+
+    cert, key = Authority("CA").issue("server", server=True).write(tmp_path, "tls")
+
+    async def silent_for() -> float:
+        server = grpc.aio.server(options=connection_options(handshake_timeout_ms=300))
+        credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+        await server.start()
+        try:
+            with socket.create_connection(("127.0.0.1", port)) as silent:
+                silent.settimeout(10)
+                started = time.monotonic()
+                assert await asyncio.to_thread(silent.recv, 1) == b""  # closed by the server
+                return time.monotonic() - started
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(silent_for()) < 5

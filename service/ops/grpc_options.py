@@ -12,6 +12,8 @@ Connection hygiene (README, "Connection hygiene", says why each value):
   grace to finish. Clients re-resolve DNS only when a connection drops, so without this the
   clients of a headless Service never reach pods the autoscaler adds.
 - streams per connection: bounded; calls beyond it wait in the client, not on the server.
+- TLS handshake: a connection that has not finished it within HANDSHAKE_TIMEOUT_MS is closed
+  (gRPC's default is 120 s), so silent connections cannot hold the port's descriptors.
 """
 
 from __future__ import annotations
@@ -24,14 +26,19 @@ KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 MIN_CLIENT_PING_INTERVAL_MS = 10_000
 MAX_CONCURRENT_STREAMS = 1024
+HANDSHAKE_TIMEOUT_MS = 10_000
 
 
 def connection_options(
-    *, max_connection_age_s: float = 0.0, max_connection_age_grace_s: float = 0.0
+    *,
+    max_connection_age_s: float = 0.0,
+    max_connection_age_grace_s: float = 0.0,
+    handshake_timeout_ms: int = HANDSHAKE_TIMEOUT_MS,
 ) -> list[tuple[str, Any]]:
-    """Keepalive, its enforcement, connection age and the per-connection stream bound;
-    max_connection_age_s 0 = no age limit."""
+    """Keepalive, its enforcement, connection age, the handshake deadline and the
+    per-connection stream bound; max_connection_age_s 0 = no age limit."""
     options: list[tuple[str, Any]] = [
+        ("grpc.server_handshake_timeout_ms", handshake_timeout_ms),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         # Idle connections are kept alive too (the server's pings need no call to ride on).
