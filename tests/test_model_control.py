@@ -413,3 +413,38 @@ def test_model_config_writes_the_version_policy_as_triton_does() -> None:
 
     assert _version_policy("latest:2").latest.num_versions == 2
     assert _version_policy("all").WhichOneof("policy_choice") == "all"
+
+
+@run_async
+async def test_per_model_health_ends_as_the_last_change_left_it() -> None:
+    """An update of the health entries that has to wait (a Watch call holds the entry while it
+    writes) must not land after the next one: before, a load then an unload could leave the
+    unloaded model SERVING."""
+    from grpc_health.v1 import health_pb2
+
+    from service.ops.models import ServedSet
+
+    class SlowFirstHealth:
+        def __init__(self) -> None:
+            self.status: dict[str, int] = {}
+            self.release = asyncio.Event()
+            self.calls = 0
+
+        async def set(self, name: str, status: int) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                await self.release.wait()
+            self.status[name] = status
+
+    registry = ModelRegistry([], "m")
+    fake = SlowFirstHealth()
+    served = ServedSet(registry, fake)  # type: ignore[arg-type]
+    registry.publish(FakeModel(_Spec("m", 1)))  # type: ignore[arg-type]
+    served.sync(ready=True)  # SERVING, held up
+    await asyncio.sleep(0)
+    registry.withdraw("m", 1)
+    served.sync(ready=True)  # NOT_SERVING
+    await asyncio.sleep(0.01)
+    fake.release.set()
+    await asyncio.sleep(0.01)
+    assert fake.status["m"] == health_pb2.HealthCheckResponse.NOT_SERVING

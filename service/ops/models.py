@@ -87,6 +87,7 @@ class ServedSet:
         self._health = health_servicer
         self._shown: set[tuple[str, str, str]] = set()  # (model, version, provider)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._health_order = asyncio.Lock()  # FIFO: updates land in the order of the changes
         self._needs: Callable[[OnnxModel], tuple[int, int]] | None = None
         self._limits = (0, 0)
 
@@ -137,5 +138,8 @@ class ServedSet:
                 )  # fmt: skip
 
     async def _set_health(self, statuses: dict[str, int]) -> None:
-        for name, status in statuses.items():
-            await self._health.set(name, status)  # type: ignore[arg-type]
+        # set() can wait (a Watch call holds its entry while it writes): without the lock, an
+        # older update could finish after a newer one and leave a stale status.
+        async with self._health_order:
+            for name, status in statuses.items():
+                await self._health.set(name, status)  # type: ignore[arg-type]
