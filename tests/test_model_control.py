@@ -448,3 +448,19 @@ async def test_per_model_health_ends_as_the_last_change_left_it() -> None:
     fake.release.set()
     await asyncio.sleep(0.01)
     assert fake.status["m"] == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@run_async
+async def test_a_closed_controller_refuses_load_and_unload(tmp_path: Path) -> None:
+    """While the server drains, the served set stays as it is (before, explicit mode still
+    loaded and warmed models during the drain)."""
+    from service.errors import ShuttingDown
+
+    _publish(tmp_path, "a", 1)
+    controller, registry, _ = _controller(tmp_path, mode="explicit")
+    await controller.start([])
+    controller.close()
+    for call in (controller.load, controller.unload):
+        with pytest.raises(ShuttingDown, match="shutting down"):
+            await call("a")
+    assert registry.names() == ["a"]

@@ -19,7 +19,13 @@ from typing import Any
 from service.engine.onnx_model import BrokenModel, OnnxModel
 from service.engine.registry import ModelRegistry
 from service.engine.repository import Scan, VersionFiles, VersionPolicy, discover, scan
-from service.errors import InvalidInput, ModelControlDisabled, ModelLoadFailed, ModelNotFound
+from service.errors import (
+    InvalidInput,
+    ModelControlDisabled,
+    ModelLoadFailed,
+    ModelNotFound,
+    ShuttingDown,
+)
 from service.text import shown
 
 log = logging.getLogger(__name__)
@@ -79,6 +85,7 @@ class ModelController:
         self._failed: dict[Key, tuple[int, ...]] = {}  # identity that failed: not retried
         self._unreadable: frozenset[str] = frozenset()  # at the last poll; "": the repository
         self._changes: set[asyncio.Future[None]] = set()  # loads and unloads under way
+        self._closed = False
 
     # -- the three modes ---------------------------------------------------------------------
 
@@ -188,7 +195,14 @@ class ModelController:
             for version in sorted(self.registry.loaded(name)):
                 await self._unload(name, version, "unloaded")
 
+    def close(self) -> None:
+        """The server is draining: the served set stays as it is; load and unload answer
+        UNAVAILABLE from now on (a load would spend the drain's CPU on a warm-up)."""
+        self._closed = True
+
     def _allow(self, action: str) -> None:
+        if self._closed:
+            raise ShuttingDown(f"the server is shutting down; {action} on another replica")
         if self.mode != "explicit":
             raise ModelControlDisabled(
                 f"explicit model load / unload is not allowed in --model-control-mode "

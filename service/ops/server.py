@@ -311,6 +311,13 @@ class AttentionServer:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _freeze_models(self) -> None:
+        """The served set stays as it is while draining: no more polls, no explicit loads."""
+        if self._poller is not None:
+            self._poller.cancel()
+        if self.models is not None:
+            self.models.close()
+
     async def stop(self, *, signalled_at: float | None = None) -> None:
         """The drain, all within grace_period_s of the call: NOT_SERVING while still serving
         for shutdown_not_serving_s, then refuse new work with UNAVAILABLE and finish what was
@@ -324,8 +331,7 @@ class AttentionServer:
             return max(0.0, deadline - asyncio.get_running_loop().time())
 
         was_ready, self.ready = self.ready, False
-        if self._poller is not None:
-            self._poller.cancel()  # the served set stays as it is while draining
+        self._freeze_models()
         await self._health.enter_graceful_shutdown()
         if self.registry is not None:
             for model in self.registry.all():
