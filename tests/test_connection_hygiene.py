@@ -14,7 +14,12 @@ import pytest
 
 from service.client import AttentionClient, attend_request
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.ops.grpc_options import HANDSHAKE_TIMEOUT_MS, connection_options, server_options
+from service.ops.grpc_options import (
+    HANDSHAKE_TIMEOUT_MS,
+    MAX_CONCURRENT_STREAMS,
+    connection_options,
+    server_options,
+)
 from service.settings import load_settings
 from tests.server_process import ServerProcess
 from tests.tls_helpers import tiny_repository
@@ -192,3 +197,44 @@ def test_a_connection_that_never_finishes_its_tls_handshake_is_closed(tmp_path: 
             await server.stop(0)
 
     assert asyncio.run(silent_for()) < 5
+
+
+def test_calls_beyond_the_stream_bound_of_one_connection_are_refused_unavailable(
+    server: ServerProcess,
+) -> None:
+    """More calls at once on one connection than grpc.max_concurrent_streams: the excess is
+    refused by HTTP/2 (REFUSED_STREAM), so those calls fail UNAVAILABLE (retryable) without
+    reaching a handler. The client does not hold them back (before, the README said so)."""
+    import asyncio
+
+    from service.generated.attention.v1 import attention_pb2 as pb
+
+    calls = 2 * MAX_CONCURRENT_STREAMS
+    x = np.zeros((1, 64), np.float32)
+    request = pb.AttendRequest(model="small", embeddings=pb.Tensor(shape=[1, 64], data=x.tobytes()))
+    counted = sum(server.metric("attention_requests_total", model="small", api="attention",
+                                code=code) for code in ("OK", "UNAVAILABLE"))  # fmt: skip
+
+    async def burst() -> list[str]:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            attend = attention_pb2_grpc.AttentionServiceStub(channel).Attend
+            await attend(request, timeout=30)  # connected, the server's SETTINGS known
+
+            async def one() -> str:
+                try:
+                    await attend(request, timeout=60)
+                    return "OK"
+                except grpc.aio.AioRpcError as err:
+                    return err.code().name
+
+            return list(await asyncio.gather(*(one() for _ in range(calls))))
+
+    codes = asyncio.run(burst())
+    tally = {code: codes.count(code) for code in set(codes)}
+    assert set(tally) <= {"OK", "UNAVAILABLE"}, tally
+    assert tally.get("UNAVAILABLE", 0) > 0, tally
+    after = sum(server.metric("attention_requests_total", model="small", api="attention",
+                              code=code) for code in ("OK", "UNAVAILABLE"))  # fmt: skip
+    assert after - counted == 1 + tally["OK"]  # refused streams never reached a handler
+    with AttentionClient(server.target) as client:
+        assert client.is_serving()

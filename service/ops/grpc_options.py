@@ -11,7 +11,8 @@ Connection hygiene (README, "Connection hygiene", says why each value):
   so connections opened together do not all reconnect together) and calls in flight get the
   grace to finish. Clients re-resolve DNS only when a connection drops, so without this the
   clients of a headless Service never reach pods the autoscaler adds.
-- streams per connection: bounded; calls beyond it wait in the client, not on the server.
+- streams per connection: bounded; calls beyond it are refused (REFUSED_STREAM: the client
+  sees UNAVAILABLE, retryable) before any handler runs, so they never pile up here.
 - TLS handshake: a connection that has not finished it within HANDSHAKE_TIMEOUT_MS is closed
   (gRPC's default is 120 s), so silent connections cannot hold the port's descriptors.
 """
