@@ -94,3 +94,32 @@ def test_a_drop_at_the_deadline_counts_as_deadline_whichever_clock_fires_first()
     asyncio.run(body())
     assert (_dropped("deadline") - before[0], _dropped("cancelled") - before[1]) == (1, 1)
     assert runner.batches == []
+
+
+def test_a_call_cancelled_at_its_deadline_counts_as_deadline_when_the_scheduler_sees_it_first() -> (
+    None
+):
+    """The scheduler can reach a queue before a cancelled call's done-callback runs (it was
+    woken in the same loop turn); that drop follows the same rule. Before: always counted as
+    cancelled there, while the request counter said DEADLINE_EXCEEDED."""
+    runner = RecordingRunner()
+
+    async def body() -> None:
+        batcher = Batcher(BatchLimits(max_batch_size=64, max_queue_delay_s=0.0, max_queue_size=10))
+        await batcher.start()
+        try:
+            deadline = time.monotonic() + 0.01
+            call = asyncio.create_task(
+                batcher.submit(runner, _x(2), with_weights=False, deadline=deadline)
+            )
+            await asyncio.sleep(0)  # queued; the scheduler is woken, not yet run
+            call.cancel()  # its done-callback runs after the scheduler's turn
+            await asyncio.gather(call, return_exceptions=True)
+        finally:
+            async with asyncio.timeout(30):
+                await batcher.stop()
+
+    before = _dropped("deadline"), _dropped("cancelled")
+    asyncio.run(body())
+    assert (_dropped("deadline") - before[0], _dropped("cancelled") - before[1]) == (1, 0)
+    assert runner.batches == []
