@@ -7,6 +7,7 @@ probes speak no TLS, so a TLS deployment probes with this: --tls-ca, --tls-cert,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -29,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m service.healthcheck", description=(__doc__ or "").splitlines()[0]
     )
-    parser.add_argument("--target", default="127.0.0.1:8001")
+    # The server's own port variable: an image run with ATTENTION_GRPC_PORT=9001 is still
+    # probed where it listens by its HEALTHCHECK.
+    port = os.environ.get("ATTENTION_GRPC_PORT", "8001")
+    parser.add_argument(
+        "--target", default=f"127.0.0.1:{port}", help="default: 127.0.0.1:$ATTENTION_GRPC_PORT"
+    )
     parser.add_argument("--service", default="", help="health service name ('' = server)")
     parser.add_argument("--timeout-s", type=float, default=3.0)
     add_tls_arguments(parser)
