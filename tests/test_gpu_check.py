@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,26 @@ def test_numpy_reference_equals_onnx_runtime(model_repository: Path) -> None:
     assert found["nonfinite"] == 0
     assert found["relative"] < 1e-5
     assert mask[1:].any()  # padding at the end, the start and in holes
+
+
+def test_an_unusable_fused_graph_fails_the_check_but_not_the_measurements(
+    model_repository: Path, tmp_path: Path
+) -> None:
+    """A fused graph that cannot load (on CUDA: an Attention kernel that refuses the mask, say)
+    is reported; it does not stop the float16, in-flight and server figures with a traceback."""
+    models = tmp_path / "models"
+    shutil.copytree(model_repository / "small", models / "mha")
+    shutil.copytree(model_repository / "half", models / "mha16")
+    for fused in (models / "mha").glob("*/model.fused.onnx"):
+        fused.write_bytes(b"not an onnx graph")
+    result = tmp_path / "gpu-check.json"
+    code = gpu_check.main(["--models", str(models), "--dry-run", "--max-batch-size", "2",
+                           "--max-seq-len", "16", "--inflight-calls", "4",
+                           "--json", str(result)])  # fmt: skip
+    assert code == 1
+    report = json.loads(result.read_text())
+    assert "mha" in report["fused_load_errors"]
+    assert any("fused graph of mha not usable" in failure for failure in report["failures"])
+    assert set(report["float16_parity"]) == {"1x", "4x", "16x", "64x"}
+    assert report["fused"]["error"]
+    assert report["server"]["requests_of_64_seq128"]["sequences_per_s"] > 0
