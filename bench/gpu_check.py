@@ -142,6 +142,10 @@ def compare_fused(model: OnnxModel, files: VersionFiles, providers: list[str],
         for name, path in (("unfused", files.output_graph),
                            ("fused", files.output_graph.parent / fused.FUSED_GRAPH))
     }  # fmt: skip
+    if CUDA in providers and gpu_probe.compute_ops_on(placement["fused"], CPU):
+        # The server's auto mode decides by timing alone; a CPU op would make it slower, but
+        # this check says so outright.
+        use, why = False, f"compute ops on CPU: {gpu_probe.compute_ops_on(placement['fused'], CPU)}"
     return {"parity": parity(model, reference, shapes, fused_graph=True),
             "server_would_use_it": use, "why": why, "ops_ran_on": placement}  # fmt: skip
 
@@ -274,6 +278,12 @@ def judge(report: Report) -> list[str]:
         if half["nonfinite"] or not half["relative"] <= 1e-2:
             failures.append(f"float16 at {scale}: relative {half['relative']:.2e}, "
                             f"{half['nonfinite']} non-finite")  # fmt: skip
+    if not report["dry_run"]:
+        for graph, placement in report["fused"].get("ops_ran_on", {}).items():
+            on_cpu = gpu_probe.compute_ops_on(placement, CPU)
+            if on_cpu:
+                failures.append(f"{graph} graph: {on_cpu} ran on CPU under CUDA (no CUDA kernel "
+                                "for this node, or the provider refused it)")  # fmt: skip
     for name, error in report.get("fused_load_errors", {}).items():
         failures.append(f"fused graph of {name} not usable: {error}")
     fused_parity = report["fused"].get("parity")

@@ -156,3 +156,14 @@ def node_providers(
         if event.get("cat") == "Node" and "provider" in args:
             found.setdefault(args.get("op_name", "?"), set()).add(args["provider"])
     return {op: sorted(names) for op, names in sorted(found.items())}
+
+
+# Ops that carry the layer's arithmetic. ONNX Runtime puts small shape computations (Shape,
+# Gather, Concat, ...) on CPU on purpose under CUDA; one of these on CPU is a missing kernel.
+COMPUTE_OPS = frozenset({"Attention", "FusedMatMul", "Gemm", "MatMul", "MultiHeadAttention",
+                         "Softmax"})  # fmt: skip
+
+
+def compute_ops_on(placement: dict[str, list[str]], provider: str) -> list[str]:
+    """The compute ops of node_providers()'s answer that ran (also) on provider."""
+    return sorted(op for op, names in placement.items() if op in COMPUTE_OPS and provider in names)

@@ -87,3 +87,20 @@ def test_an_unusable_fused_graph_fails_the_check_but_not_the_measurements(
     assert set(report["float16_parity"]) == {"1x", "4x", "16x", "64x"}
     assert report["fused"]["error"]
     assert report["server"]["requests_of_64_seq128"]["sequences_per_s"] > 0
+
+
+def test_a_compute_op_on_cpu_under_cuda_fails_the_check() -> None:
+    """session.get_providers() lists CUDA even when a node of the graph ran on CPU (an op
+    without a CUDA kernel, e.g. an Attention form it refuses): the profiler's placement is
+    judged, shape computations on CPU aside."""
+    ok = {"nonfinite": 0, "relative": 1e-6}
+    placement = {"unfused": {"MatMul": [gpu_check.CUDA], "Shape": [gpu_check.CPU]},
+                 "fused": {"Attention": [gpu_check.CPU], "MatMul": [gpu_check.CUDA]}}  # fmt: skip
+    report = {"dry_run": False, "float32_parity": {"tf32_off": ok},
+              "float16_parity": {"1x": ok, "4x": ok},
+              "fused": {"parity": ok, "float16_parity_1x": ok, "ops_ran_on": placement}}  # fmt: skip
+    failures = gpu_check.judge(report)
+    assert len(failures) == 1
+    assert "['Attention'] ran on CPU" in failures[0]
+    assert failures[0].startswith("fused graph")
+    assert gpu_check.judge({**report, "dry_run": True}) == []  # on CPU every op is on CPU
