@@ -37,14 +37,38 @@ if [[ "$MODE" != --dry-run ]] && command -v nvidia-smi >/dev/null; then
     echo "== nvidia-smi: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
 fi
 
+# Wheels carried to a machine whose Python lacks them (bench/gpu_bundle.sh makes the folder;
+# a wheel over the carry limit comes in NAME.whl.part-NN pieces): installed beside, not into,
+# that Python.
+BUNDLE=${GPU_BUNDLE:-build/gpu-bundle}
+if [[ "$MODE" == check ]] && compgen -G "$BUNDLE/*.whl*" >/dev/null; then
+    SITE=${GPU_SITE:-/tmp/gpu-site} WHEELS=$(mktemp -d)
+    for part in "$BUNDLE"/*.whl.part-00; do
+        [[ -e "$part" ]] && cat "${part%.part-00}".part-* >"$WHEELS/$(basename "${part%.part-00}")"
+    done
+    cp "$BUNDLE"/*.whl "$WHEELS"/ 2>/dev/null || true
+    echo "== installing carried wheels into $SITE: $(cd "$WHEELS" && ls | tr '\n' ' ')"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$WHEELS"/*.whl
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [[ "$MODE" == check ]]; then
+    # Seconds, before any export or measurement: onnxruntime-gpu, the driver, the imports.
+    "$PY" -m bench.gpu_preflight || exit 1
+    LIBS=$("$PY" -m bench.gpu_preflight --nvidia-lib-dirs)
+    echo "== NVIDIA wheel libraries: ${LIBS:-none found}"
+    export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
 if [[ ! -f "$MODELS/mha/1/model.fused.onnx" || ! -f "$MODELS/mha16/1/model.fused.onnx" ]]; then
     if ! "$PY" -c "import torch" 2>/dev/null; then
         echo "GPU CHECK FAILED: no models in $MODELS and no torch here to export them; run" \
             "bench/gpu.sh --export-only where torch is, and bring $MODELS" >&2
         exit 2
     fi
-    "$PY" -m export --name mha --embed-dim "$D" --num-heads "$H" --out "$MODELS" --version 1 --force
-    "$PY" -m export --name mha16 --embed-dim "$D" --num-heads "$H" --dtype float16 \
+    timeout 300 "$PY" -m export --name mha --embed-dim "$D" --num-heads "$H" --out "$MODELS" \
+        --version 1 --force
+    timeout 300 "$PY" -m export --name mha16 --embed-dim "$D" --num-heads "$H" --dtype float16 \
         --out "$MODELS" --version 1 --force
 fi
 [[ "$MODE" == --export-only ]] && exit 0

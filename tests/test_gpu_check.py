@@ -8,11 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from bench import gpu_check, gpu_probe
+from bench import gpu_check, gpu_preflight, gpu_probe
 from tests.reference import cpu_session
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,3 +107,76 @@ def test_a_compute_op_on_cpu_under_cuda_fails_the_check() -> None:
     assert "['Attention'] ran on CPU" in failures[0]
     assert failures[0].startswith("fused graph")
     assert gpu_check.judge({**report, "dry_run": True}) == []  # on CPU every op is on CPU
+
+
+def test_the_real_run_fails_in_seconds_before_exporting_anything(tmp_path: Path) -> None:
+    """No usable GPU (here: no libcuda): gpu.sh stops at its preflight with the reason, before
+    minutes of exports or measurements are spent on a scarce device machine."""
+    models = tmp_path / "models"
+    env = {**os.environ, "GPU_MODELS": str(models), "OUT": str(tmp_path),
+           "PYTHON": sys.executable, "GPU_BUNDLE": str(tmp_path / "no-bundle")}  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(["bash", "bench/gpu.sh"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "GPU CHECK FAILED before starting" in done.stderr
+    assert "libcuda.so.1" in done.stderr
+    assert not models.exists()  # nothing exported
+    assert time.monotonic() - started < 60
+
+
+def test_preflight_names_a_cpu_build_of_onnxruntime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device image's own python has onnxruntime 1.30 (CPU build): named as the cause."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort, "__version__", "1.30.0")
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    found = gpu_preflight.problems(dry_run=False)
+    assert any("1.30.0" in problem and "not the pinned" in problem for problem in found)
+    assert any("no CUDA provider" in problem for problem in found)
+    assert gpu_preflight.problems(dry_run=True) == []
+
+
+def test_nvidia_library_folders_are_found_on_any_path_entry(tmp_path: Path) -> None:
+    """onnxruntime-gpu installed apart from the NVIDIA wheels (gpu.sh's --target install of a
+    carried bundle) finds their libraries through LD_LIBRARY_PATH built from these."""
+    for part in ("a/nvidia/cu13/lib", "a/nvidia/cudnn/lib", "b/nvidia/cu13/lib"):
+        (tmp_path / part).mkdir(parents=True)
+    found = gpu_preflight.nvidia_lib_dirs([str(tmp_path / "a"), str(tmp_path / "none"),
+                                           str(tmp_path / "b")])  # fmt: skip
+    assert found == [str(tmp_path / p) for p in ("a/nvidia/cu13/lib", "a/nvidia/cudnn/lib",
+                                                 "b/nvidia/cu13/lib")]  # fmt: skip
+
+
+def _tiny_wheel(folder: Path) -> Path:
+    """A minimal valid wheel (module gpu_bundle_probe), padded so that it splits in pieces."""
+    wheel = folder / "gpu_bundle_probe-1.0-py3-none-any.whl"
+    info = "gpu_bundle_probe-1.0.dist-info"
+    files = {"gpu_bundle_probe.py": "PAD = " + repr(os.urandom(4096).hex()) + "\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: gpu-bundle-probe\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}  # fmt: skip
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+        archive.writestr(f"{info}/RECORD", "".join(f"{name},,\n" for name in files)
+                         + f"{info}/RECORD,,\n")  # fmt: skip
+    return wheel
+
+
+def test_carried_wheel_pieces_are_reassembled_and_installed(tmp_path: Path) -> None:
+    """A wheel over the carry limit travels as NAME.whl.part-NN (bench/gpu_bundle.sh); gpu.sh
+    puts it back together and installs it beside the machine's Python before its preflight."""
+    bundle, site = tmp_path / "bundle", tmp_path / "site"
+    bundle.mkdir()
+    data = _tiny_wheel(tmp_path).read_bytes()
+    half = len(data) // 2
+    (bundle / "gpu_bundle_probe-1.0-py3-none-any.whl.part-00").write_bytes(data[:half])
+    (bundle / "gpu_bundle_probe-1.0-py3-none-any.whl.part-01").write_bytes(data[half:])
+    env = {**os.environ, "GPU_MODELS": str(tmp_path / "models"), "OUT": str(tmp_path),
+           "PYTHON": sys.executable, "GPU_BUNDLE": str(bundle), "GPU_SITE": str(site)}  # fmt: skip
+    done = subprocess.run(["bash", "bench/gpu.sh"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert "installing carried wheels" in done.stdout, done.stdout + done.stderr
+    assert (site / "gpu_bundle_probe.py").is_file()
+    assert done.returncode == 1  # then the preflight: no GPU here
