@@ -10,7 +10,9 @@
 #
 # It downloads nothing: it uses the Python in $PYTHON, else .venv/bin/python, else python3,
 # which must have onnxruntime-gpu 1.31.1 with its CUDA 13 / cuDNN 9 / cuBLAS wheels
-# (constraints-gpu.txt), numpy, onnx, grpcio and prometheus-client; it prints what it found.
+# (constraints-gpu.txt), numpy, onnx and the server's packages (bench/gpu_preflight.py checks
+# them first, in seconds); wheels it lacks can be carried in build/gpu-bundle
+# (bench/gpu_bundle.sh). It prints what it found.
 # It never falls back to CPU: no driver >= 580, no CUDA provider, or any session placed on
 # CPU fails it with the reason. Results: stdout, and $OUT/gpu-check.json when $OUT is set
 # (else build/gpu-check.json).
