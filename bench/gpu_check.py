@@ -74,11 +74,18 @@ def check_environment(dry_run: bool) -> tuple[list[str], Report]:
 
 
 def check_sessions(model: OnnxModel, providers: list[str]) -> dict[str, list[str]]:
+    """Each session's providers; under CUDA, a session without it is a failure (ONNX Runtime
+    creates the session on CPU, with only a logged warning, when the CUDA provider cannot
+    load, e.g. a CUDA or cuDNN library that is not found)."""
     found = {name: s.get_providers() for name, s in model._sessions().items()}
     if CUDA in providers:
         on_cpu = [name for name, names in found.items() if names[0] != CUDA]
         if on_cpu:
-            raise CheckFailed(f"{model.key}: graphs {on_cpu} run on CPU, not CUDA: {found}")
+            raise CheckFailed(
+                f"{model.key}: graphs {on_cpu} run on CPU, not CUDA: {found}; the CUDA "
+                f"provider did not load (ONNX Runtime's warning above says why; CUDA "
+                f"libraries mapped: {sorted(gpu_probe.loaded_libraries())})"
+            )
     return found
 
 
@@ -105,6 +112,7 @@ def parity(model: OnnxModel, reference: gpu_probe.Reference, batches: list[tuple
 def first_largest_run(files: VersionFiles, providers: list[str], shape: tuple[int, int]) -> Report:
     before = gpu_probe.gpu_memory_used_mib()
     model = _load(files, providers, fused="off")
+    check_sessions(model, providers)  # before minutes of measuring the CPU by mistake
     loaded = gpu_probe.gpu_memory_used_mib()
     feeds = model._inputs(*shape)
     started = time.perf_counter()

@@ -180,3 +180,22 @@ def test_carried_wheel_pieces_are_reassembled_and_installed(tmp_path: Path) -> N
     assert "installing carried wheels" in done.stdout, done.stdout + done.stderr
     assert (site / "gpu_bundle_probe.py").is_file()
     assert done.returncode == 1  # then the preflight: no GPU here
+
+
+def test_a_session_that_lost_its_cuda_provider_is_named_with_the_libraries() -> None:
+    """ONNX Runtime creates the session on CPU when the CUDA provider cannot load: the check
+    stops there (before the largest-shape run) and says where to look."""
+
+    class Session:
+        def get_providers(self) -> list[str]:
+            return [gpu_check.CPU]
+
+    class Model:
+        key = "mha/1"
+
+        def _sessions(self) -> dict[str, Session]:
+            return {"output": Session()}
+
+    with pytest.raises(gpu_check.CheckFailed, match="CUDA provider did not load"):
+        gpu_check.check_sessions(Model(), [gpu_check.CUDA, gpu_check.CPU])  # type: ignore[arg-type]
+    assert gpu_check.check_sessions(Model(), [gpu_check.CPU]) == {"output": [gpu_check.CPU]}  # type: ignore[arg-type]
