@@ -10,7 +10,8 @@
 # BASE_IMAGE (localhost/attention-base:bookworm), ONNXRUNTIME (onnxruntime-gpu==1.31.1: runs on
 # the CPU and without the 3 GB of NVIDIA wheels; "onnxruntime-gpu[cuda,cudnn]==1.31.1" for GPU
 # nodes), PIP (.venv/bin/python -m pip when there is one), SKIP_WHEELHOUSE=1 (use the wheels
-# already there, e.g. copied in from a connected machine).
+# already there, e.g. copied in from a connected machine), TORCH_INDEX
+# (https://download.pytorch.org/whl/cpu; empty when pip finds torch's CPU wheel elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +19,11 @@ ENGINE=${ENGINE:-podman}
 IMAGE=${IMAGE:-attention-serving:offline}
 BASE_IMAGE=${BASE_IMAGE:-localhost/attention-base:bookworm}
 ONNXRUNTIME=${ONNXRUNTIME:-onnxruntime-gpu==1.31.1}
+# constraints.txt pins torch's CPU build (torch==X+cpu), which only PyTorch's index has: from
+# PyPI alone, pip finds no torch that satisfies the constraint and the download fails.
+TORCH_INDEX=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+TORCH_INDEX_ARGS=()
+if [[ -n "$TORCH_INDEX" ]]; then TORCH_INDEX_ARGS=(--extra-index-url "$TORCH_INDEX"); fi
 if [[ -z "${PIP:-}" ]]; then
     if [[ -x .venv/bin/python ]]; then PIP=".venv/bin/python -m pip"; else PIP="python3 -m pip"; fi
 fi
@@ -34,7 +40,7 @@ if [[ "${SKIP_WHEELHOUSE:-0}" != 1 ]]; then
     mapfile -t serving < <(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
     read -ra onnxruntime_reqs <<< "$ONNXRUNTIME"  # space-separated, as the Dockerfile's ARG
     # shellcheck disable=SC2086
-    $PIP download --quiet --dest wheelhouse --constraint constraints.txt \
+    $PIP download --quiet --dest wheelhouse "${TORCH_INDEX_ARGS[@]}" --constraint constraints.txt \
         --constraint constraints-gpu.txt "${serving[@]}" "${onnxruntime_reqs[@]}" \
         "torch==2.13.0" onnx onnxscript "setuptools>=68"
 fi

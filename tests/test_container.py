@@ -98,7 +98,9 @@ def image(request: pytest.FixtureRequest) -> str:
         pytest.skip(reason)
     previous = _podman("image", "inspect", "--format", "{{.Id}}", IMAGE, check=False)
     started = time.monotonic()
-    env = {**os.environ, "IMAGE": IMAGE, "BASE_IMAGE": BASE_IMAGE}
+    # TORCH_INDEX empty: this machine's pip finds torch's CPU wheel in its own find-links and
+    # cannot reach download.pytorch.org (each download would first retry it).
+    env = {"TORCH_INDEX": "", **os.environ, "IMAGE": IMAGE, "BASE_IMAGE": BASE_IMAGE}
     build = subprocess.run(
         ["bash", str(ROOT / "scripts/build-image-offline.sh")],
         env=env, capture_output=True, text=True, timeout=1500, check=False,
