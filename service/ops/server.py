@@ -76,13 +76,19 @@ def queue_bytes(settings: Settings) -> int:
     return settings.max_queue_bytes or default_queue_bytes(memory_limit_bytes())
 
 
+# With no model served at start (explicit mode, an empty repository in poll mode) the limits
+# assume a layer this large: BERT-large and most 7B-class layers fit (d 1024..4096), and a
+# client cannot make the server receive gRPC's largest message (2 GiB) before any model exists.
+UNSEEN_EMBED_DIM = 4096
+UNSEEN_NUM_HEADS = 32
+
+
 def message_limits(registry: ModelRegistry, settings: Settings) -> tuple[int, int]:
     """(receive, send) byte limits from the largest legal request and response of the models
-    served at start; gRPC's largest when there is none yet (explicit mode, empty poll)."""
-    if not registry.all():
-        return GRPC_MAX_MESSAGE_BYTES, GRPC_MAX_MESSAGE_BYTES
-    largest_d = max(model.spec.embed_dim for model in registry.all())
-    largest_h = max(model.spec.num_heads for model in registry.all())
+    served at start, or of an UNSEEN_EMBED_DIM layer when there is none yet."""
+    served = registry.all()
+    largest_d = max((model.spec.embed_dim for model in served), default=UNSEEN_EMBED_DIM)
+    largest_h = max((model.spec.num_heads for model in served), default=UNSEEN_NUM_HEADS)
     positions = settings.max_batch_size * settings.max_seq_len
     request = positions * largest_d * 4 + ENVELOPE_BYTES
     weights = positions * largest_h * settings.max_seq_len * 4
