@@ -15,7 +15,7 @@ from service.batching.batcher import Batcher
 from service.batching.protocol import BatchLimits
 from service.ops import metrics
 from service.ops.memory_budget import TRIM_AFTER_BATCH_BYTES
-from tests.test_batcher_bounds import _until
+from tests.test_batcher_bounds import _depth, _until
 from tests.test_batching import RecordingRunner, _x
 
 
@@ -42,7 +42,8 @@ def test_memory_is_handed_back_once_a_backlog_drains(monkeypatch: pytest.MonkeyP
         try:
             hold.set()
             await batcher.submit(runner, request, with_weights=False)  # small: no trim
-            await asyncio.sleep(0.05)
+            # A trim would have been started when that batch ended: wait for it, not a while.
+            await _until(lambda: not batcher._tasks)
             small = len(trims)
             hold.clear()  # the next batch computes until released: the queue fills behind it
             runner.entered.clear()
@@ -50,7 +51,7 @@ def test_memory_is_handed_back_once_a_backlog_drains(monkeypatch: pytest.MonkeyP
             await _until(runner.entered.is_set)
             calls = [batcher.submit(runner, request, with_weights=False) for _ in range(backlog)]
             queued = asyncio.gather(*calls)
-            await asyncio.sleep(0.05)
+            await _until(lambda: _depth() == backlog)  # all queued behind the held batch
             hold.set()
             await first
             await queued
