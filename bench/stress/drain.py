@@ -18,8 +18,11 @@ from bench.calls import UnaryCaller, open_channels
 from bench.payloads import attend_body, v2_body
 from bench.stress.common import Figures, ServerSpec, health_status
 
-# UNAVAILABLE for a request the server had accepted: it was lost, not refused.
-LOST_DETAILS = ("grace period ended", "stopped before computing")
+# The one answer that means "refused before it was accepted" (service/batching/batcher.py);
+# any other non-OK answer, UNAVAILABLE included (a connection closed under an accepted call:
+# "Socket closed", "Connection reset"; the grace period ended; stopped before computing), is a
+# lost request. Before, every UNAVAILABLE but two known details counted as a refusal.
+REFUSAL_DETAIL = "server is not accepting requests"
 SECOND_SIGNAL_LOG = "another shutdown signal: ignored"
 
 
@@ -118,13 +121,10 @@ def _figures(
     exit_code: int,
     second_at: float | None,
 ) -> Figures:
-    lost = [
-        call
-        for call in calls
-        if call.code not in ("OK", "UNAVAILABLE")
-        or any(text in call.detail for text in LOST_DETAILS)
+    refused = [
+        call for call in calls if call.code == "UNAVAILABLE" and REFUSAL_DETAIL in call.detail
     ]
-    refused = [call for call in calls if call.code == "UNAVAILABLE" and call not in lost]
+    lost = [call for call in calls if call.code != "OK" and call not in refused]
     ok = [call for call in calls if call.code == "OK"]
     return {
         "callers": config.callers,

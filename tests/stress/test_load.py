@@ -59,3 +59,21 @@ def test_short_soak_answers_every_request_as_documented(mha_only: Path, figures)
     result.pop("rss_samples")
     figures(result)
     assert result["failed_checks"] == [], result
+
+
+def test_drain_counts_only_the_servers_refusal_as_refused() -> None:
+    """An UNAVAILABLE whose connection closed under an accepted call is a lost request, not a
+    refusal (before: any UNAVAILABLE but two known details counted as refused, so a drain
+    that cut calls off at exit could report zero lost)."""
+    refusal = "server is not accepting requests (starting up or shutting down); retry"
+    calls = [
+        drain.Call(0.0, 1.0, "OK", ""),
+        drain.Call(0.0, 1.0, "UNAVAILABLE", refusal),
+        drain.Call(0.0, 1.0, "UNAVAILABLE", "Socket closed"),
+        drain.Call(0.0, 1.0, "UNAVAILABLE", "the grace period ended before it was computed"),
+        drain.Call(0.0, 1.0, "CANCELLED", ""),
+    ]
+    config = drain.DrainConfig(server=ServerSpec(repository=Path("."), measure_caps=False))
+    figures = drain._figures(config, calls, [], 0.5, 2.0, 0, None)
+    assert (figures["ok"], figures["refused_unavailable"], figures["lost"]) == (1, 1, 3)
+    assert figures["lost_codes"] == {"UNAVAILABLE": 2, "CANCELLED": 1}
