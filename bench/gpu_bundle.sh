@@ -19,8 +19,9 @@ PYV=${1:-3.12}
 BUNDLE=${GPU_BUNDLE:-build/gpu-bundle}
 PART_MIB=${GPU_PART_MIB:-56}
 PY=${PYTHON:-.venv/bin/python}
+MODELS=${GPU_MODELS:-build/gpu-models}
 
-[[ -f build/gpu-models/mha16/1/model.fused.onnx ]] || bash bench/gpu.sh --export-only
+[[ -f "$MODELS/mha16/1/model.fused.onnx" ]] || bash bench/gpu.sh --export-only
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" \
@@ -46,6 +47,6 @@ for part in "${parts[@]::${#parts[@]}-1}"; do
     echo "  $call: carry [\"$part\"]  command: ls -l $BUNDLE"
 done
 small=$(find "$BUNDLE" -maxdepth 1 -name '*.whl' -printf '"%p", ')
-echo "  $((call + 1)): carry [\"build/gpu-models\", $small\"$last\"]  command:" \
+echo "  $((call + 1)): carry [\"$MODELS\", $small\"$last\"]  command:" \
     "PYTHONUNBUFFERED=1 bash bench/gpu.sh  (timeout_s 540)"
-du -sh build/gpu-models "$BUNDLE"/* | sed 's/^/    /'
+du -sh "$MODELS" "$BUNDLE"/* | sed 's/^/    /'
