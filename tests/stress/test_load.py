@@ -38,9 +38,12 @@ def test_sigterm_with_64_busy_callers_loses_nothing(mha_only: Path, figures) -> 
     the grace period; a second SIGTERM mid-drain is logged and changes nothing."""
     config = drain.DrainConfig(
         server=ServerSpec(repository=mha_only, measure_caps=False),
-        seq=16, callers=64, load_s=1.5, not_serving_s=1.0, grace_s=30.0,
+        seq=16, callers=64, load_s=1.5, not_serving_s=2.0, grace_s=30.0,
         second_signal_after_s=0.5,
     )  # fmt: skip
+    # not_serving_s is the margin for "NOT_SERVING seen before the first refusal": a health
+    # answer under load can take over a second (p99 1.17 s in the long overload run), so 1 s
+    # could fail whenever one slow answer straddled it; 2 s is also the server's default.
     result = drain.run(config)
     figures(result)
     assert result["failed_checks"] == [], result
