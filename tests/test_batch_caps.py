@@ -220,3 +220,23 @@ def test_both_apis_show_the_measured_caps(server) -> None:
     assert shown == ",".join(f"{length}:{size}" for length, size in caps)
     preferred = config["dynamic_batching"]["preferred_batch_size"]
     assert sorted(preferred) == sorted({size for _, size in caps})
+
+
+def test_a_burst_that_slows_one_pass_does_not_decide_the_cap() -> None:
+    """Every run of sizes 2..32 is 60 % slower during the first pass (something else held the
+    core): with one pass, growth stopped after sizes 2 and 4 and seq 16 was capped at 1, and
+    with it every longer length."""
+    state = {"second_pass": False, "seen_larger": False}
+
+    def cost(size: int, length: int) -> float:
+        if size == 1 and state["seen_larger"]:
+            state["second_pass"] = True
+        state["seen_larger"] |= size > 1
+        slowed = size > 1 and not state["second_pass"]
+        return 1e-3 * (1 - 0.03 * np.log2(size)) * (1.6 if slowed else 1.0)
+
+    device = FakeDevice(cost)
+    caps = measure_caps(
+        device.run, max_batch_size=32, max_seq_len=16, budget_s=1e9, clock=device.clock
+    )
+    assert caps.cap_for(16) == 32
