@@ -16,6 +16,7 @@ from service.batching.policy import choose_batch
 from service.batching.protocol import BatchLimits
 from service.client import AttentionClient
 from service.engine.caps import (
+    SERVER_BATCH_OVERHEAD_S,
     BatchCaps,
     batch_sizes,
     best_batch_size,
@@ -240,3 +241,27 @@ def test_a_burst_that_slows_one_pass_does_not_decide_the_cap() -> None:
         device.run, max_batch_size=32, max_seq_len=16, budget_s=1e9, clock=device.clock
     )
     assert caps.cap_for(16) == 32
+
+
+def test_the_servers_per_batch_work_breaks_near_ties_towards_larger_batches() -> None:
+    """Compute alone makes batch 1 the cheapest per sequence (by 12 %, beyond a tie); with the
+    server's fixed work per batch counted, 2 sequences share it and batch 2 wins."""
+
+    def cost(size: int, length: int) -> float:
+        return 1e-3 * {1: 1.0, 2: 1.12, 4: 1.5, 8: 1.9, 16: 2.4, 32: 3.0}[size]
+
+    alone = FakeDevice(cost)
+    caps = measure_caps(
+        alone.run, max_batch_size=32, max_seq_len=128, budget_s=1e9, clock=alone.clock
+    )
+    assert caps.cap_for(128) == 1
+    device = FakeDevice(cost)
+    caps = measure_caps(
+        device.run,
+        max_batch_size=32,
+        max_seq_len=128,
+        budget_s=1e9,
+        clock=device.clock,
+        batch_overhead_s=SERVER_BATCH_OVERHEAD_S,
+    )
+    assert caps.cap_for(128) == 2

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 # hand-off, futures), which this timing leaves out, is shared by more sequences. Repeated
 # measurements of one size on one core differ by ~5 %.
 TIE_TOLERANCE = 0.08
+# What the server adds to every batch beyond the graph's run (scheduling, the hand-off to
+# and from the compute thread, splitting results, resolving futures): ~0.5 ms on one CPU
+# core. Left out, batch 1 won near-ties at seq 128 and the server ran 162 seq/s where
+# batches of 2 had given 237.
+SERVER_BATCH_OVERHEAD_S = 0.0005
 # Growing the batch stops after two sizes in a row cost this much more than the best: far
 # beyond timing noise, and on every device measured, costs only rise from there.
 CLEARLY_WORSE = 0.25
@@ -89,10 +94,15 @@ Clock = Callable[[], float]
 
 
 def time_batch(
-    run: Callable[[int, int], None], size: int, length: int, clock: Clock = time.perf_counter
+    run: Callable[[int, int], None],
+    size: int,
+    length: int,
+    clock: Clock = time.perf_counter,
+    batch_overhead_s: float = 0.0,
 ) -> float:
     """Seconds per sequence of one batch of `size` sequences of `length`: the best of
-    repeated runs (the first run of a shape also allocates, and short runs are noisy)."""
+    repeated runs (the first run of a shape also allocates, and short runs are noisy), plus
+    batch_overhead_s per batch for the work the server adds to every batch."""
     timings: list[float] = []
     while len(timings) < MAX_REPEATS:
         started = clock()
@@ -102,7 +112,7 @@ def time_batch(
             break
         if len(timings) >= MIN_REPEATS and sum(timings) >= MIN_TIMED_S:
             break
-    return min(timings) / size
+    return (min(timings) + batch_overhead_s) / size
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,7 @@ def measure_bucket(
     sizes: Sequence[int],
     give_up: float,
     clock: Clock = time.perf_counter,
+    batch_overhead_s: float = 0.0,
 ) -> BucketTiming:
     """Grow the batch size until every size is measured, two sizes in a row cost clearly
     more than the best, or the budget ends; twice, each size keeping its best timing.
@@ -139,7 +150,7 @@ def measure_bucket(
             if costs and clock() >= give_up:
                 # Only a first pass cut short leaves sizes unjudged.
                 return BucketTiming(costs, conclusive=not first_pass)
-            timed = time_batch(run, size, length, clock)
+            timed = time_batch(run, size, length, clock, batch_overhead_s)
             costs[size] = min(costs.get(size, timed), timed)
             clearly_worse = costs[size] > min(costs.values()) * (1 + CLEARLY_WORSE)
             worse_in_a_row = worse_in_a_row + 1 if clearly_worse else 0
@@ -153,6 +164,7 @@ def measure_caps(
     max_seq_len: int,
     budget_s: float,
     clock: Clock = time.perf_counter,
+    batch_overhead_s: float = 0.0,
 ) -> BatchCaps:
     """Time run(batch_size, seq_len) per length bucket; cap each bucket at its best size.
 
@@ -170,7 +182,7 @@ def measure_caps(
         if caps and clock() >= give_up:
             caps.append((length, shorter))
             continue
-        timing = measure_bucket(run, length, sizes, give_up, clock)
+        timing = measure_bucket(run, length, sizes, give_up, clock, batch_overhead_s)
         best = best_batch_size(timing.costs) if timing.conclusive else shorter
         caps.append((length, min(best, shorter)))
     return BatchCaps(merge_equal(caps))

@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.engine import fused as fusing
-from service.engine.caps import BatchCaps, measure_caps
+from service.engine.caps import SERVER_BATCH_OVERHEAD_S, BatchCaps, measure_caps
 from service.engine.cuda import (
     CPU,
     CUDA,
@@ -273,7 +273,11 @@ class OnnxModel:
             self.run(embeddings, np.zeros((size, length), dtype=bool), with_weights=False)
 
         self.batch_caps = measure_caps(
-            run, max_batch_size=max_batch_size, max_seq_len=max_seq_len, budget_s=budget_s
+            run,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            budget_s=budget_s,
+            batch_overhead_s=SERVER_BATCH_OVERHEAD_S,
         )
         return self.batch_caps
 
