@@ -100,7 +100,8 @@ def test_resident_memory_returns_to_a_plateau_under_repeated_bursts(
             after.append(_rss_bytes(server.process.pid))
     shown = (round(base / MIB), [round(a / MIB) for a in after])
     # A plateau: the later bursts reach no higher than the earlier ones, within malloc's
-    # noise (measured: 209..362 MiB over twelve bursts; before, 1.2 GiB after the first).
-    assert max(after[4:]) - max(after[:4]) < 64 * MIB, shown
+    # noise (measured: 209..362 MiB over twelve bursts, and once in CI 129..264 MiB over
+    # eight; before, 1.2 GiB after the first).
+    assert max(after[4:]) - max(after[:4]) < 128 * MIB, shown
     # The batch with weights alone needs ~1 GiB while it runs; it is not kept.
     assert max(after) - base < 512 * MIB, shown

@@ -132,6 +132,19 @@ def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) 
         stdout=subprocess.DEVNULL, stderr=(folder / "log").open("w"),
     )  # fmt: skip
     try:
+        # Ready before the first query: on a busy machine it took longer than the test's
+        # first promtool call, which then failed with "connection refused".
+        give_up = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, (folder / "log").read_text()
+            try:
+                with urllib.request.urlopen(f"http://{address}/-/ready", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < give_up, "Prometheus not ready after 60 s"
+            time.sleep(0.1)
         yield f"http://{address}"
     finally:
         process.terminate()
