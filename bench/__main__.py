@@ -22,8 +22,8 @@ import onnxruntime as ort
 from bench import ratios, report, scenarios
 from bench.launcher import REPO_ROOT, Pinning, choose_pinning
 from bench.runner import BenchConfig, Runner, log
-from service.engine.repository import discover
 from service.settings import load_settings
+from service.worker.engine.repository import discover
 
 QUICK = {"duration_s": 1.0, "warmup_s": 0.5, "inprocess_seconds": 0.2, "mixed_count": 32}
 

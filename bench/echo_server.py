@@ -1,10 +1,10 @@
 """Zero-compute echo server: python -m bench.echo_server --help.
 
 Serves Attend, AttendStream, ModelInfer and ModelStreamInfer with the real server's
-protobufs and gRPC options (service.ops.grpc_options, message limits computed as the real
+protobufs and gRPC options (service.transport.grpc_options, message limits computed as the real
 server computes them) and answers every request with its own input bytes, so its
 requests/s is the floor that Python gRPC alone puts under any server on this core. The
-streaming calls go through the real server's stream machinery (service.api.streaming: a reader
+streaming calls go through the real server's stream machinery (service.frontend.streaming: a reader
 task, a task per request, the in-flight bound, one writer), so the echo differs from the real
 server only by the model compute.
 """
@@ -25,16 +25,16 @@ from typing import Any, cast
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from service.api.handlers import add_servicer
-from service.api.streaming import StreamCalls, serve_stream
-from service.api.wire import WireMessage, settled
+from service.frontend.handlers import add_servicer
+from service.frontend.streaming import StreamCalls, serve_stream
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
-from service.ops.grpc_options import server_options
-from service.ops.memory import keep_freed_memory
+from service.memory.malloc import keep_freed_memory
 from service.settings import EVENT_LOOPS, Settings
+from service.transport.grpc_options import server_options
+from service.transport.wire import WireMessage, settled
 
 TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 RESPONSE_OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number
@@ -66,8 +66,8 @@ def echo_limits(
     embed_dim: int, num_heads: int, max_batch_size: int, max_seq_len: int
 ) -> tuple[int, int]:
     """(receive, send) bytes exactly as the real server derives them from its settings."""
-    # Imported here: service.ops.server pulls in onnxruntime, which the echo server never runs.
-    from service.ops.server import message_limits
+    # Imported here: service.app.server pulls in onnxruntime, which the echo server never runs.
+    from service.app.server import message_limits
 
     model = SimpleNamespace(spec=SimpleNamespace(embed_dim=embed_dim, num_heads=num_heads))
     registry = SimpleNamespace(all=lambda: [model])
@@ -80,12 +80,12 @@ def _model_label(request: Any) -> str:
 
 
 class EchoAttention(attention_pb2_grpc.AttentionServiceServicer):
-    """Answers as the real servicer does (service.api.wire framing), minus the model."""
+    """Answers as the real servicer does (service.transport.wire framing), minus the model."""
 
     def __init__(self, heads: int, max_stream_inflight: int) -> None:
         self._heads = heads
         self._max_stream_inflight = max_stream_inflight
-        # As service/api/attention_servicer.py plugs AttendStream into the stream machinery.
+        # As service/frontend/attention_servicer.py plugs AttendStream into the stream machinery.
         self._stream_calls = StreamCalls(
             api="attention_stream",
             answer=self._stream_answer,
@@ -154,7 +154,7 @@ class EchoInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, heads: int, max_stream_inflight: int) -> None:
         self._heads = heads
         self._max_stream_inflight = max_stream_inflight
-        # As service/api/v2_servicer.py plugs ModelStreamInfer into the stream machinery.
+        # As service/frontend/v2_servicer.py plugs ModelStreamInfer into the stream machinery.
         self._stream_calls = StreamCalls(
             api="v2_stream",
             answer=self._stream_answer,

@@ -1,6 +1,6 @@
 """python -m bench.gpu_check: the first proof of the CUDA path, one command (bench/gpu.sh).
 
-Runs the server's own engine (service/engine) on the GPU and reports: the providers of every
+Runs the server's own engine (service/worker/engine) on the GPU and reports: the providers of every
 session (float32, float16); driver, wheels and libraries found; float32 parity with TF32 off
 and on; float16 parity and non-finite counts at 1x/4x/16x/64x inputs; fused vs unfused
 output graph; 1 vs 2 batches in flight; the first largest-shape run and GPU memory; then the
@@ -27,10 +27,10 @@ import onnxruntime as ort
 
 from bench import gpu_probe
 from bench.launcher import Service
-from service.engine import cuda, fused
-from service.engine.cuda import CPU, CUDA, CudaOptions
-from service.engine.onnx_model import BrokenModel, OnnxModel
-from service.engine.repository import VersionFiles, discover
+from service.worker.engine import cuda, fused
+from service.worker.engine.cuda import CPU, CUDA, CudaOptions
+from service.worker.engine.onnx_model import BrokenModel, OnnxModel
+from service.worker.engine.repository import VersionFiles, discover
 
 Report = dict[str, Any]
 

@@ -18,7 +18,7 @@ PINNED_ONNXRUNTIME = "1.31.1"  # pyproject.toml, constraints-gpu.txt
 # What the check and the server import: the engine, the gRPC server (health, reflection, the
 # generated code, which refuses an older protobuf or grpcio than it was generated for) and
 # the numpy reference's onnx.
-MODULES = ("numpy", "onnx", "prometheus_client", "service.ops.server", "bench.gpu_check",
+MODULES = ("numpy", "onnx", "prometheus_client", "service.app.server", "bench.gpu_check",
            "bench.loadgen")  # fmt: skip
 
 
@@ -56,7 +56,7 @@ def problems(dry_run: bool) -> list[str]:
         except Exception as err:  # ImportError, or generated code refusing its runtime
             found.append(f"{name} does not import: {type(err).__name__}: {err}")
     if not dry_run and not found:
-        from service.engine import cuda
+        from service.worker.engine import cuda
 
         probe = cuda.probe_driver()
         if not probe.usable:

@@ -18,9 +18,9 @@ import numpy as np
 import onnxruntime as ort
 
 from bench.stats import Lengths
-from service.engine.cuda import CUDA, CudaOptions
-from service.engine.onnx_model import choose_providers
 from service.settings import PROVIDERS
+from service.worker.engine.cuda import CUDA, CudaOptions
+from service.worker.engine.onnx_model import choose_providers
 
 Feeds = dict[str, np.ndarray]
 # ONNX type strings of the graph's inputs -> numpy dtypes (a float16 export takes float16).
@@ -33,7 +33,7 @@ ONNX_DTYPES = {
 
 
 def session(model: Path, threads: int, provider: str) -> ort.InferenceSession:
-    """Options as the server's engine sets them (service/engine/onnx_model.py)."""
+    """Options as the server's engine sets them (service/worker/engine/onnx_model.py)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

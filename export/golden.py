@@ -1,5 +1,6 @@
 """A small golden input and its reference answer, written beside the graphs so the server can
-check the model once more on the provider and dtype it really uses (service/engine/golden.py)."""
+check the model once more on the provider and dtype it really uses (service/worker/engine/
+golden.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from export.verify import Reference
 
-GOLDEN_FILE = "golden.npz"  # service/engine/golden.py reads the same name
+GOLDEN_FILE = "golden.npz"  # service/worker/engine/golden.py reads the same name
 
 
 def write_golden(

@@ -21,7 +21,7 @@ FUSED_OPSET = 23
 INPUT_NAMES = ["embeddings", "key_padding_mask"]
 OUTPUT_FILE = "model.onnx"
 WITH_WEIGHTS_FILE = "model.with_weights.onnx"
-FUSED_FILE = "model.fused.onnx"  # service/engine reads the same name
+FUSED_FILE = "model.fused.onnx"  # service/worker/engine reads the same name
 
 
 @dataclass(frozen=True)

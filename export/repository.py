@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-# The server's rule (service/engine/repository.py): ASCII digits, no leading zero, at most 18
+# The server's rule (service/worker/engine/repository.py): ASCII digits, no leading zero, at most 18
 # digits, so every folder name is one int64 version and no two names mean the same version.
 VERSION_FOLDER = re.compile(r"[1-9][0-9]{0,17}")
 MAX_VERSION = 10**18 - 1

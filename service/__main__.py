@@ -7,8 +7,8 @@ import logging
 import sys
 from collections.abc import Callable
 
-from service.ops.lifecycle import exit_now, serve
-from service.ops.memory import keep_freed_memory
+from service.app.lifecycle import exit_now, serve
+from service.memory.malloc import keep_freed_memory
 from service.settings import describe, load_settings
 
 log = logging.getLogger("service")

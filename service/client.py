@@ -18,10 +18,10 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.api.codec import decode_tensor, encode_tensor
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.ops.tls import TlsError, add_tls_arguments, channel_credentials, tls_requested
+from service.transport.codec import decode_tensor, encode_tensor
+from service.transport.tls import TlsError, add_tls_arguments, channel_credentials, tls_requested
 
 # Responses with attention weights are large (h * seq^2 floats per sequence).
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]

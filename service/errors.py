@@ -1,4 +1,4 @@
-"""Domain errors. Each one says what was wrong and what was expected; service/api/status.py is
+"""Domain errors. Each one says what was wrong and what was expected; service/frontend/status.py is
 the one place that maps them to gRPC status codes."""
 
 

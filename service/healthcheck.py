@@ -13,7 +13,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.ops.tls import TlsError, add_tls_arguments, channel_credentials, tls_requested
+from service.transport.tls import TlsError, add_tls_arguments, channel_credentials, tls_requested
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:

@@ -13,11 +13,11 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.engine.registry import ModelRegistry
+from service.app.server import AttentionServer
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.ops.server import AttentionServer
 from service.settings import Settings
+from service.worker.engine.registry import ModelRegistry
 
 
 async def scenario(repository: Path) -> None:

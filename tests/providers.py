@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-from service.engine.cuda import choose_providers
+from service.worker.engine.cuda import choose_providers
 
 
 @functools.cache

@@ -11,11 +11,11 @@ import tritonclient.grpc as triton
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.batching.batcher import Batcher
-from service.batching.policy import choose_batch
-from service.batching.protocol import BatchLimits
 from service.client import AttentionClient
-from service.engine.caps import (
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.policy import choose_batch
+from service.worker.batching.protocol import BatchLimits
+from service.worker.engine.caps import (
     SERVER_BATCH_OVERHEAD_S,
     BatchCaps,
     batch_sizes,

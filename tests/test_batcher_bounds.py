@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from service.batching.batcher import Batcher, SchedulerFailed
-from service.batching.protocol import BatchLimits
-from service.engine.caps import BatchCaps
 from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull
-from service.ops import metrics
+from service.observability import metrics
+from service.worker.batching.batcher import Batcher, SchedulerFailed
+from service.worker.batching.protocol import BatchLimits
+from service.worker.engine.caps import BatchCaps
 from tests.test_batching import RecordingRunner, _x
 
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.batching.batcher import Batcher
-from service.batching.policy import choose_batch, merge, padding_ratio, split
-from service.batching.protocol import BatchFailed, BatchLimits
-from service.engine.caps import BatchCaps
 from service.errors import DeadlineExpired, QueueFull, ShuttingDown
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.policy import choose_batch, merge, padding_ratio, split
+from service.worker.batching.protocol import BatchFailed, BatchLimits
+from service.worker.engine.caps import BatchCaps
 
 shapes = st.lists(st.tuples(st.integers(1, 4), st.integers(1, 20)), min_size=1, max_size=12)
 

@@ -48,7 +48,7 @@ from bench.stats import (
     stack_ceiling,
 )
 from export.pipeline import ExportRequest, run_export
-from service.api.streaming import StreamCalls
+from service.frontend.streaming import StreamCalls
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2
 

@@ -14,13 +14,13 @@ import pytest
 
 from service.client import AttentionClient, attend_request
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.ops.grpc_options import (
+from service.settings import load_settings
+from service.transport.grpc_options import (
     HANDSHAKE_TIMEOUT_MS,
     MAX_CONCURRENT_STREAMS,
     connection_options,
     server_options,
 )
-from service.settings import load_settings
 from tests.server_process import ServerProcess
 from tests.tls_helpers import tiny_repository
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.ops import metrics
+from service.observability import metrics
 from service.settings import ENV_PREFIX, Settings, env_name
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ import pytest
 from export.golden import GOLDEN_FILE
 from export.pipeline import ExportRequest, run_export
 from service.client import AttentionClient
-from service.engine.golden import GOLDEN_FILE as SERVED_GOLDEN_FILE
-from service.engine.golden import GoldenMismatch, check_golden
+from service.worker.engine.golden import GOLDEN_FILE as SERVED_GOLDEN_FILE
+from service.worker.engine.golden import GoldenMismatch, check_golden
 from tests.providers import serving_provider
 from tests.reference import cpu_session
 from tests.server_process import ServerProcess

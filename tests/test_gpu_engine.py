@@ -15,13 +15,13 @@ import onnxruntime as ort
 import pytest
 
 from export.pipeline import ExportResult
-from service.batching.batcher import Batcher
-from service.batching.protocol import BatchLimits
-from service.engine import cuda, fused, onnx_model
-from service.engine.cuda import CPU, CUDA, CudaOptions, CudaUnavailable, DriverProbe
-from service.engine.golden import tolerance_for
-from service.engine.onnx_model import BrokenModel, OnnxModel, warm_up_shapes
-from service.engine.repository import VersionFiles
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.protocol import BatchLimits
+from service.worker.engine import cuda, fused, onnx_model
+from service.worker.engine.cuda import CPU, CUDA, CudaOptions, CudaUnavailable, DriverProbe
+from service.worker.engine.golden import tolerance_for
+from service.worker.engine.onnx_model import BrokenModel, OnnxModel, warm_up_shapes
+from service.worker.engine.repository import VersionFiles
 
 GiB = 1 << 30
 

@@ -1,7 +1,10 @@
-"""The request path flows one way: api -> batching -> engine, never back up.
+"""Imports follow the data flow and the process picture.
 
-ops/server.py assembles every layer, so ops may import anything; the other layers may import
-ops only for metrics and memory bookkeeping, never the server itself.
+app/ assembles the processes, so it may import anything. The front end (per-request protocol
+work) and the worker (batcher, ONNX Runtime) share only the leaves: transport (tensor codecs,
+TLS, gRPC options), observability (metrics), memory, and the shared top-level modules
+(errors, settings, text, generated). The client side (client, healthcheck, plot) imports
+nothing of the server.
 """
 
 from __future__ import annotations
@@ -10,12 +13,21 @@ import ast
 from pathlib import Path
 
 SERVICE = Path(__file__).resolve().parent.parent / "service"
-# What each layer may import from the others (shared top-level modules are always allowed).
-ALLOWED = {
-    "api": {"batching", "engine", "ops.metrics"},
-    "batching": {"engine", "ops.metrics", "ops.memory_budget"},
-    "engine": set(),
+LEAVES = {"transport", "observability", "memory"}
+PACKAGES = {"app", "frontend", "worker", *LEAVES}
+# What each package (or sub-package) may import from the others, beyond itself and the shared
+# top-level modules.
+ALLOWED: dict[str, set[str]] = {
+    # The front end still calls the batcher in its own process until the worker process lands.
+    "frontend": {"worker", *LEAVES},
+    "worker": {"observability", "memory"},
+    "worker/engine": {"observability", "memory"},
+    "transport": set(),
+    "observability": set(),
+    "memory": set(),
 }
+CLIENT_MODULES = ["client.py", "healthcheck.py", "plot.py"]
+CLIENT_ALLOWED = {"transport"}
 
 
 def _service_imports(path: Path) -> set[str]:
@@ -34,30 +46,63 @@ def _service_imports(path: Path) -> set[str]:
     return imported
 
 
-def _allowed(layer: str, name: str) -> bool:
-    target = name.split(".")[0]
-    if target == layer or target not in {"api", "batching", "engine", "ops"}:
-        return True  # own layer, or a shared top-level module (errors, settings, text, generated)
-    return any(name == rule or name.startswith(f"{rule}.") for rule in ALLOWED[layer])
+def _allowed(package: str, name: str, rules: set[str]) -> bool:
+    """Whether code in package (e.g. "worker/engine") may import service.<name>."""
+    own = package.replace("/", ".")
+    if name == own or name.startswith(f"{own}."):
+        return True
+    if name.split(".")[0] not in PACKAGES:
+        return True  # a shared top-level module (errors, settings, text, generated)
+    if package == "worker/engine" and name.startswith("worker."):
+        return False  # the engine is below the batcher: it never imports it back
+    if package == "worker" and name.startswith("worker."):
+        return True
+    return any(name == rule or name.startswith(f"{rule}.") for rule in rules)
 
 
-def test_layers_import_only_downwards() -> None:
+def _violations(package: str, paths: list[Path], rules: set[str]) -> list[str]:
+    return [
+        f"{path.relative_to(SERVICE)} imports service.{name}"
+        for path in paths
+        for name in sorted(_service_imports(path))
+        if not _allowed(package, name, rules)
+    ]
+
+
+def test_packages_import_only_downwards() -> None:
     wrong = []
-    for layer in ALLOWED:
-        for path in sorted((SERVICE / layer).glob("*.py")):
-            wrong += [
-                f"{path.relative_to(SERVICE)} imports service.{name}"
-                for name in sorted(_service_imports(path))
-                if not _allowed(layer, name)
-            ]
+    for package, rules in ALLOWED.items():
+        folder = SERVICE / package
+        paths = (
+            sorted(folder.glob("*.py"))
+            if package != "worker"
+            else [path for path in sorted(folder.rglob("*.py")) if "engine" not in path.parts]
+        )
+        wrong += _violations(package, paths, rules)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_client_imports_nothing_of_the_server() -> None:
+    paths = [SERVICE / name for name in CLIENT_MODULES]
+    wrong = [
+        f"{path.name} imports service.{name}"
+        for path in paths
+        for name in sorted(_service_imports(path))
+        if name.split(".")[0] in PACKAGES - CLIENT_ALLOWED
+    ]
     assert not wrong, "\n".join(wrong)
 
 
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     upward = tmp_path / "bad.py"
-    upward.write_text("from service.api.admission import admit\nfrom service.ops import server\n")
+    upward.write_text(
+        "from service.frontend.admission import admit\nfrom service.app import server\n"
+    )
     names = _service_imports(upward)
-    assert names == {"api.admission.admit", "ops.server"}
-    assert not _allowed("engine", "api.admission.admit")
-    assert not _allowed("batching", "ops.server")
-    assert _allowed("batching", "ops.metrics")
+    assert names == {"frontend.admission.admit", "app.server"}
+    assert not _allowed("worker/engine", "frontend.admission.admit", ALLOWED["worker/engine"])
+    assert not _allowed("worker", "app.server", ALLOWED["worker"])
+    assert not _allowed("worker/engine", "worker.batching.batcher", ALLOWED["worker/engine"])
+    assert _allowed("worker", "worker.engine.onnx_model", ALLOWED["worker"])
+    assert _allowed("worker", "observability.metrics", ALLOWED["worker"])
+    assert not _allowed("transport", "observability.metrics", ALLOWED["transport"])

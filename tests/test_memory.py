@@ -15,7 +15,7 @@ import pytest
 
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.ops.memory_budget import default_queue_bytes, memory_limit_bytes
+from service.memory.budget import default_queue_bytes, memory_limit_bytes
 from tests.server_process import ServerProcess
 
 MIB = 1 << 20

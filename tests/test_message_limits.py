@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from service.engine.registry import ModelRegistry
-from service.ops.grpc_options import GRPC_MAX_MESSAGE_BYTES
-from service.ops.server import UNSEEN_EMBED_DIM, message_limits
+from service.app.server import UNSEEN_EMBED_DIM, message_limits
 from service.settings import Settings
+from service.transport.grpc_options import GRPC_MAX_MESSAGE_BYTES
+from service.worker.engine.registry import ModelRegistry
 
 
 def test_no_model_at_start_still_bounds_what_a_client_can_send() -> None:

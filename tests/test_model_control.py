@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.batching.batcher import Batcher
-from service.batching.protocol import BatchLimits
-from service.engine.caps import BatchCaps
-from service.engine.model_control import Hooks, ModelController
-from service.engine.onnx_model import BrokenModel
-from service.engine.registry import ModelRegistry
-from service.engine.repository import OUTPUT_GRAPH, VersionFiles, VersionPolicy
 from service.errors import ModelControlDisabled, ModelLoadFailed, ModelNotFound
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.protocol import BatchLimits
+from service.worker.engine.caps import BatchCaps
+from service.worker.engine.model_control import Hooks, ModelController
+from service.worker.engine.onnx_model import BrokenModel
+from service.worker.engine.registry import ModelRegistry
+from service.worker.engine.repository import OUTPUT_GRAPH, VersionFiles, VersionPolicy
 
 
 def run_async(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
@@ -284,8 +284,8 @@ async def test_served_set_follows_the_registry_and_warns_of_calls_too_large(
 ) -> None:
     from grpc_health.v1 import health, health_pb2
 
-    from service.ops import metrics
-    from service.ops.models import ServedSet
+    from service.app.models import ServedSet
+    from service.observability import metrics
 
     registry = ModelRegistry([], "m")
     servicer = health.aio.HealthServicer()
@@ -409,7 +409,7 @@ async def test_a_version_copied_in_place_is_tried_again_once_any_file_of_it_chan
 
 
 def test_model_config_writes_the_version_policy_as_triton_does() -> None:
-    from service.api.v2_servicer import _version_policy
+    from service.frontend.v2_servicer import _version_policy
 
     assert _version_policy("latest:2").latest.num_versions == 2
     assert _version_policy("all").WhichOneof("policy_choice") == "all"
@@ -422,7 +422,7 @@ async def test_per_model_health_ends_as_the_last_change_left_it() -> None:
     unloaded model SERVING."""
     from grpc_health.v1 import health_pb2
 
-    from service.ops.models import ServedSet
+    from service.app.models import ServedSet
 
     class SlowFirstHealth:
         def __init__(self) -> None:

@@ -10,19 +10,19 @@ import grpc
 import numpy as np
 import pytest
 
-from service.api.attention_servicer import AttentionServicer
-from service.api.codec import encode_tensor
-from service.api.handlers import add_servicer
-from service.api.rpc import rpc
-from service.api.validation import InputLimits
-from service.api.wire import WireMessage
-from service.batching.batcher import Batcher
-from service.batching.protocol import BatchLimits
-from service.engine.registry import ModelRegistry
 from service.errors import QueueFull
+from service.frontend.attention_servicer import AttentionServicer
+from service.frontend.handlers import add_servicer
+from service.frontend.rpc import rpc
+from service.frontend.validation import InputLimits
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.ops import metrics
+from service.observability import metrics
+from service.transport.codec import encode_tensor
+from service.transport.wire import WireMessage
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.protocol import BatchLimits
+from service.worker.engine.registry import ModelRegistry
 
 FORGED = "bug\n2026-01-01 INFO forged: all is well" + "x" * 20_000
 
@@ -100,7 +100,7 @@ def test_unexpected_error_is_internal_logged_and_the_server_keeps_serving(
         await server.stop(0)
         return seen
 
-    with caplog.at_level(logging.ERROR, logger="service.api.rpc"):
+    with caplog.at_level(logging.ERROR, logger="service.frontend.rpc"):
         seen = asyncio.run(scenario())
     internal, busy, fine, forged = seen
     assert internal == (

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as triton_v2
 
-from service.api.handlers import add_servicer
-from service.api.streaming import StreamCalls, serve_stream
-from service.api.wire import WireMessage
+from service.frontend.handlers import add_servicer
+from service.frontend.streaming import StreamCalls, serve_stream
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from service.transport.wire import WireMessage
 from tests.server_process import ServerProcess
 
 TIMEOUT_S = 60

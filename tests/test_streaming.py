@@ -21,9 +21,9 @@ import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from service.api.handlers import add_servicer
-from service.api.streaming import StreamCalls, serve_stream
 from service.client import AsyncAttentionClient, AttendError, AttendResult, AttentionClient
+from service.frontend.handlers import add_servicer
+from service.frontend.streaming import StreamCalls, serve_stream
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.settings import Settings

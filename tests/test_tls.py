@@ -18,8 +18,8 @@ from tritonclient.utils import InferenceServerException
 
 from service import healthcheck
 from service.client import AttentionClient, tls_options
-from service.ops.tls import TlsError, TlsFiles, channel_credentials, load_material, server_tls
 from service.settings import load_settings
+from service.transport.tls import TlsError, TlsFiles, channel_credentials, load_material, server_tls
 from tests.server_process import REPO_ROOT
 from tests.tls_helpers import Authority, TlsServerProcess, tiny_repository, wait_for
 

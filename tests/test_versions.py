@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from export.repository import existing_versions, next_version
-from service.engine.repository import discover, parse_version
+from service.worker.engine.repository import discover, parse_version
 
 ODD_NAMES = ["²", "１", "١", "01", "0", "9" * 40, "1 ", "-1", "+1", "1e3", ""]
 

@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 # Triton's own descriptors beside ours (our V2 protos live in a pool of their own).
 from tritonclient.grpc import service_pb2 as triton
 
-from service.api.codec import encode_tensor, encode_tensor_wire
-from service.api.v2_codec import RAW_OUTPUT_CONTENTS
-from service.api.wire import WireMessage, array_bytes, serializer_for
+from service.frontend.v2_codec import RAW_OUTPUT_CONTENTS
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as ours
+from service.transport.codec import encode_tensor, encode_tensor_wire
+from service.transport.wire import WireMessage, array_bytes, serializer_for
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=4)
 dtypes = st.sampled_from([np.float32, np.float16])

@@ -18,7 +18,7 @@ from bench.calls import UnaryCaller, open_channels
 from bench.payloads import attend_body, v2_body
 from bench.stress.common import Figures, ServerSpec, health_status
 
-# The one answer that means "refused before it was accepted" (service/batching/batcher.py);
+# The one answer that means "refused before it was accepted" (service/worker/batching/batcher.py);
 # any other non-OK answer, UNAVAILABLE included (a connection closed under an accepted call:
 # "Socket closed", "Connection reset"; the grace period ended; stopped before computing), is a
 # lost request. Before, every UNAVAILABLE but two known details counted as a refusal.

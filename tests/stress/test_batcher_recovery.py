@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from service.batching import batcher as batcher_module
-from service.batching.batcher import Batcher
-from service.batching.protocol import BatchLimits
-from service.ops import metrics
-from service.ops.memory_budget import TRIM_AFTER_BATCH_BYTES
+from service.memory.budget import TRIM_AFTER_BATCH_BYTES
+from service.observability import metrics
+from service.worker.batching import batcher as batcher_module
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.protocol import BatchLimits
 from tests.test_batcher_bounds import _depth, _until
 from tests.test_batching import RecordingRunner, _x
 

@@ -15,21 +15,21 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from service.api.attention_servicer import AttentionServicer
-from service.api.handlers import add_servicer
-from service.api.v2_servicer import InferenceServicer
-from service.api.validation import InputLimits
-from service.batching.batcher import Batcher
-from service.batching.protocol import BatchLimits
 from service.client import AttentionClient
-from service.engine.onnx_model import OnnxModel
-from service.engine.registry import ModelRegistry
-from service.engine.repository import discover
+from service.frontend.attention_servicer import AttentionServicer
+from service.frontend.handlers import add_servicer
+from service.frontend.v2_servicer import InferenceServicer
+from service.frontend.validation import InputLimits
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 from service.settings import Settings
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.protocol import BatchLimits
+from service.worker.engine.onnx_model import OnnxModel
+from service.worker.engine.registry import ModelRegistry
+from service.worker.engine.repository import discover
 from tests.server_process import ServerProcess
 
 D = 64
@@ -41,7 +41,7 @@ ENGINE_ERROR = (
 
 
 class FailingRunner:
-    """A Runner (service/batching/protocol.py) around a real model: run() raises as a failing
+    """A Runner (service/worker/batching/protocol.py) around a real model: run() raises as a failing
     ONNX Runtime call would, for any batch holding a POISON value; else the model answers."""
 
     def __init__(self, model: OnnxModel) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from service.api.wire import serializer_for
+from service.transport.wire import serializer_for
 
 
 class Undecodable:

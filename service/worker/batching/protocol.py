@@ -7,7 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
-from service.engine.caps import BatchCaps
+from service.worker.engine.caps import BatchCaps
 
 
 class Runner(Protocol):

@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 
-from service.api.codec import checked_shape
-from service.api.wire import WireMessage, array_bytes
-from service.batching.protocol import Result
-from service.engine.onnx_model import OnnxModel
 from service.errors import InvalidInput
 from service.generated.inference import grpc_service_pb2 as v2
 from service.text import shown, shown_shape
+from service.transport.codec import checked_shape
+from service.transport.wire import WireMessage, array_bytes
+from service.worker.batching.protocol import Result
+from service.worker.engine.onnx_model import OnnxModel
 
 INPUT_NAME = "embeddings"
 RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number

@@ -8,19 +8,24 @@ from typing import Any
 import grpc
 import numpy as np
 
-from service.api.admission import admit_and_run
-from service.api.codec import decode_tensor, encode_tensor_wire, wire_dtype
-from service.api.rpc import rpc
-from service.api.streaming import DEFAULT_PENDING_BYTES, StreamCalls, StreamCloser, serve_stream
-from service.api.validation import InputLimits
-from service.api.wire import WireMessage, settled
-from service.batching.batcher import Batcher
-from service.engine.onnx_model import OnnxModel
-from service.engine.registry import SERVER_LABEL, ModelRegistry
 from service.errors import InvalidInput
+from service.frontend.admission import admit_and_run
+from service.frontend.rpc import rpc
+from service.frontend.streaming import (
+    DEFAULT_PENDING_BYTES,
+    StreamCalls,
+    StreamCloser,
+    serve_stream,
+)
+from service.frontend.validation import InputLimits
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.settings import Settings
+from service.transport.codec import decode_tensor, encode_tensor_wire, wire_dtype
+from service.transport.wire import WireMessage, settled
+from service.worker.batching.batcher import Batcher
+from service.worker.engine.onnx_model import OnnxModel
+from service.worker.engine.registry import SERVER_LABEL, ModelRegistry
 
 API = "attention"
 RESPONSE_OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number
@@ -144,7 +149,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:
         """The one Attend path, unary and streamed: the AttendResponse, serialized with its
-        tensors' bytes copied once (service.api.wire)."""
+        tensors' bytes copied once (service.transport.wire)."""
         model = self._registry.resolve(request.model, request.model_version)
         if not request.HasField("embeddings"):
             raise InvalidInput("embeddings is missing; expected a Tensor [seq, d] or [n, seq, d]")

@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 
-from service.api.wire import WireMessage, array_bytes
 from service.errors import InvalidInput
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.text import shown_shape
+from service.transport.wire import WireMessage, array_bytes
 
 TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 

@@ -15,26 +15,26 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from prometheus_client import start_http_server
 
-from service.api.attention_servicer import AttentionServicer
-from service.api.handlers import add_servicer
-from service.api.proto_pool import pool_of
-from service.api.streaming import StreamCloser
-from service.api.v2_servicer import InferenceServicer
-from service.api.validation import InputLimits
-from service.batching.batcher import Batcher
-from service.batching.protocol import BatchLimits
-from service.engine.model_control import ModelController
-from service.engine.onnx_model import CPU, CUDA, OnnxModel, choose_providers, warm_up_shapes
-from service.engine.registry import ModelRegistry
+from service.app.models import ServedSet, build_controller
 from service.errors import ModelNotFound, ShuttingDown
+from service.frontend.attention_servicer import AttentionServicer
+from service.frontend.handlers import add_servicer
+from service.frontend.streaming import StreamCloser
+from service.frontend.v2_servicer import InferenceServicer
+from service.frontend.validation import InputLimits
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
-from service.ops import metrics
-from service.ops.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
-from service.ops.memory_budget import default_queue_bytes, memory_limit_bytes
-from service.ops.models import ServedSet, build_controller
-from service.ops.tls import ReloadingCredentials, TlsError, server_tls
+from service.memory.budget import default_queue_bytes, memory_limit_bytes
+from service.observability import metrics
 from service.settings import Settings
+from service.transport.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
+from service.transport.proto_pool import pool_of
+from service.transport.tls import ReloadingCredentials, TlsError, server_tls
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.protocol import BatchLimits
+from service.worker.engine.model_control import ModelController
+from service.worker.engine.onnx_model import CPU, CUDA, OnnxModel, choose_providers, warm_up_shapes
+from service.worker.engine.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 ServingStatus = health_pb2.HealthCheckResponse.ServingStatus.ValueType

@@ -25,18 +25,18 @@ from typing import Any
 
 import numpy as np
 
-from service.batching.policy import choose_batch, merge, padding_ratio, split
-from service.batching.protocol import (
+from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull, ShuttingDown
+from service.memory.budget import TRIM_AFTER_BATCH_BYTES, release_free_memory
+from service.observability import metrics
+from service.worker.batching.policy import choose_batch, merge, padding_ratio, split
+from service.worker.batching.protocol import (
     BatchFailed,
     BatchLimits,
     Result,
     Runner,
     ended_at_deadline,
 )
-from service.batching.statistics import InferenceStatistics
-from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull, ShuttingDown
-from service.ops import metrics
-from service.ops.memory_budget import TRIM_AFTER_BATCH_BYTES, release_free_memory
+from service.worker.batching.statistics import InferenceStatistics
 
 log = logging.getLogger(__name__)
 GRAPHS = {False: "output", True: "output+attention_weights"}

@@ -7,11 +7,11 @@ import time
 import grpc
 import numpy as np
 
-from service.api.validation import InputLimits, as_sequence_batch
-from service.batching.batcher import Batcher
-from service.batching.protocol import Result
-from service.engine.onnx_model import OnnxModel
 from service.errors import InvalidInput
+from service.frontend.validation import InputLimits, as_sequence_batch
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.protocol import Result
+from service.worker.engine.onnx_model import OnnxModel
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:

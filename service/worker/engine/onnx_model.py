@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from service.engine import fused as fusing
-from service.engine.caps import SERVER_BATCH_OVERHEAD_S, BatchCaps, measure_caps
-from service.engine.cuda import (
+from service.worker.engine import fused as fusing
+from service.worker.engine.caps import SERVER_BATCH_OVERHEAD_S, BatchCaps, measure_caps
+from service.worker.engine.cuda import (
     CPU,
     CUDA,
     CudaOptions,
@@ -21,8 +21,8 @@ from service.engine.cuda import (
     gpu_present,
     intra_op_threads_for,
 )
-from service.engine.golden import GoldenMismatch, check_golden, golden_path
-from service.engine.repository import VersionFiles
+from service.worker.engine.golden import GoldenMismatch, check_golden, golden_path
+from service.worker.engine.repository import VersionFiles
 
 __all__ = ["CPU", "CUDA", "BrokenModel", "ModelSpec", "OnnxModel", "choose_providers",
            "count_sessions", "gpu_present", "warm_up_shapes"]  # fmt: skip

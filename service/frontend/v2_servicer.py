@@ -8,10 +8,11 @@ from typing import Any
 
 import grpc
 
-from service.api.admission import admit_and_run
-from service.api.rpc import rpc
-from service.api.streaming import StreamCalls, StreamCloser, serve_stream
-from service.api.v2_codec import (
+from service.errors import InvalidInput, ModelNotFound, NotSupported
+from service.frontend.admission import admit_and_run
+from service.frontend.rpc import rpc
+from service.frontend.streaming import StreamCalls, StreamCloser, serve_stream
+from service.frontend.v2_codec import (
     INPUT_NAME,
     V2_NAME_OF,
     accepted_datatypes,
@@ -20,20 +21,19 @@ from service.api.v2_codec import (
     refuse_parameters,
     requested_outputs,
 )
-from service.api.validation import InputLimits
-from service.api.wire import WireMessage, settled
-from service.batching.batcher import Batcher
-from service.batching.statistics import Duration
-from service.engine.model_control import ModelController, check_repository_name
-from service.engine.onnx_model import OnnxModel
-from service.engine.registry import SERVER_LABEL, ModelRegistry
-from service.engine.repository import VersionPolicy
-from service.errors import InvalidInput, ModelNotFound, NotSupported
+from service.frontend.validation import InputLimits
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 from service.generated.inference import model_config_pb2 as config
 from service.settings import Settings
 from service.text import shown
+from service.transport.wire import WireMessage, settled
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.statistics import Duration
+from service.worker.engine.model_control import ModelController, check_repository_name
+from service.worker.engine.onnx_model import OnnxModel
+from service.worker.engine.registry import SERVER_LABEL, ModelRegistry
+from service.worker.engine.repository import VersionPolicy
 
 API = "v2"
 STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[

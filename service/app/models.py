@@ -9,13 +9,13 @@ from collections.abc import Awaitable, Callable
 
 from grpc_health.v1 import health, health_pb2
 
-from service.engine.cuda import cuda_options_for
-from service.engine.model_control import Hooks, ModelController
-from service.engine.onnx_model import OnnxModel, count_sessions, warm_up_shapes
-from service.engine.registry import ModelRegistry
-from service.engine.repository import VersionFiles, VersionPolicy, discover
-from service.ops import metrics
+from service.observability import metrics
 from service.settings import Settings
+from service.worker.engine.cuda import cuda_options_for
+from service.worker.engine.model_control import Hooks, ModelController
+from service.worker.engine.onnx_model import OnnxModel, count_sessions, warm_up_shapes
+from service.worker.engine.registry import ModelRegistry
+from service.worker.engine.repository import VersionFiles, VersionPolicy, discover
 
 log = logging.getLogger(__name__)
 

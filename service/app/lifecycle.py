@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from service.ops.server import AttentionServer, StartupError
+from service.app.server import AttentionServer, StartupError
 from service.settings import Settings
 
 log = logging.getLogger("service")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from service.engine.onnx_model import OnnxModel
-from service.engine.repository import VERSION_RULE, parse_version
 from service.errors import ModelNotFound
 from service.text import shown
+from service.worker.engine.onnx_model import OnnxModel
+from service.worker.engine.repository import VERSION_RULE, parse_version
 
 SERVER_LABEL = "_server"  # metric label of calls that name no model
 

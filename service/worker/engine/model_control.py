@@ -16,9 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.engine.onnx_model import BrokenModel, OnnxModel
-from service.engine.registry import ModelRegistry
-from service.engine.repository import Scan, VersionFiles, VersionPolicy, discover, scan
 from service.errors import (
     InvalidInput,
     ModelControlDisabled,
@@ -27,6 +24,9 @@ from service.errors import (
     ShuttingDown,
 )
 from service.text import shown
+from service.worker.engine.onnx_model import BrokenModel, OnnxModel
+from service.worker.engine.registry import ModelRegistry
+from service.worker.engine.repository import Scan, VersionFiles, VersionPolicy, discover, scan
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,0 @@
-"""The gRPC surface: servicers, wire codecs, validation and admission into the batcher."""

@@ -1,0 +1,1 @@
+"""The top of the stack: process assembly, lifecycle and the supervisor."""

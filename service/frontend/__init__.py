@@ -1,0 +1,1 @@
+"""The front end: gRPC servicers, validation and admission; per-request protocol work."""

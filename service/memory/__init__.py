@@ -1,0 +1,1 @@
+"""Process memory: glibc malloc settings and the queued-bytes budget."""

@@ -1,0 +1,1 @@
+"""Metrics (and later tracing): leaves that every layer may import."""

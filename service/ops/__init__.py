@@ -1,1 +1,0 @@
-"""The process: server assembly, lifecycle, metrics, memory and gRPC options."""

@@ -1,0 +1,1 @@
+"""What server and client share on the wire: tensor codecs, TLS, gRPC options."""

@@ -1,0 +1,1 @@
+"""The ONNX Runtime worker: model registry, batcher, sessions and model control."""
