@@ -243,7 +243,7 @@ class AttentionServer:
     async def _load_models(self, providers: list[str]) -> ModelRegistry:
         """The versions served at start, loaded by the model controller (not yet warm)."""
         settings = self._settings
-        registry = ModelRegistry([], settings.default_model)
+        registry: ModelRegistry[OnnxModel] = ModelRegistry([], settings.default_model)
         served = self._served = ServedSet(registry, self._health)
         self.models = build_controller(
             settings,

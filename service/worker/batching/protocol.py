@@ -7,7 +7,17 @@ from typing import Protocol
 
 import numpy as np
 
-from service.worker.engine.caps import BatchCaps
+from service.catalog import BatchCaps
+from service.dataplane import DEADLINE_SLACK_S, Result, ended_at_deadline
+
+__all__ = [
+    "DEADLINE_SLACK_S",
+    "BatchFailed",
+    "BatchLimits",
+    "Result",
+    "Runner",
+    "ended_at_deadline",
+]
 
 
 class Runner(Protocol):
@@ -26,19 +36,6 @@ class Runner(Protocol):
     ) -> tuple[np.ndarray, np.ndarray | None]: ...
 
 
-# A call cancelled this close to its deadline ended at its deadline: the client's deadline
-# timer fires before the server's by the time the request took to arrive, and the client
-# then cancels the call (measured: with 400 calls in flight on one connection, up to 7% of
-# those that expired in the queue were cancelled >50 ms before the server's deadline).
-DEADLINE_SLACK_S = 0.25
-
-
-def ended_at_deadline(remaining_s: float | None) -> bool:
-    """Whether a call cancelled with remaining_s left before its deadline (None: it had no
-    deadline) counts as DEADLINE_EXCEEDED rather than CANCELLED. One rule for every counter."""
-    return remaining_s is not None and remaining_s <= DEADLINE_SLACK_S
-
-
 class BatchFailed(RuntimeError):
     """The batch this request was in failed; the cause is chained."""
 
@@ -53,14 +50,3 @@ class BatchLimits:
     max_inflight_batches: int = 4  # all models together
     max_inflight_batches_per_model: int = 1  # per model version
     max_queue_bytes: int = 1 << 62  # embeddings bytes waiting, all models
-
-
-@dataclass(frozen=True)
-class Result:
-    """One request's share of a batch, with where its time went."""
-
-    output: np.ndarray
-    attention_weights: np.ndarray | None
-    queue_s: float
-    compute_s: float
-    batch_size: int

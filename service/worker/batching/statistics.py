@@ -6,29 +6,10 @@ import copy
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
+from service.dataplane import Duration, VersionStats
 
-@dataclass
-class Duration:
-    count: int = 0
-    ns: int = 0
-
-    def add(self, seconds: float, count: int = 1) -> None:
-        self.count += count
-        self.ns += round(seconds * 1e9)
-
-
-@dataclass
-class VersionStats:
-    inference_count: int = 0  # sequences computed
-    execution_count: int = 0  # ONNX Runtime calls
-    last_inference_ms: int = 0  # since the epoch
-    success: Duration = field(default_factory=Duration)
-    fail: Duration = field(default_factory=Duration)
-    queue: Duration = field(default_factory=Duration)
-    compute_infer: Duration = field(default_factory=Duration)
-    batches: dict[int, Duration] = field(default_factory=lambda: defaultdict(Duration))
+__all__ = ["Duration", "InferenceStatistics", "VersionStats"]
 
 
 class InferenceStatistics:

@@ -8,10 +8,11 @@ measured version of Triton's preferred batch sizes. --max-batch-size stays the u
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from service.catalog import BatchCaps
 
 # Per-sequence costs within this fraction of the best count as a tie, won by the larger
 # batch: the same compute per sequence, and the server's per-batch work (scheduling, thread
@@ -32,34 +33,6 @@ MIN_REPEATS = 3
 MIN_TIMED_S = 0.01
 LONG_RUN_S = 0.05
 MAX_REPEATS = 20
-
-
-@dataclass(frozen=True)
-class BatchCaps:
-    """Ascending (longest sequence length, most sequences) pairs; the last covers the rest."""
-
-    caps: tuple[tuple[int, int], ...]
-
-    def __post_init__(self) -> None:
-        lengths = [length for length, _ in self.caps]
-        if not self.caps or lengths != sorted(set(lengths)):
-            raise ValueError(f"caps must be non-empty and ascending by length, got {self.caps}")
-        if any(size < 1 for _, size in self.caps):
-            raise ValueError(f"every cap must be >= 1, got {self.caps}")
-
-    @classmethod
-    def uniform(cls, max_batch_size: int, max_seq_len: int) -> BatchCaps:
-        """No measurement: every length may fill max_batch_size."""
-        return cls(((max_seq_len, max_batch_size),))
-
-    def cap_for(self, longest_seq: int) -> int:
-        """Most sequences in a batch whose longest sequence has this length."""
-        lengths = [length for length, _ in self.caps]
-        index = min(bisect.bisect_left(lengths, longest_seq), len(self.caps) - 1)
-        return self.caps[index][1]
-
-    def describe(self) -> str:
-        return ", ".join(f"seq<={length}: {size}" for length, size in self.caps)
 
 
 def length_buckets(max_seq_len: int, smallest: int = 16) -> list[int]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.dataplane import IndexEntry
 from service.errors import (
     InvalidInput,
     ModelControlDisabled,
@@ -32,16 +33,6 @@ log = logging.getLogger(__name__)
 
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 Key = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class IndexEntry:
-    """One row of the V2 RepositoryIndex: a model version and its state."""
-
-    name: str
-    version: int
-    state: str
-    reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

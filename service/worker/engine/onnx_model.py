@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from service.catalog import ModelSpec
 from service.worker.engine import fused as fusing
 from service.worker.engine.caps import SERVER_BATCH_OVERHEAD_S, BatchCaps, measure_caps
 from service.worker.engine.cuda import (
@@ -33,20 +33,6 @@ INPUTS = ("embeddings", "key_padding_mask")
 
 class BrokenModel(ValueError):
     """A model file that cannot be served; the message says why."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the ONNX metadata says about a model version."""
-
-    name: str
-    version: int
-    embed_dim: int
-    num_heads: int
-    causal: bool
-    dtype: np.dtype
-    weights_sha256: str
-    weights_source: str
 
 
 def warm_up_shapes(provider: str, max_batch_size: int, max_seq_len: int) -> list[tuple[int, int]]:

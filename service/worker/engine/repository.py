@@ -4,30 +4,18 @@ the version policy that picks which of them are served."""
 from __future__ import annotations
 
 import logging
-import re
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.catalog import VERSION_RULE, parse_version
 from service.settings import VERSION_POLICY
 
 log = logging.getLogger(__name__)
 
 OUTPUT_GRAPH = "model.onnx"
 WEIGHTS_GRAPH = "model.with_weights.onnx"
-
-
-# One strict rule for version folders and requested versions: ASCII digits, no leading zero,
-# at most 18 digits. str.isdigit() also takes "²" (int() refuses it) and "１" or "١" (int()
-# reads 1), and "01" would name the same version as "1"; all of those are not versions.
-VERSION = re.compile(r"[1-9][0-9]{0,17}")
-VERSION_RULE = "a positive decimal integer in ASCII digits without leading zeros, at most 18"
-
-
-def parse_version(text: str) -> int | None:
-    """The version a folder name or a request names, or None when it breaks the rule."""
-    return int(text) if VERSION.fullmatch(text) else None
 
 
 POLICY_RULE = "all or latest:N with N a positive integer"

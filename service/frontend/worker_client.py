@@ -1,0 +1,319 @@
+"""The front end's DataPlane: requests go to the worker process through shared memory.
+
+A request's tensor is copied once, from the received message into this front end's slab;
+the worker batches from there and writes the answer back into the slab, from which the
+servicer encodes the response. Only small JSON control messages cross the socket. When the
+worker goes away, every call in flight fails at once with UNAVAILABLE and the client keeps
+reconnecting (the supervisor restarts the worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.catalog import ModelRegistry, ServedModel
+from service.dataplane import IndexEntry, Result, VersionStats
+from service.errors import ShuttingDown
+from service.ipc import channel, messages
+from service.ipc.slab import Region, RegionAllocator, Slab
+
+log = logging.getLogger(__name__)
+RECONNECT_FIRST_S = 0.05
+RECONNECT_MAX_S = 1.0
+NOT_ACCEPTING = "server is not accepting requests (starting up or shutting down); retry"
+WORKER_GONE = "the ONNX Runtime worker stopped while this request was in flight; retry"
+
+
+@dataclass(eq=False)
+class _Link:
+    """One connection to one worker process: its slab, writer and calls in flight."""
+
+    slab: Slab
+    allocator: RegionAllocator
+    writer: channel.Writer
+    calls: dict[int, _Call] = field(default_factory=dict)
+    alive: bool = True
+
+    def free(self, regions: list[Region]) -> None:
+        for region in regions:
+            self.allocator.free(region)
+            if region.nbytes >= RELEASE_BYTES:
+                self.slab.release_pages(region)
+
+
+RELEASE_BYTES = 1 << 20
+
+
+@dataclass(eq=False)
+class _Call:
+    future: asyncio.Future[channel.Message]
+    regions: list[Region] = field(default_factory=list)
+    abandoned: bool = False  # the caller went away; free the regions on the final answer
+
+
+class WorkerClient:
+    """connect_forever() keeps a connection to the worker; infer() and the control calls
+    use it. models is the served set as the worker last reported it."""
+
+    def __init__(self, socket_path: Path, name: str, slab_bytes: int,
+                 on_change: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        self._socket_path = socket_path
+        self._name = name
+        self._slab_bytes = slab_bytes
+        self._on_change = on_change
+        self._models: ModelRegistry[ServedModel] = ModelRegistry([], "")
+        self._link: _Link | None = None
+        self._ids = itertools.count(1)
+        self._welcomed = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight = 0
+        self.worker_ready = False  # connected, and the worker is warm
+        self.accepting = True  # False once this front end drains
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def models(self) -> ModelRegistry[ServedModel]:
+        return self._models
+
+    @property
+    def ready(self) -> bool:
+        return self.worker_ready and self.accepting
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._connect_forever(), name="worker-link")
+
+    async def wait_welcomed(self) -> None:
+        """Until the first snapshot of the served set has arrived."""
+        await self._welcomed.wait()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # -- the connection ---------------------------------------------------------------------
+
+    async def _connect_forever(self) -> None:
+        delay = RECONNECT_FIRST_S
+        while True:
+            try:
+                reader, link = await self._connect()
+            except OSError:
+                await asyncio.sleep(delay)  # the worker is starting (or restarting)
+                delay = min(delay * 2, RECONNECT_MAX_S)
+                continue
+            delay = RECONNECT_FIRST_S
+            self._link = link
+            try:
+                await self._read(reader, link)
+            finally:
+                self._lost(link)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, _Link]:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, str(self._socket_path))
+            slab = Slab.create(self._slab_bytes, f"attention-{self._name}")
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            sock.setblocking(True)
+            channel.send_hello(sock, {"name": self._name, "pid": os.getpid()}, [slab.fd])
+            sock.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            slab.close()
+            raise
+        slab.close()  # the mapping stays; the worker holds its own descriptor now
+        return reader, _Link(slab, RegionAllocator(slab.size), channel.Writer(writer))
+
+    async def _read(self, reader: asyncio.StreamReader, link: _Link) -> None:
+        try:
+            while True:
+                self._dispatch(link, await channel.read(reader))
+        except channel.ChannelClosed:
+            log.warning("the worker closed its connection; failing calls in flight, reconnecting")
+        except (ValueError, KeyError, TypeError) as err:
+            log.error("malformed message from the worker (%s); reconnecting", err)
+
+    def _lost(self, link: _Link) -> None:
+        link.alive = False
+        link.writer.close()
+        if self._link is link:
+            self._link = None
+        calls, link.calls = link.calls, {}
+        for call in calls.values():
+            if not call.future.done():
+                call.future.set_exception(ShuttingDown(WORKER_GONE))
+        if self.worker_ready:
+            self.worker_ready = False
+            self._on_change()
+
+    def _dispatch(self, link: _Link, message: channel.Message) -> None:
+        kind = message["t"]
+        if kind in (messages.DONE, messages.FAIL, messages.REPLY):
+            call = link.calls.pop(int(message["id"]), None)
+            if call is None:
+                return
+            if call.abandoned:
+                link.free(call.regions)
+            elif not call.future.done():
+                call.future.set_result(message)
+        elif kind in (messages.WELCOME, messages.MODELS):
+            self._apply_snapshot(message)
+        else:
+            raise ValueError(f"unknown message type {kind!r}")
+
+    def _apply_snapshot(self, message: channel.Message) -> None:
+        views = [messages.model_from_json(data) for data in message["models"]]
+        self._models = ModelRegistry(views, str(message["default_model"]))
+        self.worker_ready = bool(message["ready"])
+        self._welcomed.set()
+        self._on_change()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _usable_link(self) -> _Link:
+        if not self.accepting:
+            raise ShuttingDown(NOT_ACCEPTING)
+        link = self._link
+        if link is None or not link.alive:
+            raise ShuttingDown("the ONNX Runtime worker is restarting; retry")
+        if not self.worker_ready:
+            raise ShuttingDown(NOT_ACCEPTING)
+        return link
+
+    async def infer(
+        self,
+        model: ServedModel,
+        embeddings: np.ndarray,
+        *,
+        with_weights: bool,
+        deadline: float | None,
+    ) -> Result:
+        link = self._usable_link()
+        n, seq, d = embeddings.shape
+        sizes = [embeddings.nbytes, embeddings.nbytes]
+        if with_weights:
+            sizes.append(n * model.spec.num_heads * seq * seq * 4)
+        call = _Call(asyncio.get_running_loop().create_future())
+        try:
+            for nbytes in sizes:
+                call.regions.append(link.allocator.alloc(nbytes))
+        except BaseException:
+            link.free(call.regions)
+            raise
+        regions = call.regions
+        np.copyto(link.slab.array(regions[0].offset, embeddings.shape, embeddings.dtype),
+                  embeddings)  # fmt: skip
+        request_id = next(self._ids)
+        link.calls[request_id] = call
+        link.writer.send({
+            "t": messages.INFER, "id": request_id, "model": model.key, "w": with_weights,
+            "in": regions[0].offset, "shape": [n, seq, d], "dtype": embeddings.dtype.name,
+            "out": regions[1].offset, "wout": regions[2].offset if with_weights else None,
+            "deadline": deadline,
+        })  # fmt: skip
+        self._enter()
+        try:
+            answer = await call.future
+        except asyncio.CancelledError:
+            self._abandon(link, request_id, call)
+            raise
+        except BaseException:
+            link.free(regions)
+            raise
+        finally:
+            self._leave()
+        if answer["t"] == messages.FAIL:
+            link.free(regions)
+            raise messages.rebuild_error(answer["kind"], answer["msg"])
+        output = link.slab.array(regions[1].offset, embeddings.shape, embeddings.dtype)
+        weights = None
+        if with_weights:
+            weights_shape = (n, model.spec.num_heads, seq, seq)
+            weights = link.slab.array(regions[2].offset, weights_shape, np.dtype("float32"))
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                link.free(regions)
+
+        return Result(output, weights, float(answer["q"]), float(answer["c"]), int(answer["b"]),
+                      release=release)  # fmt: skip
+
+    def _abandon(self, link: _Link, request_id: int, call: _Call) -> None:
+        """The caller went away: the worker drops the request, and its regions are freed once
+        the worker's final answer says it wrote nothing more into them."""
+        if not link.alive:
+            return  # the slab went with the connection
+        if request_id in link.calls:
+            call.abandoned = True
+            link.writer.send({"t": messages.CANCEL, "id": request_id})
+        else:
+            link.free(call.regions)  # answered just as it was cancelled
+
+    def _enter(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no call of this front end is waiting for the worker."""
+        await self._idle.wait()
+
+    # -- control calls ----------------------------------------------------------------------
+
+    async def _call(self, op: str, args: dict[str, Any]) -> Any:
+        link = self._link
+        if link is None or not link.alive:
+            raise ShuttingDown("the ONNX Runtime worker is restarting; retry")
+        call = _Call(asyncio.get_running_loop().create_future())
+        call_id = next(self._ids)
+        link.calls[call_id] = call
+        link.writer.send({"t": messages.CALL, "id": call_id, "op": op, "args": args})
+        try:
+            answer = await call.future
+        except asyncio.CancelledError:
+            link.calls.pop(call_id, None)
+            raise
+        if "kind" in answer:
+            raise messages.rebuild_error(answer["kind"], answer["msg"])
+        return answer["ok"]
+
+    async def statistics(self, keys: list[str]) -> dict[str, VersionStats]:
+        found = await self._call("statistics", {"keys": keys})
+        return {key: messages.stats_from_json(data) for key, data in found.items()}
+
+    async def index(self, *, ready_only: bool) -> list[IndexEntry]:
+        rows = await self._call("index", {"ready_only": ready_only})
+        return [messages.index_from_json(row) for row in rows]
+
+    async def load(self, name: str, peer: str = "") -> None:
+        await self._call("load", {"name": name, "peer": peer})
+
+    async def unload(self, name: str, peer: str = "") -> None:
+        await self._call("unload", {"name": name, "peer": peer})

@@ -1,0 +1,78 @@
+"""Control messages between a front end and the worker: small JSON objects, each framed by
+its length, over a Unix socket; the slab's descriptor goes with the first one (SCM_RIGHTS).
+
+JSON because messages are a handful of numbers and names (tensors never travel here), it
+needs no schema compiler, and a malformed message fails to decode instead of running code
+as a pickle could.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from typing import Any
+
+HEADER = struct.Struct("<I")
+MAX_MESSAGE_BYTES = 16 << 20  # a model snapshot or statistics reply; far above any real one
+HELLO_TIMEOUT_S = 10.0
+
+Message = dict[str, Any]
+
+
+class ChannelClosed(ConnectionError):
+    """The other process closed its end (it exited or was killed)."""
+
+
+def encode(message: Message) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    message = json.loads(body)
+    if not isinstance(message, dict):
+        raise ValueError(f"a control message is a JSON object, got {type(message).__name__}")
+    return message
+
+
+async def read(reader: asyncio.StreamReader) -> Message:
+    try:
+        header = await reader.readexactly(HEADER.size)
+        (length,) = HEADER.unpack(header)
+        if length > MAX_MESSAGE_BYTES:
+            raise ValueError(f"control message of {length} bytes (max {MAX_MESSAGE_BYTES})")
+        return decode(await reader.readexactly(length))
+    except (asyncio.IncompleteReadError, ConnectionError) as err:
+        raise ChannelClosed("the other process closed the channel") from err
+
+
+class Writer:
+    """Writes framed messages; a closed peer is noticed by the reader, not here."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+
+    def send(self, message: Message) -> None:
+        if not self._writer.is_closing():
+            self._writer.write(encode(message))
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def send_hello(sock: socket.socket, message: Message, fds: list[int]) -> None:
+    """The first message, with descriptors, on a blocking socket."""
+    socket.send_fds(sock, [encode(message)], fds)
+
+
+def receive_hello(sock: socket.socket) -> tuple[Message, list[int]]:
+    """The first message and its descriptors, on a blocking socket (timeout set by caller)."""
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+    if len(data) < HEADER.size:
+        raise ValueError("hello message too short")
+    (length,) = HEADER.unpack(data[: HEADER.size])
+    if len(data) != HEADER.size + length:
+        raise ValueError(f"hello message of {len(data)} bytes, header says {length}")
+    return decode(data[HEADER.size :]), list(fds)

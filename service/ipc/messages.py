@@ -1,0 +1,126 @@
+"""The control messages' contents: model snapshots, statistics, index rows and errors as
+plain JSON values, and back. Both ends build and read messages only through here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from service import errors
+from service.catalog import BatchCaps, ModelSpec, ModelView, ServedModel
+from service.dataplane import Duration, IndexEntry, VersionStats
+
+# Message types.
+INFER, CANCEL, CALL = "infer", "cancel", "call"  # front end -> worker
+DONE, FAIL, REPLY, MODELS, WELCOME = "done", "fail", "reply", "models", "welcome"
+CANCELLED = "Cancelled"  # FAIL kind of a request the front end cancelled
+
+# Errors a client may see the message of, by name; anything else arrives as INTERNAL.
+ERRORS: dict[str, type[errors.ServingError]] = {
+    kind.__name__: kind
+    for kind in (
+        errors.InvalidInput,
+        errors.NonFiniteOutput,
+        errors.ModelNotFound,
+        errors.QueueFull,
+        errors.DeadlineExpired,
+        errors.ShuttingDown,
+        errors.NotSupported,
+        errors.ModelLoadFailed,
+        errors.ModelControlDisabled,
+    )
+}
+
+
+class WorkerError(RuntimeError):
+    """The worker failed a request unexpectedly (logged there); INTERNAL for the client."""
+
+
+def error_kind(error: BaseException) -> str:
+    """The nearest class a front end can rebuild (SchedulerFailed -> ShuttingDown)."""
+    for kind in type(error).__mro__:
+        if kind.__name__ in ERRORS:
+            return kind.__name__
+    return "Internal"
+
+
+def rebuild_error(kind: str, message: str) -> Exception:
+    known = ERRORS.get(kind)
+    return known(message) if known is not None else WorkerError(message)
+
+
+def model_to_json(model: ServedModel) -> dict[str, Any]:
+    spec = model.spec
+    return {
+        "key": model.key,
+        "name": spec.name,
+        "version": spec.version,
+        "embed_dim": spec.embed_dim,
+        "num_heads": spec.num_heads,
+        "causal": spec.causal,
+        "dtype": spec.dtype.name,
+        "weights_sha256": spec.weights_sha256,
+        "weights_source": spec.weights_source,
+        "provider": model.provider,
+        "caps": [list(cap) for cap in model.batch_caps.caps],
+        "has_weights_graph": model.has_weights_graph,
+    }
+
+
+def model_from_json(data: dict[str, Any]) -> ModelView:
+    spec = ModelSpec(
+        name=data["name"],
+        version=int(data["version"]),
+        embed_dim=int(data["embed_dim"]),
+        num_heads=int(data["num_heads"]),
+        causal=bool(data["causal"]),
+        dtype=np.dtype(data["dtype"]),
+        weights_sha256=data["weights_sha256"],
+        weights_source=data["weights_source"],
+    )
+    caps = BatchCaps(tuple((int(length), int(size)) for length, size in data["caps"]))
+    return ModelView(data["key"], spec, data["provider"], caps, bool(data["has_weights_graph"]))
+
+
+def _duration(data: list[int]) -> Duration:
+    return Duration(count=int(data[0]), ns=int(data[1]))
+
+
+def stats_to_json(stats: VersionStats) -> dict[str, Any]:
+    def pair(duration: Duration) -> list[int]:
+        return [duration.count, duration.ns]
+
+    return {
+        "inference_count": stats.inference_count,
+        "execution_count": stats.execution_count,
+        "last_inference_ms": stats.last_inference_ms,
+        "success": pair(stats.success),
+        "fail": pair(stats.fail),
+        "queue": pair(stats.queue),
+        "compute_infer": pair(stats.compute_infer),
+        "batches": {str(size): pair(d) for size, d in stats.batches.items()},
+    }
+
+
+def stats_from_json(data: dict[str, Any]) -> VersionStats:
+    stats = VersionStats(
+        inference_count=int(data["inference_count"]),
+        execution_count=int(data["execution_count"]),
+        last_inference_ms=int(data["last_inference_ms"]),
+        success=_duration(data["success"]),
+        fail=_duration(data["fail"]),
+        queue=_duration(data["queue"]),
+        compute_infer=_duration(data["compute_infer"]),
+    )
+    for size, duration in data["batches"].items():
+        stats.batches[int(size)] = _duration(duration)
+    return stats
+
+
+def index_to_json(entry: IndexEntry) -> list[Any]:
+    return [entry.name, entry.version, entry.state, entry.reason]
+
+
+def index_from_json(row: list[Any]) -> IndexEntry:
+    return IndexEntry(str(row[0]), int(row[1]), str(row[2]), str(row[3]))

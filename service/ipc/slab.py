@@ -1,0 +1,131 @@
+"""A shared-memory slab: one memfd that a front end creates and the worker maps too.
+
+memfd rather than a POSIX name under /dev/shm: it has no name to leak when a process is
+killed (the memory goes when the last mapping does), and it does not count against a
+container's /dev/shm size (64 MiB by default under Docker), only against its memory limit.
+Pages are taken when first written, so a large slab costs nothing until it is used; large
+regions give their pages back when freed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.errors import QueueFull
+
+ALIGN = 64  # cache-line aligned regions: numpy and ONNX Runtime read them at full speed
+PAGE = mmap.PAGESIZE
+# Freed regions this large give their pages back to the kernel (a weights answer at seq 512
+# is 8 MiB a sequence); smaller ones stay resident for the next request to reuse.
+RELEASE_BYTES = 1 << 20
+
+
+class SlabFull(QueueFull):
+    """The front end's shared memory holds as many tensors as it may; retry with backoff."""
+
+
+@dataclass(frozen=True)
+class Region:
+    offset: int
+    nbytes: int
+
+
+def _aligned(nbytes: int) -> int:
+    return max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+
+
+class Slab:
+    """A mapping of one memfd. create() makes a new one (the front end); attach() maps the
+    descriptor another process sent (the worker)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        self._map = mmap.mmap(fd, size)
+
+    @classmethod
+    def create(cls, size: int, name: str) -> Slab:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            return cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int) -> Slab:
+        return cls(fd, os.fstat(fd).st_size)
+
+    def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A numpy view of part of the slab (no copy)."""
+        return np.ndarray(shape, dtype=dtype, buffer=self._map, offset=offset)
+
+    def release_pages(self, region: Region) -> None:
+        """Give the whole pages inside region back to the kernel (they read as zeros after)."""
+        start = (region.offset + PAGE - 1) // PAGE * PAGE
+        end = (region.offset + region.nbytes) // PAGE * PAGE
+        if end > start:
+            self._map.madvise(mmap.MADV_REMOVE, start, end - start)
+
+    def close(self) -> None:
+        """Close the descriptor; the mapping goes when the last view of it does."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class RegionAllocator:
+    """First fit over a sorted free list, coalescing on free. Used by the front end alone,
+    on its event loop (no lock)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._starts: list[int] = [0]  # free blocks, sorted by start
+        self._lengths: dict[int, int] = {0: size}
+        self.used = 0
+
+    def alloc(self, nbytes: int) -> Region:
+        need = _aligned(nbytes)
+        for start in self._starts:
+            length = self._lengths[start]
+            if length >= need:
+                self._take(start, length, need)
+                self.used += need
+                return Region(start, need)
+        raise SlabFull(
+            f"shared memory full: {self.used} of {self.size} bytes hold tensors of requests in "
+            f"flight, this one needs {need} more (--shared-memory-bytes); retry with backoff"
+        )
+
+    def _take(self, start: int, length: int, need: int) -> None:
+        index = bisect.bisect_left(self._starts, start)
+        del self._starts[index]
+        del self._lengths[start]
+        if length > need:
+            rest = start + need
+            self._starts.insert(index, rest)
+            self._lengths[rest] = length - need
+
+    def free(self, region: Region) -> None:
+        start, length = region.offset, region.nbytes
+        self.used -= length
+        index = bisect.bisect_left(self._starts, start)
+        # Merge with the following block, then with the preceding one.
+        if index < len(self._starts) and self._starts[index] == start + length:
+            length += self._lengths.pop(self._starts.pop(index))
+        if index > 0:
+            before = self._starts[index - 1]
+            if before + self._lengths[before] == start:
+                self._lengths[before] += length
+                return
+        self._starts.insert(index, start)
+        self._lengths[start] = length
+
+    def free_bytes(self) -> int:
+        return self.size - self.used

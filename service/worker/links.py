@@ -1,0 +1,225 @@
+"""The worker's end of the channels: one FrontendLink per connected front end, reading its
+requests from that front end's slab and writing answers back into it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.catalog import ModelRegistry
+from service.errors import ModelNotFound, ServingError
+from service.ipc import channel, messages
+from service.ipc.slab import Slab
+from service.worker.batching.batcher import Batcher
+from service.worker.engine.onnx_model import OnnxModel
+
+log = logging.getLogger(__name__)
+# Copies of answers this large run on a thread (numpy releases the GIL), so the worker's
+# event loop keeps feeding batches meanwhile.
+OFF_LOOP_COPY_BYTES = 1 << 20
+
+Call = Callable[[str, dict[str, Any]], Awaitable[Any]]
+
+
+def _copy(source: np.ndarray, target: np.ndarray) -> None:
+    np.copyto(target, source)
+
+
+class FrontendLink:
+    """One front end: its slab, its requests in flight, its control calls."""
+
+    def __init__(
+        self,
+        name: str,
+        slab: Slab,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        registry: ModelRegistry[OnnxModel],
+        batcher: Batcher,
+        call: Call,
+    ) -> None:
+        self.name = name
+        self._slab = slab
+        self._reader = reader
+        self._writer = channel.Writer(writer)
+        self._registry = registry
+        self._batcher = batcher
+        self._call = call
+        self._submitted: dict[int, asyncio.Future[Any]] = {}  # id -> the batcher's future
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def send(self, message: channel.Message) -> None:
+        self._writer.send(message)
+
+    async def serve(self) -> None:
+        """Read until the front end goes; then drop what it still had queued."""
+        try:
+            while True:
+                message = await channel.read(self._reader)
+                self._dispatch(message)
+        except channel.ChannelClosed:
+            log.info("front end %s disconnected", self.name)
+        except ValueError as err:
+            log.error("front end %s sent a malformed control message: %s", self.name, err)
+        finally:
+            for submitted in self._submitted.values():
+                submitted.cancel()
+            self._writer.close()
+            self._slab.close()
+
+    def _dispatch(self, message: channel.Message) -> None:
+        kind = message.get("t")
+        if kind == messages.INFER:
+            self._start(self._infer(message))
+        elif kind == messages.CANCEL:
+            submitted = self._submitted.get(int(message["id"]))
+            if submitted is not None:
+                submitted.cancel()
+        elif kind == messages.CALL:
+            self._start(self._control(message))
+        else:
+            raise ValueError(f"unknown message type {kind!r}")
+
+    def _start(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _infer(self, message: channel.Message) -> None:
+        """Compute one request; exactly one DONE or FAIL answers it, sent only after the
+        last write into its output regions (the front end frees them on that answer)."""
+        request_id = int(message["id"])
+        try:
+            model = self._model(message["model"])
+            dtype = np.dtype(message["dtype"])
+            shape = tuple(int(n) for n in message["shape"])
+            embeddings = self._slab.array(int(message["in"]), shape, dtype)
+            submitted = asyncio.ensure_future(
+                self._batcher.submit(
+                    model, embeddings, with_weights=bool(message["w"]),
+                    deadline=message.get("deadline"),
+                )
+            )  # fmt: skip
+            self._submitted[request_id] = submitted
+            try:
+                result = await submitted
+            finally:
+                del self._submitted[request_id]
+            await self._write(result.output, int(message["out"]))
+            if result.attention_weights is not None:
+                await self._write(result.attention_weights, int(message["wout"]))
+        except asyncio.CancelledError:
+            self.send({"t": messages.FAIL, "id": request_id, "kind": messages.CANCELLED,
+                       "msg": "cancelled by the front end"})  # fmt: skip
+            return
+        except ServingError as err:
+            self._fail(request_id, err)
+            return
+        except Exception as err:
+            log.exception("request %d from front end %s failed", request_id, self.name)
+            self._fail(request_id, err)
+            return
+        self.send({"t": messages.DONE, "id": request_id, "q": result.queue_s,
+                   "c": result.compute_s, "b": result.batch_size})  # fmt: skip
+
+    async def _write(self, source: np.ndarray, offset: int) -> None:
+        target = self._slab.array(offset, source.shape, source.dtype)
+        if source.nbytes >= OFF_LOOP_COPY_BYTES:
+            await asyncio.shield(asyncio.to_thread(_copy, source, target))
+        else:
+            _copy(source, target)
+
+    def _model(self, key: str) -> OnnxModel:
+        name, _, version = str(key).partition("/")
+        return self._registry.resolve(name, version) if name else self._missing(key)
+
+    @staticmethod
+    def _missing(key: str) -> OnnxModel:
+        raise ModelNotFound(f"model {key!r} is not served (any more)")
+
+    def _fail(self, request_id: int, error: BaseException) -> None:
+        kind = messages.error_kind(error)
+        text = str(error) if kind != "Internal" else "the worker failed this request"
+        self.send({"t": messages.FAIL, "id": request_id, "kind": kind, "msg": text})
+
+    async def _control(self, message: channel.Message) -> None:
+        call_id = int(message["id"])
+        try:
+            result = await self._call(str(message["op"]), dict(message.get("args") or {}))
+        except Exception as err:
+            if not isinstance(err, ServingError):
+                log.exception("control call %s from front end %s failed", message["op"],
+                              self.name)  # fmt: skip
+            kind = messages.error_kind(err)
+            text = str(err) if kind != "Internal" else "the worker failed this call"
+            self.send({"t": messages.REPLY, "id": call_id, "kind": kind, "msg": text})
+            return
+        self.send({"t": messages.REPLY, "id": call_id, "ok": result})
+
+
+class LinkListener:
+    """Accepts front ends on a Unix socket; each hello brings its slab's descriptor."""
+
+    def __init__(self, path: Path, on_link: Callable[[FrontendLink], Awaitable[None]],
+                 make_link: Callable[..., FrontendLink]) -> None:  # fmt: skip
+        self._path = path
+        self._on_link = on_link
+        self._make_link = make_link
+        self._listener: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._handshakes: set[asyncio.Future[None]] = set()  # and the links they serve
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self._path))
+        os.chmod(self._path, 0o600)  # only this user's processes reach the worker
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._task = asyncio.create_task(self._accept(), name="link-accept")
+
+    async def _accept(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            connection, _ = await loop.sock_accept(self._listener)
+            task = asyncio.ensure_future(self._handshake(connection))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(self, connection: socket.socket) -> None:
+        try:
+            connection.setblocking(True)
+            connection.settimeout(channel.HELLO_TIMEOUT_S)
+            hello, fds = await asyncio.to_thread(channel.receive_hello, connection)
+            if len(fds) != 1:
+                raise ValueError(f"hello carried {len(fds)} descriptors, expected 1")
+            slab = Slab.attach(fds[0])
+            connection.settimeout(None)
+            connection.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=connection)
+        except (OSError, ValueError) as err:
+            log.warning("a front end's handshake failed: %s", err)
+            connection.close()
+            return
+        link = self._make_link(str(hello.get("name", "?")), slab, reader, writer)
+        await self._on_link(link)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)

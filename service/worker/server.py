@@ -1,0 +1,238 @@
+"""The worker process: model registry, batcher, ONNX Runtime sessions and model control,
+serving the front ends that connect to its socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from service.errors import ModelNotFound, ShuttingDown
+from service.ipc import messages
+from service.ipc.slab import Slab
+from service.memory.budget import default_queue_bytes, memory_limit_bytes
+from service.observability import metrics
+from service.settings import Settings
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.protocol import BatchLimits
+from service.worker.controller import build_controller
+from service.worker.engine.model_control import ModelController, check_repository_name
+from service.worker.engine.onnx_model import CPU, CUDA, OnnxModel, choose_providers, warm_up_shapes
+from service.worker.engine.registry import ModelRegistry
+from service.worker.links import FrontendLink, LinkListener
+
+log = logging.getLogger(__name__)
+SOCKET_NAME = "worker.sock"
+
+
+class StartupError(RuntimeError):
+    """The worker cannot serve anything; the message says why."""
+
+
+def queue_bytes(settings: Settings) -> int:
+    """--max-queue-bytes, or its default derived from the memory this process may use."""
+    return settings.max_queue_bytes or default_queue_bytes(memory_limit_bytes())
+
+
+class ReadyMetrics:
+    """attention_model_ready and attention_engine_info follow the served set."""
+
+    def __init__(self) -> None:
+        self._shown: set[tuple[str, str, str]] = set()
+
+    def sync(self, models: list[OnnxModel], *, ready: bool) -> None:
+        served = {(m.spec.name, str(m.spec.version), m.provider) for m in models}
+        for name, version, provider in self._shown - served:
+            # Zero first: in multiprocess mode a removed child keeps its last value on disk.
+            metrics.MODEL_READY.labels(name, version).set(0)
+            metrics.ENGINE_INFO.labels(name, version, provider).set(0)
+            metrics.MODEL_READY.remove(name, version)
+            metrics.ENGINE_INFO.remove(name, version, provider)
+        for name, version, provider in served:
+            metrics.MODEL_READY.labels(name, version).set(1 if ready else 0)
+            metrics.ENGINE_INFO.labels(name, version, provider).set(1)
+        self._shown = served
+
+
+class WorkerServer:
+    """start() loads, warms and listens; stop() waits for the front ends to go."""
+
+    def __init__(self, settings: Settings, run_dir: Path) -> None:
+        self._settings = settings
+        self.socket_path = run_dir / SOCKET_NAME
+        self.registry: ModelRegistry[OnnxModel] = ModelRegistry([], settings.default_model)
+        self._metrics = ReadyMetrics()
+        self._links: set[FrontendLink] = set()
+        self._link_tasks: set[asyncio.Task[None]] = set()
+        self._all_gone = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
+        self.ready = False
+        self.draining = False
+        limit_bytes = queue_bytes(settings)
+        log.info("queue bounds: %d requests, %d bytes of embeddings",
+                 settings.max_queue_size, limit_bytes)  # fmt: skip
+        self.batcher = Batcher(
+            BatchLimits(
+                max_batch_size=settings.max_batch_size,
+                max_queue_delay_s=settings.max_queue_delay_s,
+                max_queue_size=settings.max_queue_size,
+                max_padding_ratio=settings.max_padding_ratio,
+                group_by_length=settings.length_grouping == "on",
+                max_inflight_batches=settings.max_inflight_batches,
+                max_inflight_batches_per_model=settings.max_inflight_batches_per_model,
+                max_queue_bytes=limit_bytes,
+            ),
+            on_failure=self._on_batcher_failure,
+        )
+        self.models: ModelController | None = None
+        self._listener = LinkListener(self.socket_path, self._serve_link, self._make_link)
+
+    async def start(self) -> None:
+        settings = self._settings
+        try:
+            providers = choose_providers(settings.provider)
+        except RuntimeError as err:
+            raise StartupError(str(err)) from err
+        await self._load_models(providers)
+        # Front ends connect once the served set is known: they size their limits from it.
+        await self._listener.start()
+        await self._warm_up()
+        await self.batcher.start()
+        self.ready = True
+        self._changed()
+        if settings.model_control_mode == "poll":
+            assert self.models is not None
+            self._poller = asyncio.create_task(
+                self.models.poll_forever(settings.repository_poll_s), name="repository-poll"
+            )
+        log.info("worker ready: serving %s (--model-control-mode %s, --version-policy %s)",
+                 self.registry.names(), settings.model_control_mode,
+                 settings.version_policy)  # fmt: skip
+
+    async def _load_models(self, providers: list[str]) -> None:
+        settings = self._settings
+        self.models = build_controller(
+            settings, providers, self.registry, settle=self.batcher.settle, changed=self._changed
+        )
+        try:
+            await self.models.start(settings.load_model)
+        except ModelNotFound as err:
+            raise StartupError(str(err)) from err
+        if not self.registry.names() and settings.model_control_mode == "none":
+            raise StartupError(
+                f"no servable model under {settings.model_repository} (expected "
+                "<name>/<version>/model.onnx; run `python -m export` or `make export`)"
+            )
+        fell_back = [m.key for m in self.registry.all()
+                     if CUDA in providers and m.provider != CUDA]  # fmt: skip
+        if fell_back and settings.provider == "cuda":
+            raise StartupError(
+                f"--provider cuda, but ONNX Runtime put {fell_back} on {CPU}: are the CUDA 13 / "
+                "cuDNN 9 libraries installed (pip install 'onnxruntime-gpu[cuda,cudnn]')?"
+            )
+        for key in fell_back:
+            log.warning("%s runs on %s although a GPU is present", key, CPU)
+        if not self.registry.names():
+            log.warning("no model loaded yet (--model-control-mode %s)",
+                        settings.model_control_mode)  # fmt: skip
+
+    async def _warm_up(self) -> None:
+        settings = self._settings
+        largest = (settings.max_batch_size, settings.max_seq_len)
+        for model in self.registry.all():
+            # On the threads that will run its batches (CUDA keeps per-thread handles), at the
+            # largest shape first on CUDA; then the fused graph is timed against the unfused.
+            shapes = warm_up_shapes(model.provider, *largest)
+            await self.batcher.on_every_thread(functools.partial(model.warm_up, shapes))
+            choice = await asyncio.to_thread(model.choose_output_graph, *largest)
+            log.info("%s: %s", model.key, choice)
+            caps = await asyncio.to_thread(
+                model.measure_batch_caps,
+                max_batch_size=settings.max_batch_size,
+                max_seq_len=settings.max_seq_len,
+                budget_s=settings.batch_cap_budget_s,
+            )
+            log.info("%s batch caps (%s): %s", model.key,
+                     "measured" if settings.batch_cap_budget_s > 0 else "not measured",
+                     caps.describe())  # fmt: skip
+
+    # -- front ends --------------------------------------------------------------------------
+
+    def _make_link(self, name: str, slab: Slab, reader: Any, writer: Any) -> FrontendLink:
+        return FrontendLink(name, slab, reader, writer, registry=self.registry,
+                            batcher=self.batcher, call=self._control)  # fmt: skip
+
+    async def _serve_link(self, link: FrontendLink) -> None:
+        self._links.add(link)
+        self._all_gone.clear()
+        link.send({"t": messages.WELCOME, **self._snapshot()})
+        log.info("front end %s connected", link.name)
+        try:
+            await link.serve()
+        finally:
+            self._links.discard(link)
+            if not self._links:
+                self._all_gone.set()
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "models": [messages.model_to_json(m) for m in self.registry.all()],
+            "ready": self.ready,
+            "default_model": self.registry.default_model,
+        }
+
+    def _changed(self) -> None:
+        """The served set (or readiness) changed: metrics, then every front end."""
+        self._metrics.sync(self.registry.all(), ready=self.ready)
+        snapshot = {"t": messages.MODELS, **self._snapshot()}
+        for link in self._links:
+            link.send(snapshot)
+
+    def _on_batcher_failure(self, error: BaseException) -> None:
+        """The scheduler died: nothing more can be computed here, so say so to front ends."""
+        self.ready = False
+        self._changed()
+
+    async def _control(self, op: str, args: dict[str, Any]) -> Any:
+        """A front end's control call (statistics, repository index, load, unload)."""
+        if op == "statistics":
+            return {key: messages.stats_to_json(self.batcher.statistics.snapshot(key))
+                    for key in args["keys"]}  # fmt: skip
+        controller = self.models
+        assert controller is not None
+        if op == "index":
+            check_repository_name(args.get("repository", ""))
+            entries = await controller.index(ready_only=bool(args.get("ready_only")))
+            return [messages.index_to_json(entry) for entry in entries]
+        if op in ("load", "unload"):
+            if self.draining:
+                raise ShuttingDown("the server is shutting down; no model loads or unloads")
+            log.info("%s of model %r asked by %s", op, args["name"], args.get("peer", "?"))
+            change = controller.load if op == "load" else controller.unload
+            await change(str(args["name"]))
+            return None
+        raise ValueError(f"unknown control call {op!r}")
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    async def stop(self, grace_period_s: float) -> None:
+        """Freeze the served set, serve the front ends until they have all gone (they drain
+        first), then stop the batcher. Within grace_period_s."""
+        deadline = time.monotonic() + grace_period_s
+        self.draining = True
+        if self._poller is not None:
+            self._poller.cancel()
+        if self.models is not None:
+            self.models.close()
+        if self._links:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_gone.wait(), max(0.0, deadline - time.monotonic()))
+        self._listener.close()
+        self.batcher.refuse_new()
+        self.batcher.fail_queued(ShuttingDown("the server stopped before computing it; retry"))
+        await self.batcher.stop(timeout_s=max(0.0, deadline - time.monotonic()))
+        log.info("worker stopped")
