@@ -13,7 +13,8 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from service.errors import ModelNotFound
+from service.errors import InvalidInput, ModelNotFound
+from service.settings import VERSION_POLICY
 from service.text import shown
 
 # One strict rule for version folders and requested versions: ASCII digits, no leading zero,
@@ -26,6 +27,38 @@ VERSION_RULE = "a positive decimal integer in ASCII digits without leading zeros
 def parse_version(text: str) -> int | None:
     """The version a folder name or a request names, or None when it breaks the rule."""
     return int(text) if VERSION.fullmatch(text) else None
+
+
+POLICY_RULE = "all or latest:N with N a positive integer"
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions of a model are served: every one (latest None) or the newest N."""
+
+    latest: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> VersionPolicy:
+        if VERSION_POLICY.fullmatch(text) is None:  # the rule the settings check
+            raise ValueError(f"version policy {text!r} is not {POLICY_RULE}")
+        return cls(None if text == "all" else int(text.removeprefix("latest:")))
+
+    def select(self, versions: Iterable[int]) -> set[int]:
+        newest_first = sorted(set(versions), reverse=True)
+        return set(newest_first if self.latest is None else newest_first[: self.latest])
+
+    def __str__(self) -> str:
+        return "all" if self.latest is None else f"latest:{self.latest}"
+
+
+def check_repository_name(name: str) -> None:
+    """This server has one repository; Triton's clients send an empty name."""
+    if name:
+        raise InvalidInput(
+            f"repository_name {shown(name)}: this server has one model repository; leave "
+            "repository_name empty"
+        )
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,24 @@ class Settings:
         "then get --grace-period-s to finish; 0 = connections live forever",
         default=300.0,
     )
+    frontends: int = _doc(
+        "gRPC front-end processes sharing the gRPC port (SO_REUSEPORT); each decodes, "
+        "validates and encodes on its own core while one worker process batches for all",
+        default=1,
+    )
+    shared_memory_bytes: int = _doc(
+        "bytes of shared memory per front end for the tensors of its requests in flight "
+        "(inputs and answers); when full, RESOURCE_EXHAUSTED; pages are taken only when "
+        "written; 0 = twice the queue's byte bound, at least 1 GiB",
+        default=0,
+    )
+    max_restarts: int = _doc(
+        "restarts of a dead worker or front end the supervisor makes within "
+        "--restart-window-s; one more and the server exits non-zero (the orchestrator then "
+        "restarts the pod)",
+        default=5,
+    )
+    restart_window_s: float = _doc("seconds over which --max-restarts counts", default=60.0)
 
     def __post_init__(self) -> None:
         problems = [
@@ -266,6 +284,10 @@ class Settings:
                 "set with tls_client_ca (mutual TLS runs over TLS)",
             ),
             ("max_connection_age_s", self.max_connection_age_s >= 0, ">= 0"),
+            ("frontends", 1 <= self.frontends <= 64, "in 1..64"),
+            ("shared_memory_bytes", self.shared_memory_bytes >= 0, ">= 0"),
+            ("max_restarts", self.max_restarts >= 0, ">= 0"),
+            ("restart_window_s", self.restart_window_s > 0, "> 0"),
         ]
 
     @property

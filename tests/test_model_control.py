@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from service.catalog import VersionPolicy
 from service.errors import ModelControlDisabled, ModelLoadFailed, ModelNotFound
 from service.worker.batching.batcher import Batcher
 from service.worker.batching.protocol import BatchLimits
@@ -23,7 +24,7 @@ from service.worker.engine.caps import BatchCaps
 from service.worker.engine.model_control import Hooks, ModelController
 from service.worker.engine.onnx_model import BrokenModel
 from service.worker.engine.registry import ModelRegistry
-from service.worker.engine.repository import OUTPUT_GRAPH, VersionFiles, VersionPolicy
+from service.worker.engine.repository import OUTPUT_GRAPH, VersionFiles
 
 
 def run_async(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:

@@ -1,4 +1,4 @@
-"""What both APIs do between decoding a request and awaiting its batch."""
+"""What both APIs do between decoding a request and awaiting its answer."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import time
 import grpc
 import numpy as np
 
+from service.catalog import ServedModel
+from service.dataplane import DataPlane, Result
 from service.errors import InvalidInput
 from service.frontend.validation import InputLimits, as_sequence_batch
-from service.worker.batching.batcher import Batcher
-from service.worker.batching.protocol import Result
-from service.worker.engine.onnx_model import OnnxModel
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
@@ -21,8 +20,8 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
 
 
 async def admit_and_run(
-    batcher: Batcher,
-    model: OnnxModel,
+    plane: DataPlane,
+    model: ServedModel,
     received: np.ndarray,
     limits: InputLimits,
     *,
@@ -47,7 +46,7 @@ async def admit_and_run(
             f"{float(np.finfo(cast.dtype).max):g}), the dtype of model {model.spec.name!r}; "
             "scale them down"
         )
-    return await batcher.submit(
+    return await plane.infer(
         model,
         cast,
         with_weights=with_weights,

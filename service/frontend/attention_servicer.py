@@ -8,6 +8,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from service.catalog import SERVER_LABEL, ModelRegistry, ServedModel
+from service.dataplane import DataPlane, Result
 from service.errors import InvalidInput
 from service.frontend.admission import admit_and_run
 from service.frontend.rpc import rpc
@@ -22,10 +24,7 @@ from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.settings import Settings
 from service.transport.codec import decode_tensor, encode_tensor_wire, wire_dtype
-from service.transport.wire import WireMessage, settled
-from service.worker.batching.batcher import Batcher
-from service.worker.engine.onnx_model import OnnxModel
-from service.worker.engine.registry import SERVER_LABEL, ModelRegistry
+from service.transport.wire import WireMessage, joined, settled
 
 API = "attention"
 RESPONSE_OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number
@@ -37,7 +36,7 @@ STREAM_API = "attention_stream"
 DEFAULT_STREAM_INFLIGHT: int = Settings.max_stream_inflight_requests
 
 
-def model_info(name: str, versions: list[OnnxModel], limits: InputLimits) -> pb.ModelInfo:
+def model_info(name: str, versions: list[ServedModel], limits: InputLimits) -> pb.ModelInfo:
     return pb.ModelInfo(
         name=name,
         versions=[
@@ -76,16 +75,14 @@ def _stream_error(
 class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     def __init__(
         self,
-        registry: ModelRegistry,
-        batcher: Batcher,
+        plane: DataPlane,
         limits: InputLimits,
         *,
         max_stream_inflight_requests: int = DEFAULT_STREAM_INFLIGHT,
         max_stream_pending_bytes: int = DEFAULT_PENDING_BYTES,
         streams: StreamCloser | None = None,
     ) -> None:
-        self._registry = registry
-        self._batcher = batcher
+        self._plane = plane
         self._limits = limits
         self._max_stream_inflight = max_stream_inflight_requests
         self._max_stream_pending_bytes = max_stream_pending_bytes
@@ -98,6 +95,10 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             closer=streams,
             answer_bytes=self._answer_bytes,
         )
+
+    @property
+    def _registry(self) -> ModelRegistry[ServedModel]:
+        return self._plane.models  # the served set changes: look it up at each call
 
     def _answer_bytes(self, request: pb.AttendRequest) -> int:
         """The answer's size, estimated before computing it: the output is as large as the
@@ -155,13 +156,22 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             raise InvalidInput("embeddings is missing; expected a Tensor [seq, d] or [n, seq, d]")
         received = decode_tensor(request.embeddings, "embeddings")
         result = await admit_and_run(
-            self._batcher,
+            self._plane,
             model,
             received,
             self._limits,
             with_weights=request.return_attention_weights,
             context=context,
         )
+        try:
+            # Encoded now: the answer's arrays may live in shared memory, freed by release().
+            return await joined(self._response(request, model, received, result))
+        finally:
+            result.release()
+
+    def _response(
+        self, request: pb.AttendRequest, model: ServedModel, received: np.ndarray, result: Result
+    ) -> WireMessage:
         header = pb.AttendResponse(
             model=model.spec.name,
             model_version=str(model.spec.version),

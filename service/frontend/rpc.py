@@ -12,13 +12,13 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
+from service.dataplane import ended_at_deadline
 from service.errors import InvalidInput, ServingError
 from service.frontend.handlers import Undecodable
 from service.frontend.status import code_for
 from service.observability import metrics
 from service.text import shown
 from service.transport.wire import WireMessage
-from service.worker.batching.protocol import ended_at_deadline
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 
+from service.catalog import ServedModel
+from service.dataplane import Result
 from service.errors import InvalidInput
 from service.generated.inference import grpc_service_pb2 as v2
 from service.text import shown, shown_shape
 from service.transport.codec import checked_shape
 from service.transport.wire import WireMessage, array_bytes
-from service.worker.batching.protocol import Result
-from service.worker.engine.onnx_model import OnnxModel
 
 INPUT_NAME = "embeddings"
 RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
@@ -30,12 +30,12 @@ TYPED_FIELDS = ("bool_contents", "int_contents", "int64_contents", "uint_content
                 "uint64_contents", "fp64_contents", "bytes_contents")  # fmt: skip
 
 
-def _model_ref(model: OnnxModel) -> str:
+def _model_ref(model: ServedModel) -> str:
     return f"model '{model.spec.name}' version {model.spec.version}"
 
 
 def _single_input(
-    request: v2.ModelInferRequest, model: OnnxModel
+    request: v2.ModelInferRequest, model: ServedModel
 ) -> v2.ModelInferRequest.InferInputTensor:
     names = [shown(tensor.name) for tensor in request.inputs[:4]]
     if len(request.inputs) != 1:
@@ -118,12 +118,12 @@ def _datatype(name: str) -> str:
     return name if name.isascii() and name.isalnum() and len(name) <= 16 else shown(name)
 
 
-def accepted_datatypes(model: OnnxModel) -> list[str]:
+def accepted_datatypes(model: ServedModel) -> list[str]:
     """Input datatypes a model takes: its own, and FP32 for a float16 model (cast here)."""
     return ["FP32"] if model.spec.dtype == np.float32 else ["FP16", "FP32"]
 
 
-def decode_input(request: v2.ModelInferRequest, model: OnnxModel) -> np.ndarray:
+def decode_input(request: v2.ModelInferRequest, model: ServedModel) -> np.ndarray:
     """The embeddings [n, seq, d] as sent (a view over raw bytes when raw)."""
     tensor = _single_input(request, model)
     accepted = accepted_datatypes(model)
@@ -141,7 +141,7 @@ def decode_input(request: v2.ModelInferRequest, model: OnnxModel) -> np.ndarray:
     return _input_array(request, tensor, V2_DATATYPES[tensor.datatype])
 
 
-def requested_outputs(request: v2.ModelInferRequest, model: OnnxModel) -> list[str]:
+def requested_outputs(request: v2.ModelInferRequest, model: ServedModel) -> list[str]:
     """Names asked for, in order, without repeats; none asked = 'output' alone."""
     names = list(dict.fromkeys(output.name for output in request.outputs)) or ["output"]
     for name in names:
@@ -154,7 +154,7 @@ def requested_outputs(request: v2.ModelInferRequest, model: OnnxModel) -> list[s
 
 
 def encode_response(
-    request: v2.ModelInferRequest, model: OnnxModel, names: list[str], result: Result
+    request: v2.ModelInferRequest, model: ServedModel, names: list[str], result: Result
 ) -> WireMessage:
     """The ModelInferResponse, serialized with each output's bytes copied once."""
     header = v2.ModelInferResponse(

@@ -8,7 +8,15 @@ from typing import Any
 
 import grpc
 
-from service.errors import InvalidInput, ModelNotFound, NotSupported
+from service.catalog import (
+    SERVER_LABEL,
+    ModelRegistry,
+    ServedModel,
+    VersionPolicy,
+    check_repository_name,
+)
+from service.dataplane import DataPlane, Duration, VersionStats
+from service.errors import InvalidInput, ModelNotFound
 from service.frontend.admission import admit_and_run
 from service.frontend.rpc import rpc
 from service.frontend.streaming import StreamCalls, StreamCloser, serve_stream
@@ -27,13 +35,7 @@ from service.generated.inference import grpc_service_pb2_grpc
 from service.generated.inference import model_config_pb2 as config
 from service.settings import Settings
 from service.text import shown
-from service.transport.wire import WireMessage, settled
-from service.worker.batching.batcher import Batcher
-from service.worker.batching.statistics import Duration
-from service.worker.engine.model_control import ModelController, check_repository_name
-from service.worker.engine.onnx_model import OnnxModel
-from service.worker.engine.registry import SERVER_LABEL, ModelRegistry
-from service.worker.engine.repository import VersionPolicy
+from service.transport.wire import WireMessage, joined, settled
 
 API = "v2"
 STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
@@ -61,20 +63,36 @@ def _stat(duration: Duration) -> v2.StatisticDuration:
     return v2.StatisticDuration(count=duration.count, ns=duration.ns)
 
 
+def _statistics(model: ServedModel, stats: VersionStats) -> v2.ModelStatistics:
+    return v2.ModelStatistics(
+        name=model.spec.name,
+        version=str(model.spec.version),
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
+        inference_stats=v2.InferStatistics(
+            success=_stat(stats.success),
+            fail=_stat(stats.fail),
+            queue=_stat(stats.queue),
+            compute_infer=_stat(stats.compute_infer),
+        ),
+        batch_stats=[
+            v2.InferBatchStatistics(batch_size=size, compute_infer=_stat(duration))
+            for size, duration in sorted(stats.batches.items())
+        ],
+    )
+
+
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(
         self,
-        registry: ModelRegistry,
-        batcher: Batcher,
+        plane: DataPlane,
         settings: Settings,
         is_ready: Callable[[], bool],
         *,
         streams: StreamCloser | None = None,
-        repository: ModelController | None = None,
     ) -> None:
-        self._registry = registry
-        self._repository = repository
-        self._batcher = batcher
+        self._plane = plane
         self._settings = settings
         self._limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
         self._is_ready = is_ready
@@ -87,6 +105,10 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             closer=streams,
             answer_bytes=self._answer_bytes,
         )
+
+    @property
+    def _registry(self) -> ModelRegistry[ServedModel]:
+        return self._plane.models  # the served set changes: look it up at each call
 
     def _answer_bytes(self, request: v2.ModelInferRequest) -> int:
         """The answer's size, estimated before computing it: the output is as large as the
@@ -218,26 +240,9 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 models = self._registry.versions(models[0].spec.name)
         else:
             models = self._registry.all()
-        return v2.ModelStatisticsResponse(model_stats=[self._statistics(model) for model in models])
-
-    def _statistics(self, model: OnnxModel) -> v2.ModelStatistics:
-        stats = self._batcher.statistics.snapshot(model.key)
-        return v2.ModelStatistics(
-            name=model.spec.name,
-            version=str(model.spec.version),
-            last_inference=stats.last_inference_ms,
-            inference_count=stats.inference_count,
-            execution_count=stats.execution_count,
-            inference_stats=v2.InferStatistics(
-                success=_stat(stats.success),
-                fail=_stat(stats.fail),
-                queue=_stat(stats.queue),
-                compute_infer=_stat(stats.compute_infer),
-            ),
-            batch_stats=[
-                v2.InferBatchStatistics(batch_size=size, compute_infer=_stat(duration))
-                for size, duration in sorted(stats.batches.items())
-            ],
+        found = await self._plane.statistics([model.key for model in models])
+        return v2.ModelStatisticsResponse(
+            model_stats=[_statistics(model, found[model.key]) for model in models]
         )
 
     @rpc(API)
@@ -245,7 +250,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: v2.RepositoryIndexRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryIndexResponse:
         check_repository_name(request.repository_name)
-        entries = await self._control().index(ready_only=request.ready)
+        entries = await self._plane.index(ready_only=request.ready)
         index = v2.RepositoryIndexResponse.ModelIndex
         return v2.RepositoryIndexResponse(
             models=[
@@ -258,33 +263,28 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: v2.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelLoadResponse:
-        check_repository_name(request.repository_name)
         if request.parameters:
             raise InvalidInput(
                 f"RepositoryModelLoad parameters {_names(request.parameters)} are not "
                 "supported (no config or file overrides): load the files in the repository"
             )
-        await self._control().load(request.model_name)
+        check_repository_name(request.repository_name)
+        await self._plane.load(request.model_name)
         return v2.RepositoryModelLoadResponse()
 
     @rpc(API)
     async def RepositoryModelUnload(
         self, request: v2.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelUnloadResponse:
-        check_repository_name(request.repository_name)
         unknown = set(request.parameters) - UNLOAD_PARAMETERS
         if unknown:
             raise InvalidInput(
                 f"RepositoryModelUnload parameters {_names(unknown)} are not supported; "
                 f"expected only {sorted(UNLOAD_PARAMETERS)}"
             )
-        await self._control().unload(request.model_name)
+        check_repository_name(request.repository_name)
+        await self._plane.unload(request.model_name)
         return v2.RepositoryModelUnloadResponse()
-
-    def _control(self) -> ModelController:
-        if self._repository is None:
-            raise NotSupported("this server was started without a model repository controller")
-        return self._repository
 
     @rpc(API)
     async def ModelInfer(
@@ -320,14 +320,18 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         names = requested_outputs(request, model)
         received = decode_input(request, model)
         result = await admit_and_run(
-            self._batcher,
+            self._plane,
             model,
             received,
             self._limits,
             with_weights="attention_weights" in names,
             context=context,
         )
-        return encode_response(request, model, names, result)
+        try:
+            # Encoded now: the answer's arrays may live in shared memory, freed by release().
+            return await joined(encode_response(request, model, names, result))
+        finally:
+            result.release()
 
 
 def _names(keys: Iterable[str]) -> str:

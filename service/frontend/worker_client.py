@@ -281,6 +281,17 @@ class WorkerClient:
         if self._in_flight == 0:
             self._idle.set()
 
+    def fail_in_flight(self, error: Exception) -> None:
+        """Answer every call still waiting with error now; the worker's answers, when they
+        come, only free the shared memory."""
+        link = self._link
+        if link is None:
+            return
+        for call in link.calls.values():
+            if not call.future.done():
+                call.abandoned = True
+                call.future.set_exception(error)
+
     async def wait_idle(self) -> None:
         """Until no call of this front end is waiting for the worker."""
         await self._idle.wait()

@@ -1,4 +1,8 @@
-"""Every Prometheus metric of the server, declared once, in base units, under one prefix."""
+"""Every Prometheus metric of the server, declared once, in base units, under one prefix.
+
+Each process (worker, front ends) writes its own series; the supervisor's /metrics sums them
+(prometheus-client's multiprocess mode). Gauges say how: livesum adds the live processes'
+values, livemax takes the largest."""
 
 from __future__ import annotations
 
@@ -76,20 +80,24 @@ NONFINITE_OUTPUTS = Counter(
 QUEUE_DEPTH = Gauge(
     f"{PREFIX}_queue_depth_requests",
     "Requests waiting in the batcher, all models.",
+    multiprocess_mode="livesum",
 )
 QUEUE_BYTES = Gauge(
     f"{PREFIX}_queue_bytes",
     "Bytes of embeddings waiting in the batcher, all models (bounded by max_queue_bytes).",
+    multiprocess_mode="livesum",
 )
 IN_FLIGHT = Gauge(
     f"{PREFIX}_inflight_requests",
-    "RPCs being handled right now (queued or computing).",
+    "RPCs being handled right now (queued or computing), all front ends.",
     ["api"],
+    multiprocess_mode="livesum",
 )
 MODEL_READY = Gauge(
     f"{PREFIX}_model_ready",
     "1 when the model version is loaded and warmed up, else 0.",
     ["model", "version"],
+    multiprocess_mode="livemax",
 )
 MODEL_LOAD_EVENTS = Counter(
     f"{PREFIX}_model_load_events_total",
@@ -101,6 +109,7 @@ ENGINE_INFO = Gauge(
     f"{PREFIX}_engine_info",
     "Constant 1; labels show the ONNX Runtime execution provider serving each model version.",
     ["model", "version", "provider"],
+    multiprocess_mode="livemax",
 )
 
 

@@ -63,13 +63,16 @@ def server_options(
     send_bytes: int,
     max_connection_age_s: float = 0.0,
     max_connection_age_grace_s: float = 0.0,
+    share_port: bool = False,
 ) -> list[tuple[str, Any]]:
-    """Options for grpc.aio.server(); message limits come from the largest legal call."""
+    """Options for grpc.aio.server(); message limits come from the largest legal call.
+    share_port: front ends of one server share its port (the supervisor checked that no
+    other server holds it)."""
     return [
         ("grpc.max_receive_message_length", min(receive_bytes, GRPC_MAX_MESSAGE_BYTES)),
         ("grpc.max_send_message_length", min(send_bytes, GRPC_MAX_MESSAGE_BYTES)),
         # A second server on a taken port must fail, not silently share it.
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if share_port else 0),
         *connection_options(
             max_connection_age_s=max_connection_age_s,
             max_connection_age_grace_s=max_connection_age_grace_s,

@@ -97,3 +97,13 @@ def serializer_for(
         return serialize_message(response)
 
     return serialize
+
+
+async def joined(message: WireMessage) -> WireMessage:
+    """The message as one chunk now (on a worker thread when large), so it no longer refers
+    to the arrays it was built from: they may be freed or reused once this returns."""
+    if len(message.chunks) == 1 and isinstance(message.chunks[0], bytes):
+        return message
+    if message.nbytes < OFF_LOOP_BYTES:
+        return WireMessage([message.serialize()])
+    return WireMessage([await asyncio.to_thread(message.serialize)])

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from service.catalog import VersionPolicy
 from service.observability import metrics
 from service.settings import Settings
 from service.worker.engine.cuda import cuda_options_for
 from service.worker.engine.model_control import Hooks, ModelController
 from service.worker.engine.onnx_model import OnnxModel, count_sessions, warm_up_shapes
 from service.worker.engine.registry import ModelRegistry
-from service.worker.engine.repository import VersionFiles, VersionPolicy, discover
+from service.worker.engine.repository import VersionFiles, discover
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from service.settings import Settings
 from service.worker.batching.batcher import Batcher
 from service.worker.batching.protocol import BatchLimits
 from service.worker.controller import build_controller
-from service.worker.engine.model_control import ModelController, check_repository_name
+from service.worker.engine.model_control import ModelController
 from service.worker.engine.onnx_model import CPU, CUDA, OnnxModel, choose_providers, warm_up_shapes
 from service.worker.engine.registry import ModelRegistry
 from service.worker.links import FrontendLink, LinkListener
+from service.worker_socket import socket_path
 
 log = logging.getLogger(__name__)
-SOCKET_NAME = "worker.sock"
 
 
 class StartupError(RuntimeError):
@@ -63,7 +63,7 @@ class WorkerServer:
 
     def __init__(self, settings: Settings, run_dir: Path) -> None:
         self._settings = settings
-        self.socket_path = run_dir / SOCKET_NAME
+        self.socket_path = socket_path(run_dir)
         self.registry: ModelRegistry[OnnxModel] = ModelRegistry([], settings.default_model)
         self._metrics = ReadyMetrics()
         self._links: set[FrontendLink] = set()
@@ -205,7 +205,6 @@ class WorkerServer:
         controller = self.models
         assert controller is not None
         if op == "index":
-            check_repository_name(args.get("repository", ""))
             entries = await controller.index(ready_only=bool(args.get("ready_only")))
             return [messages.index_to_json(entry) for entry in entries]
         if op in ("load", "unload"):

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.catalog import VersionPolicy
 from service.dataplane import IndexEntry
 from service.errors import (
-    InvalidInput,
     ModelControlDisabled,
     ModelLoadFailed,
     ModelNotFound,
@@ -27,7 +27,7 @@ from service.errors import (
 from service.text import shown
 from service.worker.engine.onnx_model import BrokenModel, OnnxModel
 from service.worker.engine.registry import ModelRegistry
-from service.worker.engine.repository import Scan, VersionFiles, VersionPolicy, discover, scan
+from service.worker.engine.repository import Scan, VersionFiles, discover, scan
 
 log = logging.getLogger(__name__)
 
@@ -309,12 +309,3 @@ class ModelController:
         self._states[key] = (UNAVAILABLE, reason)
         self._hooks.event(name, "unload", "success")
         log.info("unloaded %s version %d", name, version)
-
-
-def check_repository_name(name: str) -> None:
-    """This server has one repository; Triton's clients send an empty name."""
-    if name:
-        raise InvalidInput(
-            f"repository_name {shown(name)}: this server has one model repository; leave "
-            "repository_name empty"
-        )

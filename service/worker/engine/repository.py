@@ -5,40 +5,15 @@ from __future__ import annotations
 
 import logging
 import stat
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from service.catalog import VERSION_RULE, parse_version
-from service.settings import VERSION_POLICY
 
 log = logging.getLogger(__name__)
 
 OUTPUT_GRAPH = "model.onnx"
 WEIGHTS_GRAPH = "model.with_weights.onnx"
-
-
-POLICY_RULE = "all or latest:N with N a positive integer"
-
-
-@dataclass(frozen=True)
-class VersionPolicy:
-    """Which versions of a model are served: every one (latest None) or the newest N."""
-
-    latest: int | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> VersionPolicy:
-        if VERSION_POLICY.fullmatch(text) is None:  # the rule the settings check
-            raise ValueError(f"version policy {text!r} is not {POLICY_RULE}")
-        return cls(None if text == "all" else int(text.removeprefix("latest:")))
-
-    def select(self, versions: Iterable[int]) -> set[int]:
-        newest_first = sorted(set(versions), reverse=True)
-        return set(newest_first if self.latest is None else newest_first[: self.latest])
-
-    def __str__(self) -> str:
-        return "all" if self.latest is None else f"latest:{self.latest}"
 
 
 @dataclass(frozen=True)

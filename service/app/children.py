@@ -1,0 +1,144 @@
+"""Entry points of the child processes: the worker and each front end. Each runs its own
+event loop, reports to the supervisor over a pipe, and drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import NoReturn
+
+from service.memory.malloc import keep_freed_memory
+from service.settings import Settings
+
+log = logging.getLogger("service")
+PR_SET_PDEATHSIG = 1
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
+
+
+def configure_logging(settings: Settings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr,
+                        force=True)  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the supervisor dies, even by SIGKILL: a child never outlives it."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
+def _child_setup(settings: Settings) -> None:
+    _die_with_parent()
+    # A terminal's Ctrl-C reaches the whole process group; the supervisor orders the drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(settings)
+    if settings.malloc_reuse == "on":
+        keep_freed_memory()
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit without the interpreter's teardown (ONNX Runtime sessions, gRPC; ~0.5 s), which
+    could otherwise push the exit past the grace period."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(settings: Settings, main: Callable[[], Awaitable[int]]) -> NoReturn:
+    from service.app.loops import event_loop_factory
+
+    with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
+        exit_now(runner.run(main()))  # type: ignore[arg-type]
+
+
+async def _until_signal(start: Awaitable[object]) -> tuple[bool, float | None]:
+    """Run start; (True, None) once done, (False, when) if SIGTERM came first (start is
+    cancelled: never report serving after a shutdown signal)."""
+    loop = asyncio.get_running_loop()
+    starting = asyncio.ensure_future(start)
+    signalled: list[float] = []
+
+    def on_signal() -> None:
+        if not signalled:
+            signalled.append(loop.time())
+            starting.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_signal)
+    try:
+        await starting
+    except asyncio.CancelledError:
+        if not signalled:
+            raise
+        return False, signalled[0]
+    return True, None
+
+
+async def _wait_for_signal() -> float:
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[float] = loop.create_future()
+
+    def on_signal() -> None:
+        if not got.done():
+            got.set_result(loop.time())
+        else:
+            log.warning("another shutdown signal: ignored, the drain under way ends in time")
+
+    loop.add_signal_handler(signal.SIGTERM, on_signal)
+    return await got
+
+
+def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoReturn:
+    _child_setup(settings)
+    from service.worker.server import StartupError, WorkerServer
+
+    async def main() -> int:
+        server = WorkerServer(settings, run_dir)
+        try:
+            started, _ = await _until_signal(server.start())
+        except StartupError as err:
+            log.error("cannot start: %s", err)
+            report.send(("failed", str(err)))
+            return 1
+        if started:
+            report.send(("ready", os.getpid()))
+            await _wait_for_signal()
+        await server.stop(settings.grace_period_s)
+        return 0
+
+    _run(settings, main)
+
+
+def run_frontend(
+    settings: Settings, run_dir: Path, index: int, port: int, queue_bytes: int,
+    report: Connection,
+) -> NoReturn:  # fmt: skip
+    _child_setup(settings)
+    from service.frontend.server import FrontendServer, StartupError
+    from service.worker_socket import socket_path
+
+    async def main() -> int:
+        server = FrontendServer(settings, socket_path(run_dir), f"frontend-{index}",
+                                queue_bytes)  # fmt: skip
+        try:
+            started, signalled_at = await _until_signal(server.start(port))
+        except StartupError as err:
+            log.error("cannot start: %s", err)
+            report.send(("failed", str(err)))
+            return 1
+        if started:
+            report.send(("bound", server.port))
+            signalled_at = await _wait_for_signal()
+        await server.stop(signalled_at=signalled_at)
+        return 0
+
+    _run(settings, main)

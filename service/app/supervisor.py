@@ -1,0 +1,300 @@
+"""The supervisor (python -m service): starts the worker and the front ends, serves one
+/metrics for all of them, restarts a child that dies, and orders the drain on SIGTERM.
+
+It does no per-request work and imports neither gRPC nor ONNX Runtime, so it stays small
+and responsive to signals while its children are busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from threading import Thread
+from typing import Any
+
+from service.app.children import run_frontend, run_worker
+from service.memory.budget import default_queue_bytes, memory_limit_bytes
+from service.settings import Settings
+
+log = logging.getLogger("service")
+EXIT_MARGIN_S = 5.0  # past the grace period, a child still running is killed
+
+
+def _bare(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _reservation_addresses(host: str) -> list[tuple[socket.AddressFamily, str]]:
+    """Where gRPC will bind host: IPv4 addresses on a dual-stack IPv6 socket when the machine
+    has IPv6 (as v4-mapped addresses), else on an IPv4 one. A SO_REUSEPORT group needs the
+    same family, so the reservation binds as gRPC will."""
+    bare = _bare(host)
+    if ":" in bare:
+        return [(socket.AF_INET6, bare)]
+    mapped = "::" if bare == "0.0.0.0" else f"::ffff:{bare}"
+    return (
+        [(socket.AF_INET6, mapped), (socket.AF_INET, bare)]
+        if socket.has_ipv6
+        else [(socket.AF_INET, bare)]
+    )
+
+
+def _check_free(family: socket.AddressFamily, address: str, port: int) -> None:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        probe.bind((address, port))
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A bound (not listening) SO_REUSEPORT socket holding the gRPC port, so every front end
+    (and a restarted one) binds the same number, also when port 0 asked for a free one."""
+    error: OSError | None = None
+    for family, address in _reservation_addresses(host):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if port:
+                _check_free(family, address, port)  # SO_REUSEPORT alone would share a taken one
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind((address, port))
+            return sock
+        except OSError as err:
+            sock.close()
+            error = err
+    assert error is not None
+    raise error
+
+
+@dataclass(eq=False)
+class Child:
+    role: str  # "worker" or "frontend-<index>"
+    process: BaseProcess
+    report: Connection
+    started: bool = False  # reported ready (worker) or bound (front end)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Supervisor:
+    """run() returns the process's exit code: 0 after a clean drain, 1 when it cannot start
+    or a child keeps dying."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._context = multiprocessing.get_context("spawn")  # no inherited threads or locks
+        self._run_dir = Path(tempfile.mkdtemp(prefix="attention-serving-"))
+        self._metrics_dir = self._run_dir / "metrics"
+        self._children: dict[str, Child] = {}
+        self._restarts: deque[float] = deque()
+        self._stopping = False
+        self._code = 0
+        self._stop = asyncio.Event()
+        self._bound = asyncio.Event()
+        self._signalled_at: float | None = None
+        self._port_socket: socket.socket | None = None
+        self._metrics_http: tuple[Any, Thread] | None = None
+        self.grpc_port = 0
+        self.queue_bytes = settings.max_queue_bytes or default_queue_bytes(memory_limit_bytes())
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal)
+        try:
+            if self._start():
+                await self._serve()
+        finally:
+            await self._shutdown()
+        return self._code
+
+    def _start(self) -> bool:
+        settings = self._settings
+        self._metrics_dir.mkdir()
+        # Read by prometheus-client in every child at import: their metrics go to files here.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self._metrics_dir)
+        try:
+            self._port_socket = reserve_port(settings.host, settings.grpc_port)
+        except OSError as err:
+            return self._cannot_start(f"cannot bind gRPC to {settings.host}:{settings.grpc_port}: "
+                                      f"{err}")  # fmt: skip
+        self.grpc_port = self._port_socket.getsockname()[1]
+        try:
+            self._metrics_http = _serve_metrics(settings, self._metrics_dir)
+        except OSError as err:
+            return self._cannot_start(
+                f"cannot bind metrics to {settings.host}:{settings.metrics_port}: {err}"
+            )
+        self._spawn("worker")
+        for index in range(settings.frontends):
+            self._spawn(f"frontend-{index}")
+        return True
+
+    def _cannot_start(self, reason: str) -> bool:
+        log.error("cannot start: %s", reason)
+        self._code = 1
+        return False
+
+    async def _serve(self) -> None:
+        bound = asyncio.ensure_future(self._bound.wait())
+        stopped = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({bound, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        bound.cancel()
+        if self._bound.is_set() and not self._stop.is_set():
+            assert self._metrics_http is not None
+            log.info("listening grpc_port=%d metrics_port=%d host=%s (%d front ends)",
+                     self.grpc_port, self._metrics_http[0].server_port, self._settings.host,
+                     self._settings.frontends)  # fmt: skip
+        await stopped
+
+    # -- children ----------------------------------------------------------------------------
+
+    def _spawn(self, role: str) -> None:
+        settings = self._settings
+        receive, send = self._context.Pipe(duplex=False)
+        if role == "worker":
+            target: Any = run_worker
+            args: tuple[Any, ...] = (settings, self._run_dir, send)
+        else:
+            index = int(role.removeprefix("frontend-"))
+            target = run_frontend
+            args = (settings, self._run_dir, index, self.grpc_port, self.queue_bytes, send)
+        process = self._context.Process(target=target, args=args, name=role, daemon=False)
+        process.start()
+        send.close()
+        child = Child(role, process, receive)
+        self._children[role] = child
+        loop = asyncio.get_running_loop()
+        loop.add_reader(receive.fileno(), self._on_report, child)
+        loop.add_reader(process.sentinel, self._on_exit, child)
+        log.info("started %s (pid %d)", role, process.pid)
+
+    def _on_report(self, child: Child) -> None:
+        try:
+            message = child.report.recv()
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(child.report.fileno())
+            return
+        kind = message[0]
+        if kind in ("ready", "bound"):
+            child.started = True
+            if all(c.started for role, c in self._children.items() if role != "worker"):
+                self._bound.set()
+        elif kind == "failed":
+            child.started = False
+
+    def _on_exit(self, child: Child) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(child.process.sentinel)
+        with contextlib.suppress(OSError, ValueError):
+            loop.remove_reader(child.report.fileno())
+        child.process.join(1)  # the sentinel fires as it exits; reaping takes a moment
+        code = child.process.exitcode
+        child.exited.set()
+        _mark_dead(child.process.pid)
+        if self._stopping:
+            log.info("%s exited (code %s)", child.role, code)
+            return
+        if not child.started:
+            log.error("%s exited with code %s before it was serving; stopping", child.role, code)
+            self._fail()
+            return
+        if not self._may_restart():
+            log.error("%s exited with code %s; more than %d restarts within %.0fs: giving up",
+                      child.role, code, self._settings.max_restarts,
+                      self._settings.restart_window_s)  # fmt: skip
+            self._fail()
+            return
+        log.warning("%s exited with code %s; restarting it", child.role, code)
+        self._spawn(child.role)
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        window = self._settings.restart_window_s
+        while self._restarts and self._restarts[0] < now - window:
+            self._restarts.popleft()
+        if len(self._restarts) >= self._settings.max_restarts:
+            return False
+        self._restarts.append(now)
+        return True
+
+    def _fail(self) -> None:
+        self._code = 1
+        self._stop.set()
+
+    def _on_signal(self) -> None:
+        if self._signalled_at is not None:
+            log.warning("another shutdown signal: ignored, the drain ends within the grace period")
+            return
+        self._signalled_at = time.monotonic()
+        log.info("shutdown signal received; draining for up to %.1fs",
+                 self._settings.grace_period_s)  # fmt: skip
+        self._stop.set()
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    async def _shutdown(self) -> None:
+        """SIGTERM to every child at once: front ends drain their calls, the worker serves
+        them until they have gone. Past the grace period (and a margin), SIGKILL."""
+        self._stopping = True
+        started = self._signalled_at or time.monotonic()
+        deadline = started + self._settings.grace_period_s + EXIT_MARGIN_S
+        alive = [c for c in self._children.values() if c.process.exitcode is None]
+        for child in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.process.pid or 0, signal.SIGTERM)
+        for child in alive:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(child.exited.wait(), max(0.0, deadline - time.monotonic()))
+            if child.process.exitcode is None:
+                log.error("%s still running after the grace period; killing it", child.role)
+                child.process.kill()
+                child.process.join(5)
+            if child.process.exitcode not in (0, None) and self._signalled_at is not None:
+                log.warning("%s exited with code %s during the drain", child.role,
+                            child.process.exitcode)  # fmt: skip
+        if self._metrics_http is not None:
+            httpd, _ = self._metrics_http
+            # shutdown() waits for the server's 0.5 s poll: on a thread, it need not delay us.
+            Thread(target=_close_http, args=(httpd,), daemon=True, name="metrics-close").start()
+        if self._port_socket is not None:
+            self._port_socket.close()
+        shutil.rmtree(self._run_dir, ignore_errors=True)
+        log.info("stopped")
+
+
+def _serve_metrics(settings: Settings, metrics_dir: Path) -> tuple[Any, Thread]:
+    """/metrics: every process's series, summed by prometheus-client's multiprocess mode."""
+    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
+    return start_http_server(settings.metrics_port, addr=_bare(settings.host), registry=registry)
+
+
+def _mark_dead(pid: int | None) -> None:
+    """A dead child's live gauges (queue depth, in flight) stop counting."""
+    if pid is None:
+        return
+    from prometheus_client import multiprocess
+
+    with contextlib.suppress(OSError):
+        multiprocess.mark_process_dead(pid)
+
+
+def _close_http(httpd: Any) -> None:
+    httpd.shutdown()
+    httpd.server_close()

@@ -1,0 +1,216 @@
+"""A front-end process's gRPC server: servicers over the worker link, health, reflection,
+TLS; the drain on SIGTERM. Several front ends share the port (SO_REUSEPORT)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from service.errors import ShuttingDown
+from service.frontend.attention_servicer import AttentionServicer
+from service.frontend.handlers import add_servicer
+from service.frontend.limits import message_limits
+from service.frontend.served import ServedSet
+from service.frontend.streaming import StreamCloser
+from service.frontend.v2_servicer import InferenceServicer
+from service.frontend.validation import InputLimits
+from service.frontend.worker_client import WorkerClient
+from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
+from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
+from service.settings import Settings
+from service.transport.grpc_options import server_options
+from service.transport.proto_pool import pool_of
+from service.transport.tls import ReloadingCredentials, TlsError, server_tls
+
+log = logging.getLogger(__name__)
+
+REFUSE_LINGER_S = 0.2
+# Kept back from the grace period so answers (and UNAVAILABLE for what could not be computed)
+# are written before the server closes.
+WRITE_MARGIN_S = 0.2
+SERVICE_NAMES = [
+    attention_pb2.DESCRIPTOR.services_by_name["AttentionService"].full_name,
+    grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+]
+
+
+class StartupError(RuntimeError):
+    """The front end cannot serve; the message says why."""
+
+
+def bind_host(host: str) -> str:
+    """host as a bare address: IPv6 literals are accepted with or without brackets."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def grpc_address(host: str, port: int) -> str:
+    bare = bind_host(host)
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def slab_bytes(settings: Settings, queue_bytes: int) -> int:
+    """Shared memory for one front end's tensors in flight: --shared-memory-bytes, or room
+    for the queue's bytes twice over (inputs and answers), at least 1 GiB. Only pages
+    written are ever taken."""
+    return settings.shared_memory_bytes or max(2 * queue_bytes, 1 << 30)
+
+
+class FrontendServer:
+    """start() waits for the worker's served set, binds and serves; stop() drains."""
+
+    def __init__(self, settings: Settings, socket_path: Path, name: str, queue_bytes: int):
+        self._settings = settings
+        self.name = name
+        self._health = health.aio.HealthServicer()
+        self._served = ServedSet(self._health)
+        self._streams = StreamCloser()
+        self._server: grpc.aio.Server | None = None
+        self.tls: ReloadingCredentials | None = None
+        self.port: int | None = None
+        self.plane = WorkerClient(socket_path, name, slab_bytes(settings, queue_bytes),
+                                  on_change=self._changed)  # fmt: skip
+        self._started = False
+        self._draining = False
+        self._background: set[asyncio.Future[None]] = set()
+
+    @property
+    def ready(self) -> bool:
+        """Warm worker connected, not draining: V2 ServerReady / ModelReady."""
+        return self.plane.ready and self._started
+
+    async def start(self, port: int) -> int:
+        settings = self._settings
+        try:  # before anything else: a bad certificate should fail at once
+            self.tls = server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        except TlsError as err:
+            raise StartupError(str(err)) from err
+        self.plane.start()
+        await self.plane.wait_welcomed()
+        receive_bytes, send_bytes = message_limits(self.plane.models.all(), settings)
+        self._served.check_limits(
+            lambda model: message_limits([model], settings), (receive_bytes, send_bytes)
+        )
+        server = grpc.aio.server(
+            options=server_options(
+                receive_bytes=receive_bytes,
+                send_bytes=send_bytes,
+                max_connection_age_s=settings.max_connection_age_s,
+                # A call in flight when its connection ages out gets what a drain gives it.
+                max_connection_age_grace_s=settings.grace_period_s,
+                share_port=True,
+            )
+        )
+        self._add_servicers(server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = grpc_address(settings.host, port)
+        try:
+            bound = (
+                server.add_secure_port(address, self.tls.server())
+                if self.tls is not None
+                else server.add_insecure_port(address)
+            )
+        except RuntimeError as err:
+            raise StartupError(f"cannot bind gRPC to {address}: {err}") from err
+        await server.start()
+        self._server, self.port = server, bound
+        self._started = True
+        self._changed()
+        return bound
+
+    def _add_servicers(self, server: grpc.aio.Server) -> None:
+        settings = self._settings
+        limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
+        add_servicer(
+            server,
+            attention_pb2_grpc.add_AttentionServiceServicer_to_server,
+            AttentionServicer(
+                self.plane,
+                limits,
+                max_stream_inflight_requests=settings.max_stream_inflight_requests,
+                max_stream_pending_bytes=settings.max_stream_pending_bytes,
+                streams=self._streams,
+            ),
+        )
+        add_servicer(
+            server,
+            grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+            InferenceServicer(self.plane, settings, lambda: self.ready, streams=self._streams),
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME],
+            server,
+            pool=pool_of(
+                [
+                    attention_pb2.DESCRIPTOR,
+                    grpc_service_pb2.DESCRIPTOR,
+                    health_pb2.DESCRIPTOR,
+                    reflection_pb2.DESCRIPTOR,
+                ]
+            ),
+        )
+
+    def _changed(self) -> None:
+        """The worker's served set or readiness changed (or the link to it did)."""
+        if not self._started or self._draining:
+            return
+        ready = self.ready
+        self._served.sync(self.plane.models, ready=ready)
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        task = asyncio.ensure_future(self._set_health(status))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _set_health(
+        self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
+    ) -> None:
+        for name in ["", *SERVICE_NAMES]:
+            await self._health.set(name, status)
+
+    async def stop(self, *, signalled_at: float | None = None) -> None:
+        """The drain, all within grace_period_s of the signal: NOT_SERVING while still serving
+        for shutdown_not_serving_s, then refuse new work with UNAVAILABLE and finish what was
+        accepted, then close; whatever is left then fails with UNAVAILABLE."""
+        settings = self._settings
+        loop = asyncio.get_running_loop()
+        started = loop.time() if signalled_at is None else signalled_at
+        deadline = started + settings.grace_period_s
+
+        def remaining() -> float:
+            return max(0.0, deadline - loop.time())
+
+        was_ready = self.ready
+        self._draining = True
+        await self._health.enter_graceful_shutdown()
+        if was_ready:
+            log.info(
+                "NOT_SERVING for %.1fs while endpoints update", settings.shutdown_not_serving_s
+            )
+            await asyncio.sleep(min(settings.shutdown_not_serving_s, remaining()))
+        self.plane.accepting = False
+        self._streams.close_all()
+        log.info("refusing new requests; finishing accepted ones for up to %.1fs", remaining())
+        with contextlib.suppress(TimeoutError):
+            margin = min(WRITE_MARGIN_S, settings.grace_period_s / 5)
+            await asyncio.wait_for(self.plane.wait_idle(), timeout=remaining() - margin)
+        self.plane.fail_in_flight(
+            ShuttingDown("the grace period ended before it was computed; retry")
+        )
+        # Calls already on the wire when gRPC closes are cancelled by its core (CANCELLED,
+        # which clients do not retry); refusing a moment longer answers them UNAVAILABLE.
+        await asyncio.sleep(min(REFUSE_LINGER_S, remaining() / 2))
+        if self._server is not None:
+            # Lets finished handlers write their answers; cancels what is still running.
+            await self._server.stop(remaining())
+        await self.plane.close()
+        log.info("front end %s stopped", self.name)
