@@ -66,13 +66,11 @@ def echo_limits(
     embed_dim: int, num_heads: int, max_batch_size: int, max_seq_len: int
 ) -> tuple[int, int]:
     """(receive, send) bytes exactly as the real server derives them from its settings."""
-    # Imported here: service.app.server pulls in onnxruntime, which the echo server never runs.
-    from service.app.server import message_limits
+    from service.frontend.limits import message_limits
 
     model = SimpleNamespace(spec=SimpleNamespace(embed_dim=embed_dim, num_heads=num_heads))
-    registry = SimpleNamespace(all=lambda: [model])
     settings = SimpleNamespace(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-    return message_limits(cast(Any, registry), cast(Any, settings))
+    return message_limits([cast(Any, model)], cast(Any, settings))
 
 
 def _model_label(request: Any) -> str:
@@ -271,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.malloc_reuse == "on":
         keep_freed_memory()
     # The real server's own choice of event loop, so both sit on the same stack.
-    from service.__main__ import event_loop_factory
+    from service.app.loops import event_loop_factory
 
     with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
         return runner.run(serve(args))

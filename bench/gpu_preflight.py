@@ -18,8 +18,8 @@ PINNED_ONNXRUNTIME = "1.31.1"  # pyproject.toml, constraints-gpu.txt
 # What the check and the server import: the engine, the gRPC server (health, reflection, the
 # generated code, which refuses an older protobuf or grpcio than it was generated for) and
 # the numpy reference's onnx.
-MODULES = ("numpy", "onnx", "prometheus_client", "service.app.server", "bench.gpu_check",
-           "bench.loadgen")  # fmt: skip
+MODULES = ("numpy", "onnx", "prometheus_client", "service.worker.server",
+           "service.frontend.server", "bench.gpu_check", "bench.loadgen")  # fmt: skip
 
 
 def nvidia_lib_dirs(paths: list[str]) -> list[str]:

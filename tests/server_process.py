@@ -20,6 +20,47 @@ LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+STARTED = re.compile(r"started (worker|frontend-\d+) \(pid (\d+)\)")
+
+
+def child_pids(server: ServerProcess) -> dict[str, int]:
+    """The latest pid of each child process (worker, frontend-N), from the supervisor's log."""
+    return {match[1]: int(match[2]) for match in STARTED.finditer(server.log)}
+
+
+def worker_pid(server: ServerProcess) -> int:
+    return child_pids(server)["worker"]
+
+
+def _status_kib(pid: int, *fields: str) -> dict[str, int]:
+    values = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in fields:
+            values[name] = int(rest.split()[0])
+    return values
+
+
+def rss_bytes(pid: int) -> int:
+    """One process's resident memory (VmRSS)."""
+    return _status_kib(pid, "VmRSS")["VmRSS"] * 1024
+
+
+def server_rss_bytes(server: ServerProcess) -> int:
+    """The whole server's resident memory: every process's own pages, and the shared memory
+    its front ends and worker both map counted once (the largest process's share of it)."""
+    pids = [server.process.pid, *child_pids(server).values()]
+    own = shared = 0
+    for pid in pids:
+        try:
+            kib = _status_kib(pid, "RssAnon", "RssFile", "RssShmem")
+        except FileNotFoundError:
+            continue  # a child that has exited (and been replaced)
+        own += kib.get("RssAnon", 0) + kib.get("RssFile", 0)
+        shared = max(shared, kib.get("RssShmem", 0))
+    return (own + shared) * 1024
+
+
 class ServerProcess:
     """A server subprocess; its log is collected by a thread so the pipe never fills."""
 

@@ -16,17 +16,10 @@ import pytest
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, server_rss_bytes
 
 MIB = 1 << 20
 PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "128", "--batch-cap-budget-s", "0")
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def _request(model: str, shape: tuple[int, ...], weights: bool = False) -> pb.AttendRequest:
@@ -92,12 +85,12 @@ def test_resident_memory_returns_to_a_plateau_under_repeated_bursts(
         grpc.insecure_channel(server.target, options=options) as channel,
     ):
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
-        base = _rss_bytes(server.process.pid)
+        base = server_rss_bytes(server)
         after = []
         for _ in range(8):
             calls = [stub.Attend.future(request, timeout=120) for request in burst]
             assert all(call.code() == grpc.StatusCode.OK for call in calls)
-            after.append(_rss_bytes(server.process.pid))
+            after.append(server_rss_bytes(server))
     shown = (round(base / MIB), [round(a / MIB) for a in after])
     # A plateau: the later bursts reach no higher than the earlier ones, within malloc's
     # noise (measured: 209..362 MiB over twelve bursts, and once in CI 129..264 MiB over

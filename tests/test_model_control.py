@@ -279,32 +279,44 @@ async def test_batcher_settle_waits_for_queued_work_then_lets_go() -> None:
     await batcher.stop()
 
 
+def _sample(metric: Any, **labels: str) -> float:
+    """A sample's value as prometheus-client reports it (no private state read)."""
+    return next(
+        sample.value
+        for sample in next(iter(metric.collect())).samples
+        if all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 @run_async
 async def test_served_set_follows_the_registry_and_warns_of_calls_too_large(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from grpc_health.v1 import health, health_pb2
 
-    from service.app.models import ServedSet
+    from service.frontend.served import ServedSet
     from service.observability import metrics
+    from service.worker.server import served_rows
 
     registry = ModelRegistry([], "m")
     servicer = health.aio.HealthServicer()
-    served = ServedSet(registry, servicer)  # type: ignore[arg-type]
+    served, collector = ServedSet(servicer), metrics.ServedSetCollector()
     served.check_limits(lambda model: (model.spec.version * 100, 0), (150, 150))
     small, large = FakeModel(_Spec("m", 1)), FakeModel(_Spec("m", 2))
     registry.publish(small)  # type: ignore[arg-type]
-    served.sync(ready=True)
+    served.sync(registry, ready=True)  # type: ignore[arg-type]
     registry.publish(large)  # type: ignore[arg-type]
-    served.sync(ready=True)
+    served.sync(registry, ready=True)  # type: ignore[arg-type]
+    collector.set(served_rows(registry.all(), ready=True))  # type: ignore[arg-type]
     assert [r.getMessage() for r in caplog.records if "m/2 takes calls" in r.getMessage()]
     assert not [r for r in caplog.records if "m/1 takes calls" in r.getMessage()]
-    assert metrics.MODEL_READY.labels("m", "2")._value.get() == 1
+    assert _sample(collector, model="m", version="2") == 1
     registry.withdraw("m", 1)
     registry.withdraw("m", 2)
-    served.sync(ready=True)
+    served.sync(registry, ready=True)  # type: ignore[arg-type]
+    collector.set(served_rows(registry.all(), ready=True))  # type: ignore[arg-type]
     await asyncio.sleep(0.05)  # the health update runs as a task
-    ready = [s.name for s in metrics.MODEL_READY.collect()[0].samples if s.labels["model"] == "m"]
+    ready = [s.name for s in next(iter(collector.collect())).samples if s.labels["model"] == "m"]
     assert ready == []
     reply = await servicer.Check(health_pb2.HealthCheckRequest(service="m"), None)
     assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -423,7 +435,7 @@ async def test_per_model_health_ends_as_the_last_change_left_it() -> None:
     unloaded model SERVING."""
     from grpc_health.v1 import health_pb2
 
-    from service.app.models import ServedSet
+    from service.frontend.served import ServedSet
 
     class SlowFirstHealth:
         def __init__(self) -> None:
@@ -439,12 +451,12 @@ async def test_per_model_health_ends_as_the_last_change_left_it() -> None:
 
     registry = ModelRegistry([], "m")
     fake = SlowFirstHealth()
-    served = ServedSet(registry, fake)  # type: ignore[arg-type]
+    served = ServedSet(fake)  # type: ignore[arg-type]
     registry.publish(FakeModel(_Spec("m", 1)))  # type: ignore[arg-type]
-    served.sync(ready=True)  # SERVING, held up
+    served.sync(registry, ready=True)  # type: ignore[arg-type]  # SERVING, held up
     await asyncio.sleep(0)
     registry.withdraw("m", 1)
-    served.sync(ready=True)  # NOT_SERVING
+    served.sync(registry, ready=True)  # type: ignore[arg-type]  # NOT_SERVING
     await asyncio.sleep(0.01)
     fake.release.set()
     await asyncio.sleep(0.01)

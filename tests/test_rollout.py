@@ -22,7 +22,7 @@ from service.client import AttentionClient
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 from tests.reference import attend_alone, layer_for
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, rss_bytes, worker_pid
 
 NAME, D, H = "roll", 64, 4
 SEEDS = {1: 0, 2: 7}  # version -> the seed of its weights
@@ -140,13 +140,6 @@ def index(target: str) -> dict[str, tuple[str, str]]:
     return {f"{m.name}/{m.version}": (m.state, m.reason) for m in reply.models}
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.fixture
 def repository(tmp_path: Path, staging: Path) -> Path:
     """A repository serving version 1 only."""
@@ -255,7 +248,7 @@ def test_unloading_frees_the_sessions_memory(tmp_path: Path) -> None:
                              fused=False))  # fmt: skip
     hidden = tmp_path / "big" / ".2.staging"
     with ServerProcess(tmp_path, *POLL) as server:
-        pid = server.process.pid
+        pid = worker_pid(server)  # the process that holds the sessions
         before = rss_bytes(pid)
         shutil.copytree(tmp_path / "big" / "1", hidden)
         hidden.rename(tmp_path / "big" / "2")

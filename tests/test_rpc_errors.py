@@ -23,6 +23,7 @@ from service.transport.wire import WireMessage
 from service.worker.batching.batcher import Batcher
 from service.worker.batching.protocol import BatchLimits
 from service.worker.engine.registry import ModelRegistry
+from tests.planes import LocalPlane
 
 FORGED = "bug\n2026-01-01 INFO forged: all is well" + "x" * 20_000
 
@@ -32,7 +33,7 @@ class ExplodingServicer(AttentionServicer):
 
     def __init__(self) -> None:
         limits = BatchLimits(max_batch_size=1, max_queue_delay_s=0, max_queue_size=1)
-        super().__init__(ModelRegistry([], "mha"), Batcher(limits), InputLimits(8, 1))
+        super().__init__(LocalPlane(ModelRegistry([], "mha"), Batcher(limits)), InputLimits(8, 1))
         self.calls = 0
 
     @rpc("attention")

@@ -11,7 +11,7 @@ import pytest
 from service.client import AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, server_rss_bytes
 
 D = 512
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -123,13 +123,6 @@ def test_bad_request_does_not_disturb_a_batch(server: ServerProcess, stub, clien
         assert call.exception().code() == INVALID
 
 
-def _rss_bytes(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):  # noqa: SIM115 - tiny procfs read
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
 def test_bad_requests_do_not_leak_memory(server: ServerProcess, stub) -> None:
     """Rounds of every bad request plus good ones: the server's RSS stops growing."""
     good = pb.AttendRequest(embeddings=_tensor([64, D]), return_attention_weights=True)
@@ -142,11 +135,11 @@ def test_bad_requests_do_not_leak_memory(server: ServerProcess, stub) -> None:
 
     for _ in range(6):  # warm: allocator pools, gRPC buffers (measured: flat after ~5)
         one_round()
-    warm = _rss_bytes(server.process.pid)
+    warm = server_rss_bytes(server)
     rounds = 12
     for _ in range(rounds):
         one_round()
-    grown = _rss_bytes(server.process.pid) - warm
+    grown = server_rss_bytes(server) - warm
     requests = rounds * (len(BAD_REQUESTS) + 20)
     # Catches a leak of 24 KiB per request; the old bound (32 MiB over 15 rounds of 37)
     # let one of 57 KiB through.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -11,12 +13,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client import AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from tests.providers import serving_provider
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, worker_pid
 
 D = 64  # the "small" model keeps these tests quick
 PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64")  # requests wait in the queue
@@ -111,14 +114,31 @@ def test_sigterm_under_load_finishes_accepted_requests_and_exits_zero(
 
 
 def test_health_goes_from_not_serving_to_serving_after_warm_up(model_repository: Path) -> None:
-    # In a child process: the server's V2 protos and tritonclient's cannot share one
-    # protobuf descriptor pool (both define package `inference`).
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.health_scenario", str(model_repository)],
-        capture_output=True, text=True, timeout=120, check=False, cwd=Path(__file__).parent.parent,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["NOT_SERVING", "UNAVAILABLE", "SERVING", "OK"]
+    """Front ends bind before the worker is warm: health says NOT_SERVING and calls are
+    refused with UNAVAILABLE until it is. The worker is held (SIGSTOP) inside its batch-cap
+    measurement, so the window cannot close before the checks."""
+    server = ServerProcess(model_repository, env={"ATTENTION_BATCH_CAP_BUDGET_S": "5"})
+    try:
+        server.wait_bound()
+        worker = worker_pid(server)
+        os.kill(worker, signal.SIGSTOP)
+        channel, stub = _stub(server)
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest(service="attention.v1.AttentionService")
+        try:
+            status = health.Check(check, timeout=30).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Attend(_request(3), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        server.wait_serving(timeout_s=120)
+        assert health.Check(check, timeout=30).status == health_pb2.HealthCheckResponse.SERVING
+        assert stub.Attend(_request(3), timeout=30).output.shape == [3, D]
+        channel.close()
+    finally:
+        server.kill()
 
 
 def test_broken_models_are_skipped_and_the_rest_served(

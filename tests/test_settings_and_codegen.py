@@ -73,7 +73,8 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
 
 def test_serving_side_never_imports_torch() -> None:
     code = (
-        "import sys, service.__main__, service.app.server, service.client;"
+        "import sys, service.__main__, service.app.supervisor, service.frontend.server, "
+        "service.worker.server, service.client;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -20,7 +20,7 @@ from service import healthcheck
 from service.client import AttentionClient, tls_options
 from service.settings import load_settings
 from service.transport.tls import TlsError, TlsFiles, channel_credentials, load_material, server_tls
-from tests.server_process import REPO_ROOT
+from tests.server_process import REPO_ROOT, child_pids
 from tests.tls_helpers import Authority, TlsServerProcess, tiny_repository, wait_for
 
 D = 32
@@ -213,7 +213,7 @@ def test_certificate_files_replaced_are_served_without_a_restart(
     new_trust = channel_credentials(new_ca.write(tmp_path, "new-ca"))
     flags = ("--tls-cert", str(cert), "--tls-key", str(key))
     with TlsServerProcess(repository, *flags, credentials=old_trust) as server:
-        pid = server.process.pid
+        pids = child_pids(server)  # the same front end serves the new certificate
         assert _health(server.target, old_trust) == health_pb2.HealthCheckResponse.SERVING
         new_ca.issue("server", server=True).write(folder, "tls")
 
@@ -229,7 +229,7 @@ def test_certificate_files_replaced_are_served_without_a_restart(
         # A broken pair (the key of another certificate) is refused; the last good one stays.
         (folder / "tls.key").write_bytes(old_ca.issue("x", server=True).key)
         assert _health(server.target, new_trust) == health_pb2.HealthCheckResponse.SERVING
-        assert server.process.pid == pid
+        assert child_pids(server) == pids
         assert server.process.poll() is None
         wait_for(lambda: "cannot be used" in server.log, what="the refusal logged")
         assert server.log.count("TLS certificate reloaded") == 1, server.log

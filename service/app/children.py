@@ -102,7 +102,8 @@ def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoRetur
     from service.worker.server import StartupError, WorkerServer
 
     async def main() -> int:
-        server = WorkerServer(settings, run_dir)
+        server = WorkerServer(settings, run_dir,
+                              report_served=lambda rows: report.send(("served", rows)))  # fmt: skip
         try:
             started, _ = await _until_signal(server.start())
         except StartupError as err:

@@ -27,6 +27,7 @@ from typing import Any
 
 from service.app.children import run_frontend, run_worker
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
+from service.observability import metrics
 from service.settings import Settings
 
 log = logging.getLogger("service")
@@ -107,6 +108,7 @@ class Supervisor:
         self._signalled_at: float | None = None
         self._port_socket: socket.socket | None = None
         self._metrics_http: tuple[Any, Thread] | None = None
+        self._served = metrics.ServedSetCollector()
         self.grpc_port = 0
         self.queue_bytes = settings.max_queue_bytes or default_queue_bytes(memory_limit_bytes())
 
@@ -133,7 +135,7 @@ class Supervisor:
                                       f"{err}")  # fmt: skip
         self.grpc_port = self._port_socket.getsockname()[1]
         try:
-            self._metrics_http = _serve_metrics(settings, self._metrics_dir)
+            self._metrics_http = _serve_metrics(settings, self._metrics_dir, self._served)
         except OSError as err:
             return self._cannot_start(
                 f"cannot bind metrics to {settings.host}:{settings.metrics_port}: {err}"
@@ -195,6 +197,8 @@ class Supervisor:
                 self._bound.set()
         elif kind == "failed":
             child.started = False
+        elif kind == "served" and child.role == "worker":
+            self._served.set(message[1])
 
     def _on_exit(self, child: Child) -> None:
         loop = asyncio.get_running_loop()
@@ -205,6 +209,8 @@ class Supervisor:
         code = child.process.exitcode
         child.exited.set()
         _mark_dead(child.process.pid)
+        if child.role == "worker":
+            self._served.set(())  # nothing is served until a worker reports again
         if self._stopping:
             log.info("%s exited (code %s)", child.role, code)
             return
@@ -220,6 +226,9 @@ class Supervisor:
             return
         log.warning("%s exited with code %s; restarting it", child.role, code)
         self._spawn(child.role)
+
+    def _serving(self) -> bool:
+        return bool(self._children) and all(c.started for c in self._children.values())
 
     def _may_restart(self) -> bool:
         now = time.monotonic()
@@ -240,8 +249,11 @@ class Supervisor:
             log.warning("another shutdown signal: ignored, the drain ends within the grace period")
             return
         self._signalled_at = time.monotonic()
-        log.info("shutdown signal received; draining for up to %.1fs",
-                 self._settings.grace_period_s)  # fmt: skip
+        if not self._serving():
+            log.info("shutdown signal received during start-up; stopping without serving")
+        else:
+            log.info("shutdown signal received; draining for up to %.1fs",
+                     self._settings.grace_period_s)  # fmt: skip
         self._stop.set()
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -276,12 +288,16 @@ class Supervisor:
         log.info("stopped")
 
 
-def _serve_metrics(settings: Settings, metrics_dir: Path) -> tuple[Any, Thread]:
-    """/metrics: every process's series, summed by prometheus-client's multiprocess mode."""
+def _serve_metrics(
+    settings: Settings, metrics_dir: Path, served: metrics.ServedSetCollector
+) -> tuple[Any, Thread]:
+    """/metrics: every process's series, summed by prometheus-client's multiprocess mode,
+    and the served set as the worker reported it."""
     from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
+    registry.register(served)
     return start_http_server(settings.metrics_port, addr=_bare(settings.host), registry=registry)
 
 

@@ -119,6 +119,9 @@ class FrontendServer:
             raise StartupError(f"cannot bind gRPC to {address}: {err}") from err
         await server.start()
         self._server, self.port = server, bound
+        if self.tls is not None:
+            log.info("gRPC port serves TLS%s; metrics port plain HTTP",
+                     " and requires client certificates" if self.tls.mutual else "")  # fmt: skip
         self._started = True
         self._changed()
         return bound
@@ -198,6 +201,7 @@ class FrontendServer:
             )
             await asyncio.sleep(min(settings.shutdown_not_serving_s, remaining()))
         self.plane.accepting = False
+        await self.plane.flush()
         self._streams.close_all()
         log.info("refusing new requests; finishing accepted ones for up to %.1fs", remaining())
         with contextlib.suppress(TimeoutError):

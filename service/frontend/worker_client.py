@@ -315,6 +315,11 @@ class WorkerClient:
             raise messages.rebuild_error(answer["kind"], answer["msg"])
         return answer["ok"]
 
+    async def flush(self) -> None:
+        """This front end is draining: ask the worker to stop waiting for batches to fill."""
+        with contextlib.suppress(ShuttingDown):
+            await self._call("flush", {})
+
     async def statistics(self, keys: list[str]) -> dict[str, VersionStats]:
         found = await self._call("statistics", {"keys": keys})
         return {key: messages.stats_from_json(data) for key, data in found.items()}

@@ -7,8 +7,11 @@ values, livemax takes the largest."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 PREFIX = "attention"
 
@@ -93,23 +96,11 @@ IN_FLIGHT = Gauge(
     ["api"],
     multiprocess_mode="livesum",
 )
-MODEL_READY = Gauge(
-    f"{PREFIX}_model_ready",
-    "1 when the model version is loaded and warmed up, else 0.",
-    ["model", "version"],
-    multiprocess_mode="livemax",
-)
 MODEL_LOAD_EVENTS = Counter(
     f"{PREFIX}_model_load_events_total",
     "Model version loads and unloads (action: load | unload) by outcome (success | failure); "
     "a failed load never replaces a served version.",
     ["model", "action", "outcome"],
-)
-ENGINE_INFO = Gauge(
-    f"{PREFIX}_engine_info",
-    "Constant 1; labels show the ONNX Runtime execution provider serving each model version.",
-    ["model", "version", "provider"],
-    multiprocess_mode="livemax",
 )
 
 
@@ -134,3 +125,38 @@ def in_flight(api: str) -> Gauge:
 @functools.lru_cache(maxsize=1024)
 def queue_duration(model: str) -> Histogram:
     return QUEUE_DURATION.labels(model)
+
+
+# (model, version, provider, ready) of each version the worker serves.
+ServedRow = tuple[str, str, str, bool]
+
+
+class ServedSetCollector(Collector):
+    """attention_model_ready and attention_engine_info, from the served set the worker last
+    reported: an unloaded version's series goes away, which per-process metric files (where
+    a removed label set keeps its last value) could not do."""
+
+    def __init__(self) -> None:
+        self._rows: tuple[ServedRow, ...] = ()
+
+    def set(self, rows: Iterable[ServedRow]) -> None:
+        self._rows = tuple(rows)  # one assignment: a scrape sees the old set or the new one
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        rows = self._rows
+        ready = GaugeMetricFamily(
+            f"{PREFIX}_model_ready",
+            "1 when the model version is loaded and warmed up, else 0.",
+            labels=["model", "version"],
+        )
+        engine = GaugeMetricFamily(
+            f"{PREFIX}_engine_info",
+            "Constant 1; labels show the ONNX Runtime execution provider serving each model "
+            "version.",
+            labels=["model", "version", "provider"],
+        )
+        for model, version, provider, is_ready in rows:
+            ready.add_metric([model, version], 1.0 if is_ready else 0.0)
+            engine.add_metric([model, version, provider], 1.0)
+        yield ready
+        yield engine

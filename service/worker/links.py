@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from service.catalog import ModelRegistry
-from service.errors import ModelNotFound, ServingError
+from service.errors import ServingError
 from service.ipc import channel, messages
 from service.ipc.slab import Slab
 from service.worker.batching.batcher import Batcher
@@ -43,7 +42,7 @@ class FrontendLink:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         *,
-        registry: ModelRegistry[OnnxModel],
+        resolve: Callable[[str], OnnxModel],
         batcher: Batcher,
         call: Call,
     ) -> None:
@@ -51,7 +50,7 @@ class FrontendLink:
         self._slab = slab
         self._reader = reader
         self._writer = channel.Writer(writer)
-        self._registry = registry
+        self._resolve = resolve
         self._batcher = batcher
         self._call = call
         self._submitted: dict[int, asyncio.Future[Any]] = {}  # id -> the batcher's future
@@ -99,7 +98,7 @@ class FrontendLink:
         last write into its output regions (the front end frees them on that answer)."""
         request_id = int(message["id"])
         try:
-            model = self._model(message["model"])
+            model = self._resolve(str(message["model"]))
             dtype = np.dtype(message["dtype"])
             shape = tuple(int(n) for n in message["shape"])
             embeddings = self._slab.array(int(message["in"]), shape, dtype)
@@ -137,14 +136,6 @@ class FrontendLink:
             await asyncio.shield(asyncio.to_thread(_copy, source, target))
         else:
             _copy(source, target)
-
-    def _model(self, key: str) -> OnnxModel:
-        name, _, version = str(key).partition("/")
-        return self._registry.resolve(name, version) if name else self._missing(key)
-
-    @staticmethod
-    def _missing(key: str) -> OnnxModel:
-        raise ModelNotFound(f"model {key!r} is not served (any more)")
 
     def _fail(self, request_id: int, error: BaseException) -> None:
         kind = messages.error_kind(error)

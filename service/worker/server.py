@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,38 +39,32 @@ def queue_bytes(settings: Settings) -> int:
     return settings.max_queue_bytes or default_queue_bytes(memory_limit_bytes())
 
 
-class ReadyMetrics:
-    """attention_model_ready and attention_engine_info follow the served set."""
-
-    def __init__(self) -> None:
-        self._shown: set[tuple[str, str, str]] = set()
-
-    def sync(self, models: list[OnnxModel], *, ready: bool) -> None:
-        served = {(m.spec.name, str(m.spec.version), m.provider) for m in models}
-        for name, version, provider in self._shown - served:
-            # Zero first: in multiprocess mode a removed child keeps its last value on disk.
-            metrics.MODEL_READY.labels(name, version).set(0)
-            metrics.ENGINE_INFO.labels(name, version, provider).set(0)
-            metrics.MODEL_READY.remove(name, version)
-            metrics.ENGINE_INFO.remove(name, version, provider)
-        for name, version, provider in served:
-            metrics.MODEL_READY.labels(name, version).set(1 if ready else 0)
-            metrics.ENGINE_INFO.labels(name, version, provider).set(1)
-        self._shown = served
+def served_rows(models: list[OnnxModel], *, ready: bool) -> list[metrics.ServedRow]:
+    """What attention_model_ready and attention_engine_info show (the supervisor serves them)."""
+    return [(m.spec.name, str(m.spec.version), m.provider, ready) for m in models]
 
 
 class WorkerServer:
     """start() loads, warms and listens; stop() waits for the front ends to go."""
 
-    def __init__(self, settings: Settings, run_dir: Path) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        run_dir: Path,
+        report_served: Callable[[list[metrics.ServedRow]], None] = lambda rows: None,
+    ) -> None:
         self._settings = settings
+        self._report_served = report_served
+        # Versions withdrawn but still finishing their queued work: front ends whose snapshot
+        # still names them may send more, which are served, not refused, until they settle.
+        self._retiring: dict[str, OnnxModel] = {}
         self.socket_path = socket_path(run_dir)
         self.registry: ModelRegistry[OnnxModel] = ModelRegistry([], settings.default_model)
-        self._metrics = ReadyMetrics()
         self._links: set[FrontendLink] = set()
         self._link_tasks: set[asyncio.Task[None]] = set()
         self._all_gone = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
+        self._flushing: asyncio.Future[None] | None = None
         self.ready = False
         self.draining = False
         limit_bytes = queue_bytes(settings)
@@ -116,7 +111,7 @@ class WorkerServer:
     async def _load_models(self, providers: list[str]) -> None:
         settings = self._settings
         self.models = build_controller(
-            settings, providers, self.registry, settle=self.batcher.settle, changed=self._changed
+            settings, providers, self.registry, settle=self._settle, changed=self._changed
         )
         try:
             await self.models.start(settings.load_model)
@@ -160,10 +155,30 @@ class WorkerServer:
                      "measured" if settings.batch_cap_budget_s > 0 else "not measured",
                      caps.describe())  # fmt: skip
 
+    async def _settle(self, model: OnnxModel) -> None:
+        """Until none of a withdrawn version's requests is queued or computing."""
+        self._retiring[model.key] = model
+        try:
+            await self.batcher.settle(model)
+        finally:
+            if self._retiring.get(model.key) is model:
+                del self._retiring[model.key]
+
+    def resolve(self, key: str) -> OnnxModel:
+        """The version a front end named by key (name/version): served, or still retiring."""
+        name, _, version = key.partition("/")
+        try:
+            return self.registry.resolve(name, version)
+        except ModelNotFound:
+            retiring = self._retiring.get(key)
+            if retiring is None:
+                raise
+            return retiring
+
     # -- front ends --------------------------------------------------------------------------
 
     def _make_link(self, name: str, slab: Slab, reader: Any, writer: Any) -> FrontendLink:
-        return FrontendLink(name, slab, reader, writer, registry=self.registry,
+        return FrontendLink(name, slab, reader, writer, resolve=self.resolve,
                             batcher=self.batcher, call=self._control)  # fmt: skip
 
     async def _serve_link(self, link: FrontendLink) -> None:
@@ -187,7 +202,7 @@ class WorkerServer:
 
     def _changed(self) -> None:
         """The served set (or readiness) changed: metrics, then every front end."""
-        self._metrics.sync(self.registry.all(), ready=self.ready)
+        self._report_served(served_rows(self.registry.all(), ready=self.ready))
         snapshot = {"t": messages.MODELS, **self._snapshot()}
         for link in self._links:
             link.send(snapshot)
@@ -199,6 +214,12 @@ class WorkerServer:
 
     async def _control(self, op: str, args: dict[str, Any]) -> Any:
         """A front end's control call (statistics, repository index, load, unload)."""
+        if op == "flush":
+            # A front end refuses new calls: batches close at once from now on, so what it
+            # accepted is not left waiting for a batch to fill.
+            if self._flushing is None:
+                self._flushing = asyncio.ensure_future(self.batcher.drain())
+            return None
         if op == "statistics":
             return {key: messages.stats_to_json(self.batcher.statistics.snapshot(key))
                     for key in args["keys"]}  # fmt: skip
@@ -231,6 +252,8 @@ class WorkerServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_gone.wait(), max(0.0, deadline - time.monotonic()))
         self._listener.close()
+        if self._flushing is not None:
+            self._flushing.cancel()
         self.batcher.refuse_new()
         self.batcher.fail_queued(ShuttingDown("the server stopped before computing it; retry"))
         await self.batcher.stop(timeout_s=max(0.0, deadline - time.monotonic()))

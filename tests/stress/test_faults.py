@@ -30,6 +30,7 @@ from service.worker.batching.protocol import BatchLimits
 from service.worker.engine.onnx_model import OnnxModel
 from service.worker.engine.registry import ModelRegistry
 from service.worker.engine.repository import discover
+from tests.planes import LocalPlane
 from tests.server_process import ServerProcess
 
 D = 64
@@ -94,11 +95,12 @@ async def _scenario(model: OnnxModel, runner: FailingRunner) -> tuple[list, list
     batcher = Batcher(BatchLimits(max_batch_size=4, max_queue_delay_s=30, max_queue_size=64))
     registry = ModelRegistry([runner], default_model="small")  # type: ignore[list-item]
     settings = Settings(max_batch_size=4, max_seq_len=64)
+    plane = LocalPlane(registry, batcher)
     server = grpc.aio.server()
     add_servicer(server, attention_pb2_grpc.add_AttentionServiceServicer_to_server,
-                 AttentionServicer(registry, batcher, InputLimits(64, 4)))  # fmt: skip
+                 AttentionServicer(plane, InputLimits(64, 4)))  # fmt: skip
     add_servicer(server, grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-                 InferenceServicer(registry, batcher, settings, lambda: True))  # fmt: skip
+                 InferenceServicer(plane, settings, lambda: True))  # fmt: skip
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await batcher.start()

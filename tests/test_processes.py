@@ -1,0 +1,132 @@
+"""The process picture under faults: a worker or front end killed under load never leaves a
+call hanging; the supervisor restarts it, and exits non-zero when restarts keep failing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import Future, wait
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
+from tests.server_process import ServerProcess, child_pids, worker_pid
+
+D = 64
+# Requests park in the queue (a long batch delay), so they are surely in flight at the kill.
+PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64", "--batch-cap-budget-s", "0")
+
+
+def _request(seq: int = 4) -> pb.AttendRequest:
+    x = np.ones((seq, D), np.float32)
+    return pb.AttendRequest(
+        model="small", embeddings=pb.Tensor(shape=[seq, D], dtype=pb.FLOAT32, data=x.tobytes())
+    )
+
+
+def _wait_for(condition, timeout_s: float = 60, what: str = "condition") -> None:
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"{what} not reached in {timeout_s}s")
+        time.sleep(0.02)
+
+
+def _queued(server: ServerProcess, at_least: int) -> None:
+    server.wait_metric("attention_queue_depth_requests", at_least)
+
+
+def test_a_killed_worker_fails_calls_in_flight_at_once_and_comes_back(
+    model_repository: Path, figures
+) -> None:
+    with ServerProcess(model_repository, *PARKED) as server:
+        channel = grpc.insecure_channel(server.target)
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        parked: list[Future] = [stub.Attend.future(_request(), timeout=60) for _ in range(8)]
+        _queued(server, 8)
+        old = worker_pid(server)
+        killed_at = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+        done, _ = wait(parked, timeout=10)
+        ended_s = time.monotonic() - killed_at
+        codes = [call.code() for call in parked]
+        assert len(done) == 8, "calls in flight hung after the worker died"
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 8
+        assert "worker stopped while this request was in flight" in parked[0].details()
+        _wait_for(lambda: worker_pid(server) != old, what="a new worker")
+        server.wait_serving(timeout_s=120)
+        answer = stub.Attend(_request(), timeout=60)
+        assert list(answer.output.shape) == [4, D]
+        channel.close()
+        assert server.terminate() == 0, server.log
+    figures({"calls in flight at the kill": 8, "ended UNAVAILABLE after (s)": round(ended_s, 3),
+             "served again": "yes", "exit code": 0})  # fmt: skip
+    assert ended_s < 5
+
+
+def test_a_killed_front_end_is_restarted_while_the_other_serves(
+    model_repository: Path, figures
+) -> None:
+    flags = ("--frontends", "2", "--batch-cap-budget-s", "0")
+    with ServerProcess(model_repository, *flags) as server:
+        old = child_pids(server)
+        os.kill(old["frontend-0"], signal.SIGKILL)
+        served = failed = 0
+        # New connections reach the surviving front end (or the restarted one) at once.
+        give_up = time.monotonic() + 60
+        while child_pids(server)["frontend-0"] == old["frontend-0"] or served < 20:
+            assert time.monotonic() < give_up, server.log
+            channel = grpc.insecure_channel(server.target)
+            try:
+                attention_pb2_grpc.AttentionServiceStub(channel).Attend(_request(), timeout=10)
+                served += 1
+            except grpc.RpcError:
+                failed += 1
+            finally:
+                channel.close()
+        assert child_pids(server)["worker"] == old["worker"]  # the worker was left alone
+        assert server.terminate() == 0, server.log
+    figures({"calls on new connections after the kill": served + failed, "failed": failed})
+    assert failed <= 2  # at most a connection caught mid-restart
+
+
+def test_a_worker_that_keeps_dying_ends_the_server_non_zero(model_repository: Path) -> None:
+    server = ServerProcess(model_repository, "--batch-cap-budget-s", "0", "--max-restarts", "1")
+    try:
+        server.wait_serving()
+        first = worker_pid(server)
+        os.kill(first, signal.SIGKILL)
+        _wait_for(lambda: worker_pid(server) != first, what="a restarted worker")
+        server.wait_serving(timeout_s=120)
+        os.kill(worker_pid(server), signal.SIGKILL)
+        assert server.process.wait(60) == 1
+        assert "restarts within" in server.log
+    finally:
+        server.kill()
+    for pid in child_pids(server).values():  # no child outlives the supervisor
+        _wait_for(lambda pid=pid: _gone(pid), 30, f"child {pid} exiting")
+
+
+def test_children_exit_with_the_supervisor_even_when_it_is_killed(model_repository: Path) -> None:
+    server = ServerProcess(model_repository, "--batch-cap-budget-s", "0", "--frontends", "2")
+    try:
+        server.wait_serving()
+        pids = child_pids(server)
+        server.process.kill()
+        server.process.wait(10)
+        for pid in pids.values():
+            _wait_for(lambda pid=pid: _gone(pid), 30, f"child {pid} exiting")
+    finally:
+        server.kill()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] == "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return True
