@@ -38,7 +38,7 @@ docs: setup
 
 # docs/configuration.md from the settings definition (tests/test_docs.py fails when stale).
 config-doc: setup
-	$(BIN)/python -m scripts.config_doc > docs/configuration.md
+	$(BIN)/python -m scripts.config_doc
 
 # The standard benchmark set (~10 min on 2 cores): one table, ratios, bench/results/latest.json,
 # plots in docs/. BENCH_ARGS passes more flags, e.g. BENCH_ARGS=--quick for a smoke run.
