@@ -34,7 +34,7 @@ test: lint docs
 
 # The documentation site, built strictly (a broken link or anchor fails) into build/site/.
 docs: setup
-	$(BIN)/mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 # docs/configuration.md from the settings definition (tests/test_docs.py fails when stale).
 config-doc: setup
