@@ -2,7 +2,7 @@
 # Serving image: GPU-capable (onnxruntime-gpu with CUDA 13 / cuDNN 9 from NVIDIA's wheels),
 # runs on CPU when no GPU is visible. torch exists only in the export stage.
 #
-# Offline / air-gapped (README "Building offline"): any Debian-like base with python3 and
+# Offline / air-gapped (docs/deployment.md, "Building offline"): any Debian-like base with python3 and
 # python3-venv, and every wheel in ./wheelhouse:
 #   --build-arg PYTHON_IMAGE=localhost/attention-base:bookworm
 #   --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/wheelhouse
@@ -33,6 +33,8 @@ RUN /opt/export/bin/python -m export --name "${MODEL_NAME}" --embed-dim "${EMBED
         --num-heads "${NUM_HEADS}" --out /models
 
 # --- deps: the serving virtualenv, copied into the image without pip or build files -----
+# The package's base dependencies are the client's; the server extra adds ONNX Runtime,
+# reflection and prometheus-client.
 FROM ${PYTHON_IMAGE} AS deps
 ARG PIP_NO_INDEX
 ARG PIP_FIND_LINKS
@@ -47,7 +49,7 @@ COPY service ./service
 RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir -c constraints.txt -c constraints-gpu.txt \
-        ${ONNXRUNTIME} .
+        ${ONNXRUNTIME} ".[server]"
 
 # --- serve: no torch ---------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS serve

@@ -5,14 +5,14 @@ BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.installed
 
-.PHONY: setup export serve test lint proto bench bench-peers demo clean
+.PHONY: setup export serve test lint docs config-doc proto bench bench-peers demo clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[export,dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[server,export,plot,docs,dev]'
 	touch $(STAMP)
 
 proto: setup
@@ -29,8 +29,16 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy service export
 
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest
+
+# The documentation site, built strictly (a broken link or anchor fails) into build/site/.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+
+# docs/configuration.md from the settings definition (tests/test_docs.py fails when stale).
+config-doc: setup
+	$(BIN)/python -m scripts.config_doc
 
 # The standard benchmark set (~10 min on 2 cores): one table, ratios, bench/results/latest.json,
 # plots in docs/. BENCH_ARGS passes more flags, e.g. BENCH_ARGS=--quick for a smoke run.

@@ -1,1 +1,1 @@
-"""Benchmark suite: python -m bench --help (see README, "Benchmarks")."""
+"""Benchmark suite: python -m bench --help (see docs/benchmarks.md)."""

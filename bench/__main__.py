@@ -1,8 +1,8 @@
 """python -m bench: the standard benchmark set in one run, one table, the ratios, JSON.
 
 The server (and the echo server and the in-process limit) run pinned to --server-cpus with
-one intra-op thread per CPU; the load generator runs pinned to --client-cpus. See README,
-"Benchmarks"."""
+one intra-op thread per CPU; the load generator runs pinned to --client-cpus. See
+docs/benchmarks.md."""
 
 from __future__ import annotations
 

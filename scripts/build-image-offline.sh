@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the serving image from the repository's Dockerfile with no network inside the build:
 # a Debian bookworm base made from Debian's packages (mmdebstrap, once per machine) and every
-# Python package from ./wheelhouse (pip download, on the host). README: "Building offline".
+# Python package from ./wheelhouse (pip download, on the host). docs/deployment.md: "Building offline".
 #
 #   scripts/build-image-offline.sh            # podman; IMAGE=attention-serving:offline
 #   ENGINE=docker scripts/build-image-offline.sh
@@ -33,11 +33,12 @@ if [[ "$ENGINE" == podman ]]; then
     ENGINE_FLAGS=(--runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 --format docker)
 fi
 
-# 1. Wheels for both stages: the serving dependencies (from pyproject.toml) and the export
+# 1. Wheels for both stages: the serving dependencies (pyproject.toml: base + server extra) and the export
 #    stage's torch/onnx, pinned by constraints.txt. Wheels must match the base's CPython (3.11
 #    on bookworm) and architecture; pip's cache makes a second run quick.
 if [[ "${SKIP_WHEELHOUSE:-0}" != 1 ]]; then
-    mapfile -t serving < <(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+    # The base dependencies (the client's) and the server extra, as the Dockerfile installs.
+    mapfile -t serving < <(python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["server"]))')
     read -ra onnxruntime_reqs <<< "$ONNXRUNTIME"  # space-separated, as the Dockerfile's ARG
     # shellcheck disable=SC2086
     $PIP download --quiet --dest wheelhouse "${TORCH_INDEX_ARGS[@]}" --constraint constraints.txt \

@@ -45,9 +45,13 @@ class Settings:
     """Everything the server is configured with; built once in __main__ and passed down."""
 
     host: str = _doc(
-        "interface to bind; 0.0.0.0 in containers, 127.0.0.1 in tests", default="0.0.0.0"
+        "address to bind the gRPC and metrics ports to: 0.0.0.0 = every IPv4 interface, "
+        "127.0.0.1 = this machine only; IPv6 literals with or without brackets",
+        default="0.0.0.0",
     )
-    grpc_port: int = _doc("gRPC port (0 = pick a free one); Triton's default", default=8001)
+    grpc_port: int = _doc(
+        "gRPC port of both APIs, health and reflection (0 = pick a free one)", default=8001
+    )
     metrics_port: int = _doc("Prometheus /metrics HTTP port (0 = pick a free one)", default=8002)
     model_repository: Path = _doc(
         "folder laid out as <name>/<version>/model.onnx", default=Path("models")
@@ -92,7 +96,7 @@ class Settings:
         default="on",
     )
     batch_cap_budget_s: float = _doc(
-        "seconds per model spent at warm-up timing batch sizes per sequence length, so no "
+        "seconds per model version spent at warm-up timing batch sizes per sequence length, so no "
         "batch costs more per sequence than a smaller one would; 0 = no caps, every batch "
         "may reach --max-batch-size",
         default=3.0,
@@ -100,8 +104,8 @@ class Settings:
     max_queue_bytes: int = _doc(
         "bytes of embeddings waiting (all models); beyond it RESOURCE_EXHAUSTED (an empty "
         "queue still takes one request of any legal size); 0 = a quarter of the memory the "
-        "process may use (its cgroup limit, else the machine's), divided by 3, the measured "
-        "cost of a queued request per payload byte",
+        "process may use (its cgroup limit, else the machine's) divided by 3, since a queued "
+        "request holds about 3 bytes of memory per payload byte",
         default=0,
     )
     max_inflight_batches: int = _doc("batches computing at once, all models together", default=4)
@@ -134,10 +138,10 @@ class Settings:
         default="off",
     )
     cpu_arena: str = _doc(
-        "on: ONNX Runtime's CPU arena keeps the memory of the largest batch ever run (RSS "
-        "stays at its peak, about 2.2 GiB per d=512 model after one 32x512 batch with "
-        "weights); off: memory goes back after each batch (RSS returns to its base; only "
-        "the largest batches run slower, measured ~1.5x at 32x512)",
+        "on: ONNX Runtime's CPU arena keeps the memory of the largest batch it has run, so "
+        "resident memory stays at that peak; off: that memory goes back after each batch "
+        "(resident memory returns to its base; the largest batches spend time faulting their "
+        "pages in again)",
         default="off",
     )
     provider: str = _doc(
@@ -166,10 +170,9 @@ class Settings:
         default="auto",
     )
     malloc_reuse: str = _doc(
-        "on: glibc malloc keeps up to 32 MiB of freed memory per arena for reuse instead of "
-        "faulting "
-        "pages back in for every request's tensors (about a third less CPU per request at "
-        "seq 128); off: glibc's defaults",
+        "on: glibc malloc keeps up to 32 MiB of freed memory per arena for reuse, so each "
+        "request's buffers do not fault fresh pages in (allocations of 1 MiB or more still go "
+        "straight back to the kernel); off: glibc's defaults",
         default="on",
     )
     grace_period_s: float = _doc(

@@ -1,7 +1,7 @@
 """Drain under load: SIGTERM while many callers are busy. Health must turn NOT_SERVING first,
 every accepted request must complete (none lost), new calls must get UNAVAILABLE, and the
 process must exit 0 within the grace period; a second SIGTERM during the drain changes
-nothing (README, "Shutdown")."""
+nothing (docs/batching.md, "Shutdown")."""
 
 from __future__ import annotations
 

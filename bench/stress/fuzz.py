@@ -24,7 +24,7 @@ from bench.payloads import METHODS
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2
 
-# README's error table: what a malformed request may get (OK when a case happens to be valid).
+# docs/api.md, "Errors": what a malformed request may get (OK when a case happens to be valid).
 DOCUMENTED = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"})
 HUGE_DIMS = [0, 2**31, 2**62, 2**63 - 1]
 # Strings that str.isdigit() accepts: superscripts, other scripts' digits, thousands of them.

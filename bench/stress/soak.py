@@ -47,7 +47,7 @@ class Item:
 
 
 def _bad_items(model: str, d: int) -> list[Item]:
-    """One of each kind of bad request, per API, with the code the README documents."""
+    """One of each kind of bad request, per API, with the code docs/api.md documents."""
     nan = np.ones((4, d), np.float32)
     nan[1, 2] = np.nan
     infer = v2.ModelInferRequest(model_name=model, raw_input_contents=[b"\0" * 12])
