@@ -53,6 +53,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "malloc_reuse",
     ),
     "GPU": ("cuda_tf32", "gpu_mem_fraction", "fused_attention"),
+    "Processes": ("frontends", "shared_memory_bytes", "max_restarts", "restart_window_s"),
     "Shutdown": ("grace_period_s", "shutdown_not_serving_s"),
     "TLS and connections": ("tls_cert", "tls_key", "tls_client_ca", "max_connection_age_s"),
     "Logging": ("log_level",),
