@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
-import grpc
 import numpy as np
 
 from service.errors import InvalidInput
 from service.frontend.validation import InputLimits, as_sequence_batch
+from service.observability import tracing
 from service.worker.batching.batcher import Batcher
 from service.worker.batching.protocol import Result
 from service.worker.engine.onnx_model import OnnxModel
 
 
-def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+class HasDeadline(Protocol):
+    """What admission needs of a call: a gRPC ServicerContext, or the REST front end's."""
+
+    def time_remaining(self) -> float | None: ...
+
+
+def deadline_of(context: HasDeadline) -> float | None:
     """The client's deadline on the time.monotonic() clock, if it set one."""
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
@@ -27,7 +34,7 @@ async def admit_and_run(
     limits: InputLimits,
     *,
     with_weights: bool,
-    context: grpc.aio.ServicerContext,
+    context: HasDeadline,
 ) -> Result:
     """Validate decoded embeddings against the model, then queue them in the model's dtype."""
     batch = as_sequence_batch(
@@ -47,9 +54,25 @@ async def admit_and_run(
             f"{float(np.finfo(cast.dtype).max):g}), the dtype of model {model.spec.name!r}; "
             "scale them down"
         )
-    return await batcher.submit(
+    result = await batcher.submit(
         model,
         cast,
         with_weights=with_weights,
         deadline=deadline_of(context),
+        tag=tracing.current_tag(),
     )
+    if tracing.enabled():
+        tracing.record_batch(
+            model=model.spec.name,
+            version=model.spec.version,
+            sequences=cast.shape[0],
+            length=cast.shape[1],
+            queue_s=result.queue_s,
+            compute_s=result.compute_s,
+            started_at=result.started_at,
+            batch_size=result.batch_size,
+            padding=result.padding,
+            batch_id=result.batch_id,
+            tags=result.batch_tags,
+        )
+    return result

@@ -1,64 +1,32 @@
-"""inference.GRPCInferenceService (Open Inference Protocol / KServe V2) on the same batcher."""
+"""inference.GRPCInferenceService (Open Inference Protocol / KServe V2) on the same batcher.
+
+Thin: each RPC decodes nothing beyond its protobuf and calls the V2Plane the HTTP/REST front
+end calls too."""
 
 from __future__ import annotations
 
-import importlib.metadata
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from service.errors import InvalidInput, ModelNotFound, NotSupported
-from service.frontend.admission import admit_and_run
 from service.frontend.rpc import rpc
 from service.frontend.streaming import StreamCalls, StreamCloser, serve_stream
-from service.frontend.v2_codec import (
-    INPUT_NAME,
-    V2_NAME_OF,
-    accepted_datatypes,
-    decode_input,
-    encode_response,
-    refuse_parameters,
-    requested_outputs,
-)
-from service.frontend.validation import InputLimits
+from service.frontend.v2_codec import encode_response
+from service.frontend.v2_plane import V2Plane
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
-from service.generated.inference import model_config_pb2 as config
 from service.settings import Settings
-from service.text import shown
 from service.transport.wire import WireMessage, settled
 from service.worker.batching.batcher import Batcher
-from service.worker.batching.statistics import Duration
-from service.worker.engine.model_control import ModelController, check_repository_name
-from service.worker.engine.onnx_model import OnnxModel
+from service.worker.engine.model_control import ModelController
 from service.worker.engine.registry import SERVER_LABEL, ModelRegistry
-from service.worker.engine.repository import VersionPolicy
 
 API = "v2"
 STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
     "infer_response"
 ].number
 STREAM_API = "v2_stream"
-SERVER_NAME = "attention-serving"
-PLATFORM = "onnxruntime_onnx"
-# Triton's names; model_repository: RepositoryIndex / RepositoryModelLoad / RepositoryModelUnload.
-EXTENSIONS = ["model_configuration", "statistics", "model_repository"]
-# RepositoryModelUnload parameters taken (tritonclient always sends it; there are no
-# dependent models here, so it changes nothing).
-UNLOAD_PARAMETERS = {"unload_dependents"}
-CONFIG_TYPES = {"FP32": config.TYPE_FP32, "FP16": config.TYPE_FP16}
-
-
-def _server_version() -> str:
-    try:
-        return importlib.metadata.version(SERVER_NAME)
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-def _stat(duration: Duration) -> v2.StatisticDuration:
-    return v2.StatisticDuration(count=duration.count, ns=duration.ns)
 
 
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -71,13 +39,12 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         *,
         streams: StreamCloser | None = None,
         repository: ModelController | None = None,
+        plane: V2Plane | None = None,
     ) -> None:
+        self.plane = plane or V2Plane(registry, batcher, settings, is_ready, repository=repository)
         self._registry = registry
-        self._repository = repository
-        self._batcher = batcher
         self._settings = settings
-        self._limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
-        self._is_ready = is_ready
+        self._limits = self.plane.limits
         self._stream_calls = StreamCalls(
             api=STREAM_API,
             answer=self._stream_answer,
@@ -121,170 +88,57 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(
         self, request: v2.ServerReadyRequest, context: grpc.aio.ServicerContext
     ) -> v2.ServerReadyResponse:
-        return v2.ServerReadyResponse(ready=self._is_ready())
+        return v2.ServerReadyResponse(ready=self.plane.is_ready())
 
     @rpc(API)
     async def ModelReady(
         self, request: v2.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelReadyResponse:
-        try:
-            self._registry.resolve(request.name, request.version)
-        except ModelNotFound:
-            return v2.ModelReadyResponse(ready=False)
-        return v2.ModelReadyResponse(ready=self._is_ready())
+        return v2.ModelReadyResponse(ready=self.plane.model_ready(request.name, request.version))
 
     @rpc(API)
     async def ServerMetadata(
         self, request: v2.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> v2.ServerMetadataResponse:
-        return v2.ServerMetadataResponse(
-            name=SERVER_NAME, version=_server_version(), extensions=EXTENSIONS
-        )
+        return self.plane.server_metadata()
 
     @rpc(API)
     async def ModelMetadata(
         self, request: v2.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelMetadataResponse:
-        model = self._registry.resolve(request.name, request.version)
-        spec, datatype = model.spec, V2_NAME_OF[model.spec.dtype]
-        tensor = v2.ModelMetadataResponse.TensorMetadata
-        return v2.ModelMetadataResponse(
-            name=spec.name,
-            versions=[str(m.spec.version) for m in self._registry.versions(spec.name)],
-            platform=PLATFORM,
-            inputs=[tensor(name=INPUT_NAME, datatype=datatype, shape=[-1, -1, spec.embed_dim])],
-            outputs=[
-                tensor(name="output", datatype=datatype, shape=[-1, -1, spec.embed_dim]),
-                tensor(
-                    name="attention_weights", datatype="FP32", shape=[-1, spec.num_heads, -1, -1]
-                ),
-            ],
-        )
+        return self.plane.model_metadata(request.name, request.version)
 
     @rpc(API)
     async def ModelConfig(
         self, request: v2.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelConfigResponse:
-        model = self._registry.resolve(request.name, request.version)
-        spec, datatype = model.spec, CONFIG_TYPES[V2_NAME_OF[model.spec.dtype]]
-        return v2.ModelConfigResponse(
-            config=config.ModelConfig(
-                name=spec.name,
-                platform=PLATFORM,
-                backend="onnxruntime",
-                version_policy=_version_policy(self._settings.version_policy),
-                max_batch_size=self._settings.max_batch_size,
-                input=[
-                    config.ModelInput(
-                        name=INPUT_NAME, data_type=datatype, dims=[-1, spec.embed_dim]
-                    )
-                ],
-                output=[
-                    config.ModelOutput(
-                        name="output", data_type=datatype, dims=[-1, spec.embed_dim]
-                    ),
-                    config.ModelOutput(
-                        name="attention_weights",
-                        data_type=config.TYPE_FP32,
-                        dims=[spec.num_heads, -1, -1],
-                    ),
-                ],
-                dynamic_batching=config.ModelDynamicBatching(
-                    # Triton's preferred sizes: here, the measured caps (see "batch_caps").
-                    preferred_batch_size=sorted({size for _, size in model.batch_caps.caps}),
-                    max_queue_delay_microseconds=round(self._settings.max_queue_delay_ms * 1000),
-                ),
-                parameters={
-                    # V2 metadata names one datatype per input; this says what else is taken.
-                    "accepted_input_datatypes": config.ModelParameter(
-                        string_value=",".join(accepted_datatypes(model))
-                    ),
-                    "batch_caps": config.ModelParameter(
-                        string_value=",".join(
-                            f"{length}:{size}" for length, size in model.batch_caps.caps
-                        )
-                    ),
-                },
-            )
-        )
+        return self.plane.model_config(request.name, request.version)
 
     @rpc(API)
     async def ModelStatistics(
         self, request: v2.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelStatisticsResponse:
-        if request.name:
-            models = [self._registry.resolve(request.name, request.version)]
-            if not request.version:
-                models = self._registry.versions(models[0].spec.name)
-        else:
-            models = self._registry.all()
-        return v2.ModelStatisticsResponse(model_stats=[self._statistics(model) for model in models])
-
-    def _statistics(self, model: OnnxModel) -> v2.ModelStatistics:
-        stats = self._batcher.statistics.snapshot(model.key)
-        return v2.ModelStatistics(
-            name=model.spec.name,
-            version=str(model.spec.version),
-            last_inference=stats.last_inference_ms,
-            inference_count=stats.inference_count,
-            execution_count=stats.execution_count,
-            inference_stats=v2.InferStatistics(
-                success=_stat(stats.success),
-                fail=_stat(stats.fail),
-                queue=_stat(stats.queue),
-                compute_infer=_stat(stats.compute_infer),
-            ),
-            batch_stats=[
-                v2.InferBatchStatistics(batch_size=size, compute_infer=_stat(duration))
-                for size, duration in sorted(stats.batches.items())
-            ],
-        )
+        return self.plane.statistics(request.name, request.version)
 
     @rpc(API)
     async def RepositoryIndex(
         self, request: v2.RepositoryIndexRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryIndexResponse:
-        check_repository_name(request.repository_name)
-        entries = await self._control().index(ready_only=request.ready)
-        index = v2.RepositoryIndexResponse.ModelIndex
-        return v2.RepositoryIndexResponse(
-            models=[
-                index(name=e.name, version=str(e.version), state=e.state, reason=e.reason)
-                for e in entries
-            ]
-        )
+        return await self.plane.repository_index(request.repository_name, ready=request.ready)
 
     @rpc(API)
     async def RepositoryModelLoad(
         self, request: v2.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelLoadResponse:
-        check_repository_name(request.repository_name)
-        if request.parameters:
-            raise InvalidInput(
-                f"RepositoryModelLoad parameters {_names(request.parameters)} are not "
-                "supported (no config or file overrides): load the files in the repository"
-            )
-        await self._control().load(request.model_name)
+        await self.plane.load(request.repository_name, request.model_name, request.parameters)
         return v2.RepositoryModelLoadResponse()
 
     @rpc(API)
     async def RepositoryModelUnload(
         self, request: v2.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelUnloadResponse:
-        check_repository_name(request.repository_name)
-        unknown = set(request.parameters) - UNLOAD_PARAMETERS
-        if unknown:
-            raise InvalidInput(
-                f"RepositoryModelUnload parameters {_names(unknown)} are not supported; "
-                f"expected only {sorted(UNLOAD_PARAMETERS)}"
-            )
-        await self._control().unload(request.model_name)
+        await self.plane.unload(request.repository_name, request.model_name, request.parameters)
         return v2.RepositoryModelUnloadResponse()
-
-    def _control(self) -> ModelController:
-        if self._repository is None:
-            raise NotSupported("this server was started without a model repository controller")
-        return self._repository
 
     @rpc(API)
     async def ModelInfer(
@@ -315,33 +169,8 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:
         """The one ModelInfer path, unary and streamed."""
-        model = self._registry.resolve(request.model_name, request.model_version)
-        refuse_parameters(request)
-        names = requested_outputs(request, model)
-        received = decode_input(request, model)
-        result = await admit_and_run(
-            self._batcher,
-            model,
-            received,
-            self._limits,
-            with_weights="attention_weights" in names,
-            context=context,
-        )
-        return encode_response(request, model, names, result)
-
-
-def _names(keys: Iterable[str]) -> str:
-    """Client-sent parameter names, bounded and escaped for a message."""
-    names = sorted(keys)
-    return ", ".join(shown(name) for name in names[:4]) + (" ..." if len(names) > 4 else "")
-
-
-def _version_policy(text: str) -> config.ModelVersionPolicy:
-    """--version-policy as Triton's ModelConfig writes it."""
-    policy, latest = config.ModelVersionPolicy, VersionPolicy.parse(text).latest
-    if latest is not None:
-        return policy(latest=policy.Latest(num_versions=latest))
-    return policy(all=policy.All())
+        inferred = await self.plane.infer(request, context)
+        return encode_response(request, inferred.model, inferred.names, inferred.result)
 
 
 def _stream_error(

@@ -64,3 +64,9 @@ class Result:
     queue_s: float
     compute_s: float
     batch_size: int
+    # Enough to describe the batch after the fact (tracing spans with explicit times), also
+    # when the batcher runs in another process: plain numbers, nothing of the tracer.
+    started_at: float = 0.0  # time.monotonic() when the batch started computing
+    padding: float = 0.0  # fraction of the batch's positions that were padding
+    batch_id: int = 0  # the same for every request computed in one batch
+    batch_tags: tuple[object, ...] = ()  # the tags submitted with its requests (None left out)
