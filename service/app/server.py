@@ -19,13 +19,15 @@ from service.app.models import ServedSet, build_controller
 from service.errors import ModelNotFound, ShuttingDown
 from service.frontend.attention_servicer import AttentionServicer
 from service.frontend.handlers import add_servicer
+from service.frontend.rest.app import RestFrontend
 from service.frontend.streaming import StreamCloser
+from service.frontend.v2_plane import V2Plane
 from service.frontend.v2_servicer import InferenceServicer
 from service.frontend.validation import InputLimits
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
-from service.observability import metrics
+from service.observability import metrics, tracing
 from service.settings import Settings
 from service.transport.grpc_options import GRPC_MAX_MESSAGE_BYTES, server_options
 from service.transport.proto_pool import pool_of
@@ -44,6 +46,7 @@ REFUSE_LINGER_S = 0.2
 # Kept back from the grace period so answers (and UNAVAILABLE for what could not be computed)
 # are written before the server closes.
 WRITE_MARGIN_S = 0.2  # headroom for the non-tensor fields and protobuf framing
+TRACING_FLUSH_S = 1.0  # at exit, the most time given to exporting the last spans
 
 
 def _close_http(httpd: WSGIServer) -> None:
@@ -59,6 +62,7 @@ class StartupError(RuntimeError):
 class BoundPorts:
     grpc: int
     metrics: int
+    http: int = 0  # 0: no HTTP/REST endpoint (--http-port 0)
 
 
 def bind_host(host: str) -> str:
@@ -104,6 +108,7 @@ class AttentionServer:
         self._server: grpc.aio.Server | None = None
         self._batcher: Batcher | None = None
         self._metrics_http: tuple[WSGIServer, Thread] | None = None
+        self._rest: RestFrontend | None = None
         self._streams = StreamCloser()
         self._background: set[asyncio.Task[None]] = set()
         self.registry: ModelRegistry | None = None
@@ -128,6 +133,11 @@ class AttentionServer:
             providers = choose_providers(settings.provider)
         except RuntimeError as err:
             raise StartupError(str(err)) from err
+        if settings.tracing == "on":
+            try:
+                tracing.start(max_queue_spans=settings.tracing_max_queue_spans)
+            except tracing.TracingError as err:
+                raise StartupError(str(err)) from err
         registry = self.registry = await self._load_models(providers)
         limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
         limit_bytes = queue_bytes(settings)
@@ -173,6 +183,10 @@ class AttentionServer:
                 streams=self._streams,
             ),
         )
+        # One V2Plane behind both V2 front ends (gRPC here, HTTP/REST below).
+        plane = V2Plane(
+            registry, self._batcher, settings, lambda: self.ready, repository=self.models
+        )
         add_servicer(
             server,
             grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
@@ -182,7 +196,7 @@ class AttentionServer:
                 settings,
                 lambda: self.ready,
                 streams=self._streams,
-                repository=self.models,
+                plane=plane,
             ),
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -218,12 +232,14 @@ class AttentionServer:
             raise StartupError(
                 f"cannot bind metrics to {settings.host}:{settings.metrics_port}: {err}"
             ) from err
-        ports = self.ports = BoundPorts(grpc_port, self._metrics_http[0].server_port)
+        http_port = await self._start_rest(plane, receive_bytes)
+        ports = self.ports = BoundPorts(grpc_port, self._metrics_http[0].server_port, http_port)
         if self.tls is not None:
-            log.info("gRPC port serves TLS%s; metrics port plain HTTP",
-                     " and requires client certificates" if self.tls.mutual else "")  # fmt: skip
-        log.info("listening grpc_port=%d metrics_port=%d host=%s (warming up)",
-                 ports.grpc, ports.metrics, settings.host)  # fmt: skip
+            log.info("gRPC and HTTP/REST ports serve TLS%s; metrics port plain HTTP",
+                     " and require client certificates" if self.tls.mutual else "")  # fmt: skip
+        # Tests parse this line: "listening grpc_port=N metrics_port=N http_port=N".
+        log.info("listening grpc_port=%d metrics_port=%d http_port=%d host=%s (warming up)",
+                 ports.grpc, ports.metrics, ports.http, settings.host)  # fmt: skip
         await self._warm_up(registry)
         await self._batcher.start()
         self.ready = True
@@ -239,6 +255,24 @@ class AttentionServer:
                  registry.names(), settings.model_control_mode,
                  settings.version_policy)  # fmt: skip
         return ports
+
+    async def _start_rest(self, plane: V2Plane, receive_bytes: int) -> int:
+        """The HTTP/REST front end on --http-port (0: none), bodies bounded as gRPC messages."""
+        settings = self._settings
+        if settings.http_port == 0:
+            return 0
+        rest = RestFrontend(
+            plane, max_body_bytes=receive_bytes, grace_period_s=settings.grace_period_s
+        )
+        context = None if self.tls is None else self.tls.ssl_context()
+        try:
+            port = await rest.start(bind_host(settings.host), settings.http_port, context)
+        except OSError as err:
+            raise StartupError(
+                f"cannot bind HTTP/REST to {settings.host}:{settings.http_port}: {err}"
+            ) from err
+        self._rest = rest
+        return port
 
     async def _load_models(self, providers: list[str]) -> ModelRegistry:
         """The versions served at start, loaded by the model controller (not yet warm)."""
@@ -360,9 +394,11 @@ class AttentionServer:
             # Calls already on the wire when gRPC closes are cancelled by its core (CANCELLED,
             # which clients do not retry); refusing a moment longer answers them UNAVAILABLE.
             await asyncio.sleep(min(REFUSE_LINGER_S, remaining() / 2))
-        if self._server is not None:
-            # Lets finished handlers write their answers; cancels what is still running.
-            await self._server.stop(remaining())
+        # Both front ends at once: finished handlers write their answers; the rest is cancelled.
+        closing = [] if self._server is None else [self._server.stop(remaining())]
+        if self._rest is not None:
+            closing.append(self._rest.stop(remaining()))
+        await asyncio.gather(*closing)
         if self._batcher is not None:
             await self._batcher.stop(timeout_s=remaining())
         if self._metrics_http is not None:
@@ -370,4 +406,5 @@ class AttentionServer:
             # wait need not delay the exit.
             httpd, _ = self._metrics_http
             Thread(target=_close_http, args=(httpd,), daemon=True, name="metrics-close").start()
+        tracing.stop(min(TRACING_FLUSH_S, remaining()))
         log.info("stopped")
