@@ -86,6 +86,7 @@ class _Endpoints:
 
     async def infer(self, request: web.Request) -> web.Response:
         name, version = _model(request)
+        self.plane.registry.resolve(name, version)  # an unknown model is a 404 whatever the body
         body = decode_infer(
             await self.frontend.body(request), request.headers.get(HEADER_LENGTH), name, version
         )
