@@ -17,7 +17,7 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, receiver: OtlpReceiver) -> None:
         self._receiver = receiver
 
-    def Export(self, request: otlp.ExportTraceServiceRequest, context):  # noqa: N802
+    def Export(self, request: otlp.ExportTraceServiceRequest, context):
         self._receiver.add(request)
         return otlp.ExportTraceServiceResponse()
 

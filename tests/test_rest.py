@@ -67,16 +67,20 @@ def _embeddings(n: int, seq: int, seed: int = 0) -> np.ndarray:
 def test_health_metadata_config_stats_and_repository(
     server: ServerProcess, http: triton_http.InferenceServerClient
 ) -> None:
-    assert http.is_server_live() and http.is_server_ready()
-    assert http.is_model_ready("small") and http.is_model_ready("small", "1")
-    assert not http.is_model_ready("small", "9") and not http.is_model_ready("nope")
+    assert http.is_server_live()
+    assert http.is_server_ready()
+    assert http.is_model_ready("small")
+    assert http.is_model_ready("small", "1")
+    assert not http.is_model_ready("small", "9")
+    assert not http.is_model_ready("nope")
     assert http.get_server_metadata()["extensions"] == [
         "model_configuration", "statistics", "model_repository",
     ]  # fmt: skip
     metadata = http.get_model_metadata("small")
     assert metadata["inputs"] == [{"name": "embeddings", "datatype": "FP32", "shape": [-1, -1, D]}]
     config = http.get_model_config("small")
-    assert config["max_batch_size"] == MAX_BATCH and config["input"][0]["dims"] == [-1, D]
+    assert config["max_batch_size"] == MAX_BATCH
+    assert config["input"][0]["dims"] == [-1, D]
     stats = http.get_inference_statistics("small")["model_stats"][0]
     assert isinstance(stats["inference_count"], int)  # numbers, as Triton writes them
     assert http.get_model_repository_index() == [
@@ -122,18 +126,22 @@ def test_plain_json_body_with_versioned_path(server: ServerProcess) -> None:
                         "data": x.ravel().tolist()}]}  # fmt: skip
     status, headers, raw = _post(server, "/v2/models/small/versions/1/infer",
                                  json.dumps(body).encode())  # fmt: skip
-    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    assert status == 200
+    assert headers["Content-Type"].startswith("application/json")
     answer = json.loads(raw)
-    assert answer["model_name"] == "small" and answer["model_version"] == "1"
+    assert answer["model_name"] == "small"
+    assert answer["model_version"] == "1"
     (output,) = answer["outputs"]
-    assert output["shape"] == [1, 3, D] and output["datatype"] == "FP32"
+    assert output["shape"] == [1, 3, D]
+    assert output["datatype"] == "FP32"
     expected, _ = attend_alone(layer_for(D, H), x)
     np.testing.assert_allclose(np.reshape(output["data"], output["shape"]), expected, atol=1e-4)
 
 
 def _json_error(status: int, raw: bytes) -> str:
     message = json.loads(raw)["error"]
-    assert isinstance(message, str) and message
+    assert isinstance(message, str)
+    assert message
     return message
 
 
@@ -159,7 +167,9 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize(("body", "says"), BAD_BODIES)
-def test_bad_bodies_get_400_with_a_json_error(server: ServerProcess, body: bytes, says: str) -> None:
+def test_bad_bodies_get_400_with_a_json_error(
+    server: ServerProcess, body: bytes, says: str
+) -> None:
     status, headers, raw = _post(server, "/v2/models/small/infer", body)
     assert status == 400, raw
     assert headers["Content-Type"].startswith("application/json")
@@ -182,27 +192,33 @@ def test_binary_extension_header_checked(server: ServerProcess) -> None:
     np.testing.assert_allclose(got, expected, atol=1e-4)
     status, _, raw = _post(server, "/v2/models/small/infer", header + x.tobytes() + b"xx",
                            {"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
-    assert status == 400 and "2 bytes of binary data" in _json_error(status, raw)
+    assert status == 400
+    assert "2 bytes of binary data" in _json_error(status, raw)
     status, _, raw = _post(server, "/v2/models/small/infer", header,
                            {"Inference-Header-Content-Length": "abc"})  # fmt: skip
-    assert status == 400 and "Inference-Header-Content-Length is 'abc'" in _json_error(status, raw)
+    assert status == 400
+    assert "Inference-Header-Content-Length is 'abc'" in _json_error(status, raw)
 
 
 def test_codes_from_the_error_table(server: ServerProcess) -> None:
     status, _, raw = _post(server, "/v2/models/nope/infer", b"{}")
-    assert status == 404 and "unknown model 'nope'" in _json_error(status, raw)
+    assert status == 404
+    assert "unknown model 'nope'" in _json_error(status, raw)
     too_long = _embeddings(1, MAX_SEQ + 1)
     tensor = {"name": "embeddings", "shape": list(too_long.shape), "datatype": "FP32",
               "data": too_long.ravel().tolist()}  # fmt: skip
     status, _, raw = _post(server, "/v2/models/small/infer",
                            json.dumps({"inputs": [tensor]}).encode())  # fmt: skip
-    assert status == 400 and str(MAX_SEQ) in _json_error(status, raw)
+    assert status == 400
+    assert str(MAX_SEQ) in _json_error(status, raw)
     status, _, raw = _post(server, "/v2/repository/models/small/load", b"{}")
-    assert status == 400 and "--model-control-mode none" in _json_error(status, raw)
+    assert status == 400
+    assert "--model-control-mode none" in _json_error(status, raw)
     request = urllib.request.Request(f"http://{server.http_url}/v2/health/nope")
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
-    assert refused.value.code == 404 and "/v2/health/" in json.loads(refused.value.read())["error"]
+    assert refused.value.code == 404
+    assert "/v2/health/" in json.loads(refused.value.read())["error"]
     before = server.metric("attention_requests_total", api="rest", code="NOT_FOUND")
     _post(server, "/v2/models/nope/infer", b"{}")
     assert server.metric("attention_requests_total", api="rest", code="NOT_FOUND") == before + 1
@@ -210,7 +226,8 @@ def test_codes_from_the_error_table(server: ServerProcess) -> None:
 
 def test_body_above_the_message_limit_is_refused_before_it_is_read(server: ServerProcess) -> None:
     status, _, raw = _post(server, "/v2/models/small/infer", b" " * (BODY_LIMIT + 1))
-    assert status == 413 and f"limit of {BODY_LIMIT} bytes" in _json_error(status, raw)
+    assert status == 413
+    assert f"limit of {BODY_LIMIT} bytes" in _json_error(status, raw)
 
 
 def test_tritonclient_http_sees_the_error_message(http: triton_http.InferenceServerClient) -> None:
