@@ -20,6 +20,7 @@ PACKAGES = {"app", "frontend", "worker", *LEAVES}
 ALLOWED: dict[str, set[str]] = {
     # The front end still calls the batcher in its own process until the worker process lands.
     "frontend": {"worker", *LEAVES},
+    "frontend/rest": {"frontend", "worker", *LEAVES},  # the HTTP/REST front end, on V2Plane
     "worker": {"observability", "memory"},
     "worker/engine": {"observability", "memory"},
     "transport": set(),
