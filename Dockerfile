@@ -67,7 +67,7 @@ COPY --from=deps /opt/venv /opt/venv
 COPY --from=export --chown=10001:10001 /models /models
 WORKDIR /app
 USER 10001
-EXPOSE 8001 8002
+EXPOSE 8000 8001 8002
 # Probes 127.0.0.1:$ATTENTION_GRPC_PORT, so a port changed at run time is still probed.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-m", "service.healthcheck"]

@@ -184,7 +184,7 @@ def server_scenarios(repository: Path, model: str, d: int, provider: str, short:
     sequences/s with 64-sequence requests (the benchmark's GPU scenarios)."""
     seconds = "1" if short else "10"
     command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--grpc-port", "0",
-               "--metrics-port", "0", "--model-repository", str(repository),
+               "--metrics-port", "0", "--http-port", "0", "--model-repository", str(repository),
                "--default-model", model, "--provider", provider, "--max-batch-size", "64",
                "--batch-cap-budget-s", "0", "--log-level", "INFO"]  # fmt: skip
     report: Report = {}

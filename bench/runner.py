@@ -116,6 +116,7 @@ class Runner:
         return [
             *pinning.prefix(pinning.server_cpus), sys.executable, "-m", "service",
             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
+            "--http-port", "0",
             "--model-repository", str(c.model_repository),
             "--intra-op-threads", str(pinning.server_threads),
             "--provider", c.provider, *c.server_flags, *flags,

@@ -27,6 +27,12 @@ class Result:
     queue_s: float
     compute_s: float
     batch_size: int
+    # Enough to describe the batch after the fact (tracing spans with explicit times), also
+    # when the batcher runs in another process: plain numbers, nothing of the tracer.
+    started_at: float = 0.0  # time.monotonic() when the batch started computing
+    padding: float = 0.0  # fraction of the batch's positions that were padding
+    batch_id: int = 0  # the same for every request computed in one batch
+    batch_tags: tuple[object, ...] = ()  # the tags submitted with its requests (None left out)
     # Called once the arrays have been encoded: a front end frees their shared memory.
     release: Callable[[], None] = _nothing
 
@@ -91,8 +97,10 @@ class DataPlane(Protocol):
         *,
         with_weights: bool,
         deadline: float | None,
+        tag: object = None,
     ) -> Result:
-        """[n, seq, d] embeddings in the model's dtype; deadline on time.monotonic()."""
+        """[n, seq, d] embeddings in the model's dtype; deadline on time.monotonic(); tag
+        (plain data: a trace's span ids) comes back in batch_tags of its batch's results."""
         ...
 
     async def statistics(self, keys: list[str]) -> dict[str, VersionStats]: ...

@@ -33,6 +33,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "cuda_tf32": ON_OFF,
     "fused_attention": FUSED_ATTENTION,
     "model_control_mode": MODEL_CONTROL_MODES,
+    "tracing": ON_OFF,
 }
 
 
@@ -53,6 +54,11 @@ class Settings:
         "gRPC port of both APIs, health and reflection (0 = pick a free one)", default=8001
     )
     metrics_port: int = _doc("Prometheus /metrics HTTP port (0 = pick a free one)", default=8002)
+    http_port: int = _doc(
+        "HTTP/REST port of the Open Inference Protocol (KServe V2 REST, as Triton serves it); "
+        "Triton's default; 0 = no HTTP/REST endpoint. TLS as on the gRPC port",
+        default=8000,
+    )
     model_repository: Path = _doc(
         "folder laid out as <name>/<version>/model.onnx", default=Path("models")
     )
@@ -222,6 +228,19 @@ class Settings:
     )
     restart_window_s: float = _doc("seconds over which --max-restarts counts", default=60.0)
 
+    tracing: str = _doc(
+        "on: export OpenTelemetry traces (a span per request, with its queue wait and compute) "
+        "over OTLP, configured by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT, "
+        "OTEL_EXPORTER_OTLP_PROTOCOL grpc | http/protobuf, OTEL_TRACES_SAMPLER[_ARG], "
+        "OTEL_SERVICE_NAME); off: no tracing code runs",
+        default="off",
+    )
+    tracing_max_queue_spans: int = _doc(
+        "finished spans waiting for the exporter; beyond it new spans are dropped (never "
+        "waited for), so a slow or unreachable collector neither slows nor grows the server",
+        default=2048,
+    )
+
     def __post_init__(self) -> None:
         problems = [
             f"{name} must be {expectation}, got {getattr(self, name)!r}"
@@ -235,6 +254,9 @@ class Settings:
         return [
             ("grpc_port", 0 <= self.grpc_port <= 65535, "0..65535"),
             ("metrics_port", 0 <= self.metrics_port <= 65535, "0..65535"),
+            ("http_port", 0 <= self.http_port <= 65535, "0..65535 (0 = off)"),
+            ("tracing", self.tracing in ON_OFF, "on or off"),
+            ("tracing_max_queue_spans", self.tracing_max_queue_spans >= 1, ">= 1"),
             ("max_batch_size", self.max_batch_size >= 1, ">= 1"),
             ("max_queue_delay_ms", self.max_queue_delay_ms >= 0, ">= 0"),
             ("max_queue_size", self.max_queue_size >= 1, ">= 1"),

@@ -23,10 +23,16 @@ class LocalPlane:
         return self._registry
 
     async def infer(
-        self, model: Any, embeddings: np.ndarray, *, with_weights: bool, deadline: float | None
+        self,
+        model: Any,
+        embeddings: np.ndarray,
+        *,
+        with_weights: bool,
+        deadline: float | None,
+        tag: object = None,
     ) -> Result:
         return await self._batcher.submit(
-            model, embeddings, with_weights=with_weights, deadline=deadline
+            model, embeddings, with_weights=with_weights, deadline=deadline, tag=tag
         )
 
     async def statistics(self, keys: list[str]) -> dict[str, VersionStats]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.client import AttentionClient
 
-LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)")
+LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)(?: http_port=(\d+))?")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,13 +62,29 @@ def server_rss_bytes(server: ServerProcess) -> int:
     return (own + shared) * 1024
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 class ServerProcess:
     """A server subprocess; its log is collected by a thread so the pipe never fills."""
 
-    def __init__(self, model_repository: Path, *flags: str, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model_repository: Path,
+        *flags: str,
+        env: dict[str, str] | None = None,
+        http: bool = False,
+    ):
+        # --http-port 0 means no HTTP/REST endpoint, so a test that wants one is given a port
+        # the kernel just handed out (and took back): free, and not reused at once.
+        http_port = free_port() if http else 0
         command = [
             sys.executable, "-m", "service",
             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
+            "--http-port", str(http_port),
             "--model-repository", str(model_repository), *flags,
         ]  # fmt: skip
         self.process = subprocess.Popen(
@@ -88,7 +105,7 @@ class ServerProcess:
         )
         self.lines: list[str] = []
         self._bound = threading.Event()
-        self.grpc_port = self.metrics_port = 0
+        self.grpc_port = self.metrics_port = self.http_port = 0
         threading.Thread(target=self._collect, daemon=True).start()
 
     def _collect(self) -> None:
@@ -97,13 +114,18 @@ class ServerProcess:
             self.lines.append(line)
             match = LISTENING.search(line)
             if match:
-                self.grpc_port, self.metrics_port = map(int, match.groups())
+                self.grpc_port, self.metrics_port = int(match[1]), int(match[2])
+                self.http_port = int(match[3] or 0)
                 self._bound.set()
         self._bound.set()  # exited: unblock waiters
 
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
 
     @property
     def target(self) -> str:

@@ -57,7 +57,7 @@ def test_dockerfile_exports_in_a_build_stage_and_serves_without_torch() -> None:
     assert "COPY --from=export" in serve_stage
     assert "COPY --from=deps" in serve_stage
     assert re.search(r"^USER 10001$", serve_stage, re.M)
-    assert re.search(r"^EXPOSE 8001 8002$", serve_stage, re.M)
+    assert re.search(r"^EXPOSE 8000 8001 8002$", serve_stage, re.M)
     assert '"python", "-m", "service"' in serve_stage
     # GPU-capable by default; offline builds (scripts/build-image-offline.sh) override these.
     assert re.search(
@@ -89,7 +89,8 @@ def test_dockerfile_passes_hadolint() -> None:
 
 
 def test_yaml_files_pass_yamllint() -> None:
-    files = ["docker-compose.yml", "docker-compose.gpu.yml", "k8s", "monitoring"]
+    files = ["docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.tracing.yml", "k8s",
+             "monitoring"]  # fmt: skip
     done = subprocess.run(
         [_tool("yamllint"), "--strict", "-c", ".yamllint.yaml", *files],
         cwd=ROOT,
@@ -114,6 +115,23 @@ def test_compose_runs_server_prometheus_and_grafana() -> None:
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())["services"]["attention"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert set(gpu["environment"]) <= SETTINGS_ENV
+
+
+def test_tracing_compose_sends_otlp_to_jaeger() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.tracing.yml").read_text())["services"]
+    server, jaeger = services["attention"], services["jaeger"]
+    assert server["environment"]["ATTENTION_TRACING"] == "on"
+    assert set(server["environment"]) <= SETTINGS_ENV | {
+        "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_SERVICE_NAME",
+        "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG",
+    }  # fmt: skip
+    assert server["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+    assert server["environment"]["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+    assert jaeger["image"].startswith("jaegertracing/all-in-one:")
+    assert "4317:4317" in jaeger["ports"]
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["attention"]
+    assert "8000:8000" in base["ports"]  # HTTP/REST, Triton's port
 
 
 def test_prometheus_scrapes_the_metrics_port() -> None:

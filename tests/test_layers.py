@@ -1,27 +1,32 @@
 """Imports follow the data flow and the process picture.
 
 app/ assembles the processes, so it may import anything. The front end (per-request protocol
-work) and the worker (batcher, ONNX Runtime) share only the leaves: transport (tensor codecs,
-TLS, gRPC options), observability (metrics), memory, and the shared top-level modules
-(errors, settings, text, generated). The client side (client, healthcheck, plot) imports
-nothing of the server.
+work) and the worker (batcher, ONNX Runtime) are separate processes and share only the
+leaves: ipc (shared memory, control messages), transport (tensor codecs, TLS, gRPC options),
+observability (metrics, tracing), memory, and the shared top-level modules (catalog,
+dataplane, errors, settings, text, generated). The client side (client, healthcheck, plot)
+imports nothing of the server.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SERVICE = Path(__file__).resolve().parent.parent / "service"
-LEAVES = {"transport", "observability", "memory"}
+LEAVES = {"transport", "observability", "memory", "ipc"}
 PACKAGES = {"app", "frontend", "worker", *LEAVES}
 # What each package (or sub-package) may import from the others, beyond itself and the shared
 # top-level modules.
 ALLOWED: dict[str, set[str]] = {
-    # The front end still calls the batcher in its own process until the worker process lands.
-    "frontend": {"worker", *LEAVES},
-    "worker": {"observability", "memory"},
+    # Front ends and the worker are separate processes: neither imports the other.
+    "frontend": LEAVES,
+    "frontend/rest": {"frontend", *LEAVES},  # the HTTP/REST front end, on V2Plane
+    "worker": {"observability", "memory", "ipc"},
     "worker/engine": {"observability", "memory"},
+    "ipc": set(),
     "transport": set(),
     "observability": set(),
     "memory": set(),
@@ -91,6 +96,14 @@ def test_the_client_imports_nothing_of_the_server() -> None:
         if name.split(".")[0] in PACKAGES - CLIENT_ALLOWED
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_a_front_end_process_never_loads_onnxruntime() -> None:
+    code = (
+        "import sys, service.frontend.server, service.app.supervisor;"
+        "assert 'onnxruntime' not in sys.modules, 'a front end imported onnxruntime'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=SERVICE.parent)
 
 
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:

@@ -422,7 +422,7 @@ async def test_a_version_copied_in_place_is_tried_again_once_any_file_of_it_chan
 
 
 def test_model_config_writes_the_version_policy_as_triton_does() -> None:
-    from service.frontend.v2_servicer import _version_policy
+    from service.frontend.v2_plane import _version_policy
 
     assert _version_policy("latest:2").latest.num_versions == 2
     assert _version_policy("all").WhichOneof("policy_choice") == "all"

@@ -158,7 +158,7 @@ def test_broken_models_are_skipped_and_the_rest_served(
 def test_empty_repository_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "service", "--model-repository", str(tmp_path),
-         "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0"],
+         "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 1
@@ -169,7 +169,8 @@ def test_a_taken_port_fails_fast(server: ServerProcess, model_repository: Path) 
     for flag, port in (("--grpc-port", server.grpc_port), ("--metrics-port", server.metrics_port)):
         done = subprocess.run(
             [sys.executable, "-m", "service", "--model-repository", str(model_repository),
-             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", flag, str(port)],
+             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0",
+             flag, str(port)],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert done.returncode == 1, done.stderr

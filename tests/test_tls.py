@@ -288,7 +288,7 @@ def test_server_with_an_unreadable_certificate_exits_with_a_clear_error(
     missing = tmp_path / "secret" / "tls.key"
     done = subprocess.run(
         [sys.executable, "-m", "service", "--host", "127.0.0.1", "--grpc-port", "0",
-         "--metrics-port", "0", "--model-repository", str(repository),
+         "--metrics-port", "0", "--http-port", "0", "--model-repository", str(repository),
          "--tls-cert", str(pki.server_cert), "--tls-key", str(missing)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

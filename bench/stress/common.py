@@ -46,6 +46,7 @@ class ServerSpec:
             *self.pinning.prefix(self.pinning.server_cpus),
             sys.executable, "-m", "service",
             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
+            "--http-port", "0",
             "--model-repository", str(self.repository),
             *(["--intra-op-threads", str(threads)] if threads else []),
             *([] if self.measure_caps else ["--batch-cap-budget-s", "0"]),

@@ -120,7 +120,7 @@ def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoRetur
 
 
 def run_frontend(
-    settings: Settings, run_dir: Path, index: int, port: int, queue_bytes: int,
+    settings: Settings, run_dir: Path, index: int, ports: tuple[int, int], queue_bytes: int,
     report: Connection,
 ) -> NoReturn:  # fmt: skip
     _child_setup(settings)
@@ -131,7 +131,7 @@ def run_frontend(
         server = FrontendServer(settings, socket_path(run_dir), f"frontend-{index}",
                                 queue_bytes)  # fmt: skip
         try:
-            started, signalled_at = await _until_signal(server.start(port))
+            started, signalled_at = await _until_signal(server.start(*ports))
         except StartupError as err:
             log.error("cannot start: %s", err)
             report.send(("failed", str(err)))

@@ -109,7 +109,8 @@ class Supervisor:
         self._port_socket: socket.socket | None = None
         self._metrics_http: tuple[Any, Thread] | None = None
         self._served = metrics.ServedSetCollector()
-        self.grpc_port = 0
+        self.grpc_port = self.http_port = 0
+        self._http_socket: socket.socket | None = None
         self.queue_bytes = settings.max_queue_bytes or default_queue_bytes(memory_limit_bytes())
 
     async def run(self) -> int:
@@ -134,6 +135,14 @@ class Supervisor:
             return self._cannot_start(f"cannot bind gRPC to {settings.host}:{settings.grpc_port}: "
                                       f"{err}")  # fmt: skip
         self.grpc_port = self._port_socket.getsockname()[1]
+        if settings.http_port:
+            try:
+                self._http_socket = reserve_port(settings.host, settings.http_port)
+            except OSError as err:
+                return self._cannot_start(
+                    f"cannot bind HTTP/REST to {settings.host}:{settings.http_port}: {err}"
+                )
+            self.http_port = self._http_socket.getsockname()[1]
         try:
             self._metrics_http = _serve_metrics(settings, self._metrics_dir, self._served)
         except OSError as err:
@@ -157,9 +166,10 @@ class Supervisor:
         bound.cancel()
         if self._bound.is_set() and not self._stop.is_set():
             assert self._metrics_http is not None
-            log.info("listening grpc_port=%d metrics_port=%d host=%s (%d front ends)",
-                     self.grpc_port, self._metrics_http[0].server_port, self._settings.host,
-                     self._settings.frontends)  # fmt: skip
+            # Tests and tools parse "listening grpc_port=N metrics_port=N http_port=N".
+            log.info("listening grpc_port=%d metrics_port=%d http_port=%d host=%s (%d front "
+                     "ends)", self.grpc_port, self._metrics_http[0].server_port, self.http_port,
+                     self._settings.host, self._settings.frontends)  # fmt: skip
         await stopped
 
     # -- children ----------------------------------------------------------------------------
@@ -173,7 +183,8 @@ class Supervisor:
         else:
             index = int(role.removeprefix("frontend-"))
             target = run_frontend
-            args = (settings, self._run_dir, index, self.grpc_port, self.queue_bytes, send)
+            ports = (self.grpc_port, self.http_port)
+            args = (settings, self._run_dir, index, ports, self.queue_bytes, send)
         process = self._context.Process(target=target, args=args, name=role, daemon=False)
         process.start()
         send.close()
@@ -282,8 +293,9 @@ class Supervisor:
             httpd, _ = self._metrics_http
             # shutdown() waits for the server's 0.5 s poll: on a thread, it need not delay us.
             Thread(target=_close_http, args=(httpd,), daemon=True, name="metrics-close").start()
-        if self._port_socket is not None:
-            self._port_socket.close()
+        for reservation in (self._port_socket, self._http_socket):
+            if reservation is not None:
+                reservation.close()
         shutil.rmtree(self._run_dir, ignore_errors=True)
         log.info("stopped")
 

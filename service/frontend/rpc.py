@@ -15,8 +15,8 @@ import grpc
 from service.dataplane import ended_at_deadline
 from service.errors import InvalidInput, ServingError
 from service.frontend.handlers import Undecodable
-from service.frontend.status import code_for
-from service.observability import metrics
+from service.frontend.status import SERVER_FAULTS, code_for
+from service.observability import metrics, tracing
 from service.text import shown
 from service.transport.wire import WireMessage
 
@@ -35,6 +35,34 @@ class Labeled(Protocol):
 
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+# Span names as OpenTelemetry's gRPC conventions write them: package.Service/Method.
+SERVICE_OF_API = {
+    "attention": "attention.v1.AttentionService",
+    "attention_stream": "attention.v1.AttentionService",
+    "v2": "inference.GRPCInferenceService",
+    "v2_stream": "inference.GRPCInferenceService",
+}
+
+STREAM_METHOD_OF_API = {"attention_stream": "AttendStream", "v2_stream": "ModelStreamInfer"}
+
+
+def start_span(api: str, method: str, context: grpc.aio.ServicerContext) -> Any:
+    """The call's server span, parented on a traceparent in its metadata; None when off."""
+    if not tracing.enabled():
+        return None
+    metadata = {item.key: item.value for item in context.invocation_metadata() or ()}
+    service = SERVICE_OF_API.get(api, api)
+    return tracing.start_request(
+        f"{service}/{method}",
+        metadata,
+        {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+    )
+
+
+def end_span(span: Any, code: grpc.StatusCode) -> None:
+    tracing.end_request(
+        span, code.name, error=code in SERVER_FAULTS, **{"rpc.grpc.status_code": code.value[0]}
+    )
 
 
 def serialized(response: Any) -> WireMessage:
@@ -56,6 +84,7 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
             model = self.model_label(request)
             in_flight = metrics.in_flight(api)
             in_flight.inc()
+            span = start_span(api, handler.__name__, context)
             try:
                 if isinstance(request, Undecodable):
                     raise InvalidInput(request.message)
@@ -81,6 +110,7 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
                     code, f"internal error; request_id={request_id} is in the server log"
                 )
             finally:
+                end_span(span, code)
                 in_flight.dec()
                 metrics.requests_counter(model, api, code.name).inc()
                 metrics.request_duration(model, api).observe(time.monotonic() - started)

@@ -16,13 +16,16 @@ from service.errors import ShuttingDown
 from service.frontend.attention_servicer import AttentionServicer
 from service.frontend.handlers import add_servicer
 from service.frontend.limits import message_limits
+from service.frontend.rest.app import RestFrontend
 from service.frontend.served import ServedSet
 from service.frontend.streaming import StreamCloser
+from service.frontend.v2_plane import V2Plane
 from service.frontend.v2_servicer import InferenceServicer
 from service.frontend.validation import InputLimits
 from service.frontend.worker_client import WorkerClient
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
+from service.observability import tracing
 from service.settings import Settings
 from service.transport.grpc_options import server_options
 from service.transport.proto_pool import pool_of
@@ -34,6 +37,7 @@ REFUSE_LINGER_S = 0.2
 # Kept back from the grace period so answers (and UNAVAILABLE for what could not be computed)
 # are written before the server closes.
 WRITE_MARGIN_S = 0.2
+TRACING_FLUSH_S = 1.0  # at exit, the most time given to exporting the last spans
 SERVICE_NAMES = [
     attention_pb2.DESCRIPTOR.services_by_name["AttentionService"].full_name,
     grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
@@ -71,6 +75,7 @@ class FrontendServer:
         self._served = ServedSet(self._health)
         self._streams = StreamCloser()
         self._server: grpc.aio.Server | None = None
+        self._rest: RestFrontend | None = None
         self.tls: ReloadingCredentials | None = None
         self.port: int | None = None
         self.plane = WorkerClient(socket_path, name, slab_bytes(settings, queue_bytes),
@@ -84,12 +89,18 @@ class FrontendServer:
         """Warm worker connected, not draining: V2 ServerReady / ModelReady."""
         return self.plane.ready and self._started
 
-    async def start(self, port: int) -> int:
+    async def start(self, port: int, http_port: int = 0) -> int:
+        """Serve gRPC on port and HTTP/REST on http_port (0: none); the gRPC port bound."""
         settings = self._settings
         try:  # before anything else: a bad certificate should fail at once
             self.tls = server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         except TlsError as err:
             raise StartupError(str(err)) from err
+        if settings.tracing == "on":
+            try:
+                tracing.start(max_queue_spans=settings.tracing_max_queue_spans)
+            except tracing.TracingError as err:
+                raise StartupError(str(err)) from err
         self.plane.start()
         await self.plane.wait_welcomed()
         receive_bytes, send_bytes = message_limits(self.plane.models.all(), settings)
@@ -106,7 +117,8 @@ class FrontendServer:
                 share_port=True,
             )
         )
-        self._add_servicers(server)
+        v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
+        self._add_servicers(server, v2_plane)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = grpc_address(settings.host, port)
         try:
@@ -119,6 +131,8 @@ class FrontendServer:
             raise StartupError(f"cannot bind gRPC to {address}: {err}") from err
         await server.start()
         self._server, self.port = server, bound
+        if http_port:
+            await self._start_rest(v2_plane, http_port, receive_bytes)
         if self.tls is not None:
             log.info("gRPC port serves TLS%s; metrics port plain HTTP",
                      " and requires client certificates" if self.tls.mutual else "")  # fmt: skip
@@ -126,7 +140,20 @@ class FrontendServer:
         self._changed()
         return bound
 
-    def _add_servicers(self, server: grpc.aio.Server) -> None:
+    async def _start_rest(self, v2_plane: V2Plane, port: int, receive_bytes: int) -> None:
+        """The HTTP/REST front end, bodies bounded as gRPC messages are."""
+        settings = self._settings
+        rest = RestFrontend(
+            v2_plane, max_body_bytes=receive_bytes, grace_period_s=settings.grace_period_s
+        )
+        context = None if self.tls is None else self.tls.ssl_context()
+        try:
+            await rest.start(bind_host(settings.host), port, context)
+        except OSError as err:
+            raise StartupError(f"cannot bind HTTP/REST to {settings.host}:{port}: {err}") from err
+        self._rest = rest
+
+    def _add_servicers(self, server: grpc.aio.Server, v2_plane: V2Plane) -> None:
         settings = self._settings
         limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
         add_servicer(
@@ -143,7 +170,9 @@ class FrontendServer:
         add_servicer(
             server,
             grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-            InferenceServicer(self.plane, settings, lambda: self.ready, streams=self._streams),
+            InferenceServicer(
+                self.plane, settings, lambda: self.ready, streams=self._streams, v2_plane=v2_plane
+            ),
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -213,8 +242,11 @@ class FrontendServer:
         # Calls already on the wire when gRPC closes are cancelled by its core (CANCELLED,
         # which clients do not retry); refusing a moment longer answers them UNAVAILABLE.
         await asyncio.sleep(min(REFUSE_LINGER_S, remaining() / 2))
-        if self._server is not None:
-            # Lets finished handlers write their answers; cancels what is still running.
-            await self._server.stop(remaining())
+        # Both front ends at once: finished handlers write their answers; the rest is cancelled.
+        closing = [] if self._server is None else [self._server.stop(remaining())]
+        if self._rest is not None:
+            closing.append(self._rest.stop(remaining()))
+        await asyncio.gather(*closing)
         await self.plane.close()
+        tracing.stop(min(TRACING_FLUSH_S, remaining()))
         log.info("front end %s stopped", self.name)

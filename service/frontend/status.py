@@ -1,4 +1,4 @@
-"""The one place that maps domain errors to gRPC status codes."""
+"""The one place that maps domain errors to status codes: gRPC's, and HTTP's derived from them."""
 
 from __future__ import annotations
 
@@ -32,3 +32,30 @@ def code_for(error: ServingError) -> grpc.StatusCode:
         if kind in CODE_BY_ERROR:
             return CODE_BY_ERROR[kind]
     return grpc.StatusCode.INTERNAL
+
+
+# The HTTP/REST front end answers the HTTP status of the gRPC code the same error gets, so the
+# two APIs cannot disagree about an error.
+HTTP_STATUS_BY_CODE: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,  # the client went away (nginx's code; never sent)
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+# Codes that mean the server failed the call (OpenTelemetry's rule for gRPC server spans).
+SERVER_FAULTS = frozenset({
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+})  # fmt: skip
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    return HTTP_STATUS_BY_CODE.get(code, 500)

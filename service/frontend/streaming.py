@@ -26,7 +26,7 @@ import grpc
 from service.dataplane import ended_at_deadline
 from service.errors import InvalidInput, ServingError
 from service.frontend.handlers import Undecodable
-from service.frontend.rpc import serialized
+from service.frontend.rpc import STREAM_METHOD_OF_API, end_span, serialized, start_span
 from service.frontend.status import code_for
 from service.observability import metrics
 from service.text import shown
@@ -229,6 +229,8 @@ class _Stream(Generic[Request, Response]):
         started = time.monotonic()
         code = grpc.StatusCode.OK
         self._inflight.inc()
+        # A span per message: a stream may live for hours, and its messages are the requests.
+        span = start_span(calls.api, STREAM_METHOD_OF_API.get(calls.api, "stream"), self._context)
         try:
             if isinstance(request, Undecodable):
                 raise InvalidInput(request.message)
@@ -252,6 +254,7 @@ class _Stream(Generic[Request, Response]):
         else:
             answer = serialized(answer)  # inside the request's measured time
         finally:
+            end_span(span, code)
             self._inflight.dec()
             model = calls.model_label(request)
             metrics.requests_counter(model, calls.api, code.name).inc()

@@ -1,40 +1,24 @@
-"""inference.GRPCInferenceService (Open Inference Protocol / KServe V2) on the same batcher."""
+"""inference.GRPCInferenceService (Open Inference Protocol / KServe V2) on the same batcher.
+
+Thin: each RPC decodes nothing beyond its protobuf and calls the V2Plane the HTTP/REST front
+end calls too."""
 
 from __future__ import annotations
 
-import importlib.metadata
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from service.catalog import (
-    SERVER_LABEL,
-    ModelRegistry,
-    ServedModel,
-    VersionPolicy,
-    check_repository_name,
-)
-from service.dataplane import DataPlane, Duration, VersionStats
-from service.errors import InvalidInput, ModelNotFound
-from service.frontend.admission import admit_and_run
+from service.catalog import SERVER_LABEL, ModelRegistry, ServedModel
+from service.dataplane import DataPlane
 from service.frontend.rpc import rpc
 from service.frontend.streaming import StreamCalls, StreamCloser, serve_stream
-from service.frontend.v2_codec import (
-    INPUT_NAME,
-    V2_NAME_OF,
-    accepted_datatypes,
-    decode_input,
-    encode_response,
-    refuse_parameters,
-    requested_outputs,
-)
-from service.frontend.validation import InputLimits
+from service.frontend.v2_codec import encode_response
+from service.frontend.v2_plane import V2Plane
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
-from service.generated.inference import model_config_pb2 as config
 from service.settings import Settings
-from service.text import shown
 from service.transport.wire import WireMessage, joined, settled
 
 API = "v2"
@@ -42,45 +26,6 @@ STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
     "infer_response"
 ].number
 STREAM_API = "v2_stream"
-SERVER_NAME = "attention-serving"
-PLATFORM = "onnxruntime_onnx"
-# Triton's names; model_repository: RepositoryIndex / RepositoryModelLoad / RepositoryModelUnload.
-EXTENSIONS = ["model_configuration", "statistics", "model_repository"]
-# RepositoryModelUnload parameters taken (tritonclient always sends it; there are no
-# dependent models here, so it changes nothing).
-UNLOAD_PARAMETERS = {"unload_dependents"}
-CONFIG_TYPES = {"FP32": config.TYPE_FP32, "FP16": config.TYPE_FP16}
-
-
-def _server_version() -> str:
-    try:
-        return importlib.metadata.version(SERVER_NAME)
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-def _stat(duration: Duration) -> v2.StatisticDuration:
-    return v2.StatisticDuration(count=duration.count, ns=duration.ns)
-
-
-def _statistics(model: ServedModel, stats: VersionStats) -> v2.ModelStatistics:
-    return v2.ModelStatistics(
-        name=model.spec.name,
-        version=str(model.spec.version),
-        last_inference=stats.last_inference_ms,
-        inference_count=stats.inference_count,
-        execution_count=stats.execution_count,
-        inference_stats=v2.InferStatistics(
-            success=_stat(stats.success),
-            fail=_stat(stats.fail),
-            queue=_stat(stats.queue),
-            compute_infer=_stat(stats.compute_infer),
-        ),
-        batch_stats=[
-            v2.InferBatchStatistics(batch_size=size, compute_infer=_stat(duration))
-            for size, duration in sorted(stats.batches.items())
-        ],
-    )
 
 
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -91,11 +36,11 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         is_ready: Callable[[], bool],
         *,
         streams: StreamCloser | None = None,
+        v2_plane: V2Plane | None = None,
     ) -> None:
-        self._plane = plane
+        self.plane = v2_plane or V2Plane(plane, settings, is_ready)
         self._settings = settings
-        self._limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
-        self._is_ready = is_ready
+        self._limits = self.plane.limits
         self._stream_calls = StreamCalls(
             api=STREAM_API,
             answer=self._stream_answer,
@@ -108,7 +53,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @property
     def _registry(self) -> ModelRegistry[ServedModel]:
-        return self._plane.models  # the served set changes: look it up at each call
+        return self.plane.registry
 
     def _answer_bytes(self, request: v2.ModelInferRequest) -> int:
         """The answer's size, estimated before computing it: the output is as large as the
@@ -143,147 +88,56 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(
         self, request: v2.ServerReadyRequest, context: grpc.aio.ServicerContext
     ) -> v2.ServerReadyResponse:
-        return v2.ServerReadyResponse(ready=self._is_ready())
+        return v2.ServerReadyResponse(ready=self.plane.is_ready())
 
     @rpc(API)
     async def ModelReady(
         self, request: v2.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelReadyResponse:
-        try:
-            self._registry.resolve(request.name, request.version)
-        except ModelNotFound:
-            return v2.ModelReadyResponse(ready=False)
-        return v2.ModelReadyResponse(ready=self._is_ready())
+        return v2.ModelReadyResponse(ready=self.plane.model_ready(request.name, request.version))
 
     @rpc(API)
     async def ServerMetadata(
         self, request: v2.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> v2.ServerMetadataResponse:
-        return v2.ServerMetadataResponse(
-            name=SERVER_NAME, version=_server_version(), extensions=EXTENSIONS
-        )
+        return self.plane.server_metadata()
 
     @rpc(API)
     async def ModelMetadata(
         self, request: v2.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelMetadataResponse:
-        model = self._registry.resolve(request.name, request.version)
-        spec, datatype = model.spec, V2_NAME_OF[model.spec.dtype]
-        tensor = v2.ModelMetadataResponse.TensorMetadata
-        return v2.ModelMetadataResponse(
-            name=spec.name,
-            versions=[str(m.spec.version) for m in self._registry.versions(spec.name)],
-            platform=PLATFORM,
-            inputs=[tensor(name=INPUT_NAME, datatype=datatype, shape=[-1, -1, spec.embed_dim])],
-            outputs=[
-                tensor(name="output", datatype=datatype, shape=[-1, -1, spec.embed_dim]),
-                tensor(
-                    name="attention_weights", datatype="FP32", shape=[-1, spec.num_heads, -1, -1]
-                ),
-            ],
-        )
+        return self.plane.model_metadata(request.name, request.version)
 
     @rpc(API)
     async def ModelConfig(
         self, request: v2.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelConfigResponse:
-        model = self._registry.resolve(request.name, request.version)
-        spec, datatype = model.spec, CONFIG_TYPES[V2_NAME_OF[model.spec.dtype]]
-        return v2.ModelConfigResponse(
-            config=config.ModelConfig(
-                name=spec.name,
-                platform=PLATFORM,
-                backend="onnxruntime",
-                version_policy=_version_policy(self._settings.version_policy),
-                max_batch_size=self._settings.max_batch_size,
-                input=[
-                    config.ModelInput(
-                        name=INPUT_NAME, data_type=datatype, dims=[-1, spec.embed_dim]
-                    )
-                ],
-                output=[
-                    config.ModelOutput(
-                        name="output", data_type=datatype, dims=[-1, spec.embed_dim]
-                    ),
-                    config.ModelOutput(
-                        name="attention_weights",
-                        data_type=config.TYPE_FP32,
-                        dims=[spec.num_heads, -1, -1],
-                    ),
-                ],
-                dynamic_batching=config.ModelDynamicBatching(
-                    # Triton's preferred sizes: here, the measured caps (see "batch_caps").
-                    preferred_batch_size=sorted({size for _, size in model.batch_caps.caps}),
-                    max_queue_delay_microseconds=round(self._settings.max_queue_delay_ms * 1000),
-                ),
-                parameters={
-                    # V2 metadata names one datatype per input; this says what else is taken.
-                    "accepted_input_datatypes": config.ModelParameter(
-                        string_value=",".join(accepted_datatypes(model))
-                    ),
-                    "batch_caps": config.ModelParameter(
-                        string_value=",".join(
-                            f"{length}:{size}" for length, size in model.batch_caps.caps
-                        )
-                    ),
-                },
-            )
-        )
+        return self.plane.model_config(request.name, request.version)
 
     @rpc(API)
     async def ModelStatistics(
         self, request: v2.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelStatisticsResponse:
-        if request.name:
-            models = [self._registry.resolve(request.name, request.version)]
-            if not request.version:
-                models = self._registry.versions(models[0].spec.name)
-        else:
-            models = self._registry.all()
-        found = await self._plane.statistics([model.key for model in models])
-        return v2.ModelStatisticsResponse(
-            model_stats=[_statistics(model, found[model.key]) for model in models]
-        )
+        return await self.plane.statistics(request.name, request.version)
 
     @rpc(API)
     async def RepositoryIndex(
         self, request: v2.RepositoryIndexRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryIndexResponse:
-        check_repository_name(request.repository_name)
-        entries = await self._plane.index(ready_only=request.ready)
-        index = v2.RepositoryIndexResponse.ModelIndex
-        return v2.RepositoryIndexResponse(
-            models=[
-                index(name=e.name, version=str(e.version), state=e.state, reason=e.reason)
-                for e in entries
-            ]
-        )
+        return await self.plane.repository_index(request.repository_name, ready=request.ready)
 
     @rpc(API)
     async def RepositoryModelLoad(
         self, request: v2.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelLoadResponse:
-        if request.parameters:
-            raise InvalidInput(
-                f"RepositoryModelLoad parameters {_names(request.parameters)} are not "
-                "supported (no config or file overrides): load the files in the repository"
-            )
-        check_repository_name(request.repository_name)
-        await self._plane.load(request.model_name)
+        await self.plane.load(request.repository_name, request.model_name, request.parameters)
         return v2.RepositoryModelLoadResponse()
 
     @rpc(API)
     async def RepositoryModelUnload(
         self, request: v2.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelUnloadResponse:
-        unknown = set(request.parameters) - UNLOAD_PARAMETERS
-        if unknown:
-            raise InvalidInput(
-                f"RepositoryModelUnload parameters {_names(unknown)} are not supported; "
-                f"expected only {sorted(UNLOAD_PARAMETERS)}"
-            )
-        check_repository_name(request.repository_name)
-        await self._plane.unload(request.model_name)
+        await self.plane.unload(request.repository_name, request.model_name, request.parameters)
         return v2.RepositoryModelUnloadResponse()
 
     @rpc(API)
@@ -315,37 +169,14 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:
         """The one ModelInfer path, unary and streamed."""
-        model = self._registry.resolve(request.model_name, request.model_version)
-        refuse_parameters(request)
-        names = requested_outputs(request, model)
-        received = decode_input(request, model)
-        result = await admit_and_run(
-            self._plane,
-            model,
-            received,
-            self._limits,
-            with_weights="attention_weights" in names,
-            context=context,
-        )
+        inferred = await self.plane.infer(request, context)
         try:
             # Encoded now: the answer's arrays may live in shared memory, freed by release().
-            return await joined(encode_response(request, model, names, result))
+            return await joined(
+                encode_response(request, inferred.model, inferred.names, inferred.result)
+            )
         finally:
-            result.release()
-
-
-def _names(keys: Iterable[str]) -> str:
-    """Client-sent parameter names, bounded and escaped for a message."""
-    names = sorted(keys)
-    return ", ".join(shown(name) for name in names[:4]) + (" ..." if len(names) > 4 else "")
-
-
-def _version_policy(text: str) -> config.ModelVersionPolicy:
-    """--version-policy as Triton's ModelConfig writes it."""
-    policy, latest = config.ModelVersionPolicy, VersionPolicy.parse(text).latest
-    if latest is not None:
-        return policy(latest=policy.Latest(num_versions=latest))
-    return policy(all=policy.All())
+            inferred.result.release()
 
 
 def _stream_error(

@@ -27,6 +27,7 @@ from service.dataplane import IndexEntry, Result, VersionStats
 from service.errors import ShuttingDown
 from service.ipc import channel, messages
 from service.ipc.slab import Region, RegionAllocator, Slab
+from service.observability import tracing
 
 log = logging.getLogger(__name__)
 RECONNECT_FIRST_S = 0.05
@@ -207,6 +208,7 @@ class WorkerClient:
         *,
         with_weights: bool,
         deadline: float | None,
+        tag: object = None,
     ) -> Result:
         link = self._usable_link()
         n, seq, d = embeddings.shape
@@ -229,7 +231,7 @@ class WorkerClient:
             "t": messages.INFER, "id": request_id, "model": model.key, "w": with_weights,
             "in": regions[0].offset, "shape": [n, seq, d], "dtype": embeddings.dtype.name,
             "out": regions[1].offset, "wout": regions[2].offset if with_weights else None,
-            "deadline": deadline,
+            "deadline": deadline, "tag": tracing.tag_to_json(tag),
         })  # fmt: skip
         self._enter()
         try:
@@ -258,8 +260,18 @@ class WorkerClient:
                 released = True
                 link.free(regions)
 
-        return Result(output, weights, float(answer["q"]), float(answer["c"]), int(answer["b"]),
-                      release=release)  # fmt: skip
+        return Result(
+            output,
+            weights,
+            float(answer["q"]),
+            float(answer["c"]),
+            int(answer["b"]),
+            started_at=float(answer["s"]),
+            padding=float(answer["p"]),
+            batch_id=int(answer["i"]),
+            batch_tags=tracing.tags_from_json(answer["tags"]),
+            release=release,
+        )
 
     def _abandon(self, link: _Link, request_id: int, call: _Call) -> None:
         """The caller went away: the worker drops the request, and its regions are freed once

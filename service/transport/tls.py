@@ -14,6 +14,7 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -105,6 +106,40 @@ def _configuration(material: _Material) -> grpc.ServerCertificateConfiguration:
     )
 
 
+def _ssl_context(files: TlsFiles, sni_callback: Any) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(files.cert, files.key, password=_no_password)
+    if files.client_ca is not None:
+        context.load_verify_locations(cafile=files.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    context.sni_callback = sni_callback
+    return context
+
+
+class _HttpsContexts:
+    """An SSLContext whose SNI callback (run in every handshake, SNI sent or not) swaps in a
+    context built from the files when their stat() changed."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files
+        self.stamp = _stamp_or_none(files)
+        self.base = self.current = _ssl_context(files, self.pick)
+
+    def pick(self, connection: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
+        stamp = _stamp_or_none(self.files)
+        if stamp is not None and stamp != self.stamp:
+            self.stamp = stamp
+            try:
+                load_material(self.files)  # the same checks as the gRPC reload
+                self.current = _ssl_context(self.files, self.pick)
+                log.info("HTTPS certificate reloaded from %s", self.files.cert)
+            except (TlsError, OSError, ssl.SSLError) as err:
+                log.warning("TLS files changed but cannot be used for HTTPS (%s); keeping the "
+                            "current certificate", err)  # fmt: skip
+        if self.current is not self.base:
+            connection.context = self.current
+
+
 class ReloadingCredentials:
     """Server credentials whose certificate follows its files; build once, then server()."""
 
@@ -125,6 +160,11 @@ class ReloadingCredentials:
         return grpc.dynamic_ssl_server_credentials(
             self._initial, self.fetch, require_client_authentication=self.mutual
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same certificate for an HTTPS server (REST); a handshake after the files
+        changed gets the new ones, as on gRPC (a pair that cannot be used keeps the old)."""
+        return _HttpsContexts(self.files).base
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's callback before each handshake: a new configuration, or None = unchanged."""

@@ -105,7 +105,7 @@ class FrontendLink:
             submitted = asyncio.ensure_future(
                 self._batcher.submit(
                     model, embeddings, with_weights=bool(message["w"]),
-                    deadline=message.get("deadline"),
+                    deadline=message.get("deadline"), tag=message.get("tag"),
                 )
             )  # fmt: skip
             self._submitted[request_id] = submitted
@@ -128,7 +128,9 @@ class FrontendLink:
             self._fail(request_id, err)
             return
         self.send({"t": messages.DONE, "id": request_id, "q": result.queue_s,
-                   "c": result.compute_s, "b": result.batch_size})  # fmt: skip
+                   "c": result.compute_s, "b": result.batch_size, "s": result.started_at,
+                   "p": result.padding, "i": result.batch_id,
+                   "tags": list(result.batch_tags)})  # fmt: skip
 
     async def _write(self, source: np.ndarray, offset: int) -> None:
         target = self._slab.array(offset, source.shape, source.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -66,6 +67,7 @@ class _Pending:
     queue: _Queue
     queued: bool = True
     timer: asyncio.TimerHandle | None = None
+    tag: object = None  # the caller's, handed back to every request of its batch
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class Batcher:
         self._tasks: set[asyncio.Future[Any]] = set()  # batches, trims
         self._computing: set[_Pending] = set()
         self._scheduler: asyncio.Task[None] | None = None
+        self._batches = itertools.count(1)
         self._executor = ThreadPoolExecutor(
             max_workers=limits.max_inflight_batches, thread_name_prefix="batch-compute"
         )
@@ -151,10 +154,13 @@ class Batcher:
         *,
         with_weights: bool,
         deadline: float | None = None,
+        tag: object = None,
     ) -> Result:
         """Queue [n, seq, d] embeddings and wait for their share of a batch.
 
         deadline is on the time.monotonic() clock; past it the request is never computed.
+        tag (small, plain data; e.g. a trace's span ids) comes back in Result.batch_tags of
+        every request computed with this one.
         """
         self._admit(embeddings.nbytes)
         loop = asyncio.get_running_loop()
@@ -162,7 +168,9 @@ class Batcher:
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = _Queue(runner, with_weights)
-        item = _Pending(embeddings, loop.create_future(), time.monotonic(), deadline, queue)
+        item = _Pending(
+            embeddings, loop.create_future(), time.monotonic(), deadline, queue, tag=tag
+        )
         item.future.add_done_callback(functools.partial(self._on_done, item))
         if deadline is not None:
             item.timer = loop.call_later(deadline - item.enqueued_at, self._expire, item)
@@ -465,6 +473,8 @@ class Batcher:
         metrics.PADDING_RATIO.labels(label).observe(computed.padding)
         metrics.COMPUTE_DURATION.labels(label).observe(computed.compute_s)
         succeeded = []
+        batch_id = next(self._batches)
+        tags = tuple(item.tag for item in batch if item.tag is not None)
         for item, (output, weights), finite in zip(
             batch, computed.parts, computed.finite, strict=True
         ):
@@ -485,6 +495,16 @@ class Batcher:
             succeeded.append(queue_s)
             if not item.future.done():
                 item.future.set_result(
-                    Result(output, weights, queue_s, computed.compute_s, sequences)
+                    Result(
+                        output,
+                        weights,
+                        queue_s,
+                        computed.compute_s,
+                        sequences,
+                        started_at=started,
+                        padding=computed.padding,
+                        batch_id=batch_id,
+                        batch_tags=tags,
+                    )
                 )
         self.statistics.record_batch(runner.key, sequences, succeeded, computed.compute_s)

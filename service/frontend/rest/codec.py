@@ -1,0 +1,238 @@
+"""KServe V2 REST bodies <-> the V2 protobuf messages the V2Plane takes and returns.
+
+An infer body is JSON, or JSON followed by binary tensors (Triton's binary tensor extension:
+the JSON's length in the Inference-Header-Content-Length header, each binary input's length
+in its binary_data_size parameter). Both become one ModelInferRequest with the tensor bytes
+in raw_input_contents, so the checks of the gRPC path (service/frontend/v2_codec.py) apply
+unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+
+from service.dataplane import Result
+from service.errors import InvalidInput
+from service.frontend.v2_codec import V2_DATATYPES
+from service.generated.inference import grpc_service_pb2 as v2
+from service.text import shown
+from service.transport.codec import checked_shape
+from service.transport.wire import array_bytes
+
+MAX_DIM = 1 << 31  # far above any legal tensor (the body is bounded first)
+HEADER_LENGTH = "Inference-Header-Content-Length"
+JSON_TYPE = "application/json"
+BINARY_TYPE = "application/octet-stream"
+INT64_TYPES = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64,
+               FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_FIXED64,
+               FieldDescriptor.TYPE_SFIXED64}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class InferBody:
+    """A decoded infer request and how its answer is to be written."""
+
+    request: v2.ModelInferRequest
+    binary_outputs: dict[str, bool]  # per output asked for: binary_data
+    binary_default: bool  # the request's binary_data_output (no per-output choice)
+
+
+def _json(text: bytes, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except UnicodeDecodeError as err:
+        raise InvalidInput(f"{what} is not UTF-8 JSON ({err.reason} at byte {err.start})") from err
+    except json.JSONDecodeError as err:
+        raise InvalidInput(
+            f"{what} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+        ) from err
+
+
+def json_object(body: bytes, what: str, *, empty_ok: bool = False) -> dict[str, Any]:
+    """The body as a JSON object ({} for an empty body where that is allowed)."""
+    if empty_ok and not body.strip():
+        return {}
+    value = _json(body, what)
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{what} is a JSON {type(value).__name__}; expected a JSON object")
+    return value
+
+
+def _typed(value: Any, kind: type | tuple[type, ...], where: str, expected: str) -> Any:
+    # bool is an int in Python; JSON true is never a valid number or size here.
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
+        raise InvalidInput(f"{where} is {shown(json.dumps(value))}; expected {expected}")
+    return value
+
+
+def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _set_parameters(target: Any, parameters: Any, where: str) -> None:
+    """JSON parameters into an InferParameter map (v2_codec then refuses unknown names)."""
+    for key, value in _typed(parameters, dict, f"{where} parameters", "an object").items():
+        if isinstance(value, bool):
+            target[key].bool_param = value
+        elif isinstance(value, int):
+            target[key].int64_param = value
+        else:
+            target[key].string_param = value if isinstance(value, str) else json.dumps(value)
+
+
+def _json_data(tensor: dict[str, Any], shape: list[int], where: str) -> bytes:
+    """JSON "data" (flat row-major, or nested) as little-endian bytes of the tensor's dtype."""
+    dtype = V2_DATATYPES.get(tensor.get("datatype", ""))
+    if dtype is None:
+        return b""  # v2_codec names the datatypes accepted
+    try:
+        array = np.asarray(tensor["data"])
+    except (ValueError, TypeError) as err:  # ragged nesting
+        raise InvalidInput(f"{where} data is not a regular array of numbers: {err}") from err
+    if array.dtype.kind not in "fiu":
+        raise InvalidInput(
+            f"{where} data holds {'booleans' if array.dtype.kind == 'b' else 'non-numbers'}; "
+            f"expected {math.prod(shape)} numbers (row-major) for datatype {tensor['datatype']}"
+        )
+    if array.size != math.prod(shape):
+        raise InvalidInput(
+            f"{where} data has {array.size} values; shape {shape} needs {math.prod(shape)}"
+        )
+    return bytes(array_bytes(array.astype(dtype, copy=False).ravel()))
+
+
+def _add_input(
+    request: v2.ModelInferRequest, tensor: Any, index: int, binary: memoryview, offset: int
+) -> int:
+    """One JSON input into request (with its bytes in raw_input_contents); the new offset."""
+    where = f"input {index}"
+    tensor = _typed(tensor, dict, where, "an object with name, shape, datatype and data")
+    name = _typed(tensor.get("name"), str, f"{where} name", "a string")
+    where = f"input {shown(name)}"
+    raw_shape = _typed(tensor.get("shape"), list, f"{where} shape", "a list of integers")
+    shape = checked_shape([_typed(s, int, f"{where} shape", "integers") for s in raw_shape], where)
+    if any(dim > MAX_DIM for dim in shape):  # protobuf's int64 would refuse it, unexplained
+        raise InvalidInput(f"{where} shape {shape[:4]} has a dimension above {MAX_DIM}")
+    datatype = _typed(tensor.get("datatype"), str, f"{where} datatype", "a string, e.g. FP32")
+    target = request.inputs.add(name=name, shape=shape, datatype=datatype)
+    _set_parameters(target.parameters, tensor.get("parameters", {}), where)
+    size = tensor.get("parameters", {}).get("binary_data_size")
+    if size is not None:
+        size = _typed(size, int, f"{where} binary_data_size", "a byte count")
+        if "data" in tensor:
+            raise InvalidInput(f"{where} has both binary_data_size and data; send one")
+        if not 0 <= size <= len(binary) - offset:
+            raise InvalidInput(
+                f"{where} binary_data_size is {size}, but only {len(binary) - offset} bytes "
+                f"of binary data follow the {HEADER_LENGTH} bytes of JSON"
+            )
+        request.raw_input_contents.append(bytes(binary[offset : offset + size]))
+        return offset + size
+    if "data" not in tensor:
+        raise InvalidInput(f"{where} has no data; send data or binary_data_size")
+    request.raw_input_contents.append(_json_data(tensor, shape, where))
+    return offset
+
+
+def _add_outputs(request: v2.ModelInferRequest, outputs: Any) -> dict[str, bool]:
+    binary = {}
+    for index, output in enumerate(_typed(outputs, list, "outputs", "a list of objects")):
+        where = f"output {index}"
+        output = _typed(output, dict, where, 'an object with a "name"')
+        name = _typed(output.get("name"), str, f"{where} name", "a string")
+        target = request.outputs.add(name=name)
+        parameters = output.get("parameters", {})
+        _set_parameters(target.parameters, parameters, f"output {shown(name)}")
+        binary[name] = bool(parameters.get("binary_data", False))
+    return binary
+
+
+def decode_infer(body: bytes, header_length: str | None, model: str, version: str) -> InferBody:
+    """The ModelInferRequest an infer body asks for; InvalidInput saying what is malformed."""
+    json_end = len(body)
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise InvalidInput(
+                f"{HEADER_LENGTH} is {shown(header_length)}; expected the JSON's length in "
+                f"bytes, at most the body's {len(body)}"
+            )
+        json_end = int(header_length)
+    view = memoryview(body)
+    header = json_object(body[:json_end], "the inference request")
+    request = v2.ModelInferRequest(model_name=model, model_version=version)
+    request.id = _typed(header.get("id", ""), str, "id", "a string")
+    _set_parameters(request.parameters, header.get("parameters", {}), "request")
+    offset = json_end
+    for index, tensor in enumerate(_typed(header.get("inputs"), list, "inputs", "a list")):
+        offset = _add_input(request, tensor, index, view, offset)
+    if offset != len(body):
+        raise InvalidInput(
+            f"{len(body) - offset} bytes of binary data follow the inputs' binary_data_size "
+            "total; expected none"
+        )
+    binary_outputs = _add_outputs(request, header.get("outputs", []))
+    binary_default = header.get("parameters", {}).get("binary_data_output", False) is True
+    return InferBody(request, binary_outputs, binary_default)
+
+
+def encode_infer(
+    body: InferBody, model_name: str, version: int, names: list[str], result: Result
+) -> tuple[list[bytes | memoryview], int | None]:
+    """The answer's body parts, and its JSON's length when binary tensors follow it."""
+    arrays = {"output": result.output, "attention_weights": result.attention_weights}
+    outputs: list[dict[str, Any]] = []
+    binary: list[bytes | memoryview] = []
+    for name in names:
+        array = arrays[name]
+        assert array is not None, "weights were computed because they were requested"
+        datatype = "FP16" if array.dtype == np.float16 else "FP32"
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if body.binary_outputs.get(name, body.binary_default):
+            data = array_bytes(array)
+            entry["parameters"] = {"binary_data_size": len(data)}
+            binary.append(data)
+        else:
+            entry["data"] = array.ravel().tolist()
+        outputs.append(entry)
+    answer: dict[str, Any] = {"model_name": model_name, "model_version": str(version)}
+    if body.request.id:
+        answer["id"] = body.request.id
+    answer["outputs"] = outputs
+    header = json.dumps(answer, separators=(",", ":")).encode()
+    return [header, *binary], len(header) if binary else None
+
+
+def _ints(value: Any, descriptor: Descriptor) -> Any:
+    """MessageToDict's output with 64-bit integers as JSON numbers (proto3 JSON writes them as
+    strings; Triton's REST answers, and tritonclient's readers, use numbers)."""
+    for key, item in value.items():
+        field = descriptor.fields_by_name.get(key)
+        if field is None:
+            continue
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            inner = field.message_type.fields_by_name["value"]
+            if inner.message_type is not None:
+                for entry in item.values():
+                    _ints(entry, inner.message_type)
+        elif field.message_type is not None:
+            for entry in item if isinstance(item, list) else [item]:
+                _ints(entry, field.message_type)
+        elif field.type in INT64_TYPES:
+            value[key] = [int(v) for v in item] if isinstance(item, list) else int(item)
+    return value
+
+
+def message_json(message: Message) -> dict[str, Any]:
+    """A V2 response message as Triton's REST API writes it."""
+    as_dict = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _ints(as_dict, message.DESCRIPTOR)
