@@ -40,6 +40,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "max_padding_ratio",
         "length_grouping",
         "batch_cap_budget_s",
+        "live_batch_caps",
         "max_inflight_batches",
         "max_inflight_batches_per_model",
     ),

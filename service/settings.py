@@ -27,6 +27,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "provider": PROVIDERS,
     "event_loop": EVENT_LOOPS,
     "length_grouping": ON_OFF,
+    "live_batch_caps": ON_OFF,
     "intra_op_spinning": ON_OFF,
     "cpu_arena": ON_OFF,
     "malloc_reuse": ON_OFF,
@@ -106,6 +107,12 @@ class Settings:
         "batch costs more per sequence than a smaller one would; 0 = no caps, every batch "
         "may reach --max-batch-size",
         default=3.0,
+    )
+    live_batch_caps: str = _doc(
+        "on: after warm-up, each length's batch cap follows the measured cost of the batches "
+        "the worker runs (now and then trying the next size up); off: the caps measured at "
+        "warm-up stay; no effect with --batch-cap-budget-s 0",
+        default="on",
     )
     max_queue_bytes: int = _doc(
         "bytes of embeddings waiting (all models); beyond it RESOURCE_EXHAUSTED (an empty "
@@ -263,6 +270,7 @@ class Settings:
             ("max_seq_len", self.max_seq_len >= 1, ">= 1"),
             ("max_padding_ratio", 0 <= self.max_padding_ratio <= 1, "in 0..1"),
             ("length_grouping", self.length_grouping in ("on", "off"), "on or off"),
+            ("live_batch_caps", self.live_batch_caps in ON_OFF, "on or off"),
             ("batch_cap_budget_s", 0 <= self.batch_cap_budget_s <= 600, "in 0..600"),
             ("max_queue_bytes", self.max_queue_bytes >= 0, ">= 0"),
             ("max_inflight_batches", self.max_inflight_batches >= 1, ">= 1"),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from service.catalog import BatchCaps
 from service.errors import ModelNotFound, ShuttingDown
 from service.ipc import messages
 from service.ipc.slab import Slab
@@ -80,8 +81,11 @@ class WorkerServer:
                 max_inflight_batches=settings.max_inflight_batches,
                 max_inflight_batches_per_model=settings.max_inflight_batches_per_model,
                 max_queue_bytes=limit_bytes,
+                # With no measured caps (budget 0) only --max-batch-size bounds a batch.
+                live_caps=settings.live_batch_caps == "on" and settings.batch_cap_budget_s > 0,
             ),
             on_failure=self._on_batcher_failure,
+            on_caps=self._caps_changed,
         )
         self.models: ModelController | None = None
         self._listener = LinkListener(self.socket_path, self._serve_link, self._make_link)
@@ -206,6 +210,12 @@ class WorkerServer:
         snapshot = {"t": messages.MODELS, **self._snapshot()}
         for link in self._links:
             link.send(snapshot)
+
+    def _caps_changed(self, runner: object, caps: BatchCaps) -> None:
+        """GetModel and ModelConfig show the caps in force: tell the front ends."""
+        if isinstance(runner, OnnxModel):
+            runner.batch_caps = caps
+            self._changed()
 
     def _on_batcher_failure(self, error: BaseException) -> None:
         """The scheduler died: nothing more can be computed here, so say so to front ends."""

@@ -26,9 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from service.catalog import BatchCaps
 from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull, ShuttingDown
 from service.memory.budget import TRIM_AFTER_BATCH_BYTES, release_free_memory
 from service.observability import metrics
+from service.worker.batching.live_caps import LiveCaps
 from service.worker.batching.policy import choose_batch, merge, padding_ratio, split
 from service.worker.batching.protocol import (
     BatchFailed,
@@ -111,8 +113,11 @@ class Batcher:
         statistics: InferenceStatistics | None = None,
         *,
         on_failure: Callable[[BaseException], None] | None = None,
+        on_caps: Callable[[Runner, BatchCaps], None] | None = None,
     ) -> None:
         self._limits = limits
+        self._on_caps = on_caps
+        self._live: dict[Runner, LiveCaps] = {}
         self.statistics = statistics or InferenceStatistics()
         self._on_failure = on_failure
         # Keyed by the runner object, not its key: a reloaded version (same key) gets queues of
@@ -243,6 +248,7 @@ class Batcher:
             await waiter
         for key in [key for key, queue in self._queues.items() if queue.runner is runner]:
             del self._queues[key]
+        self._live.pop(runner, None)
 
     def _holds(self, runner: Runner) -> bool:
         return any(queue.items for queue in self._queues.values() if queue.runner is runner) or any(
@@ -402,7 +408,25 @@ class Batcher:
 
     def _cap(self, queue: _Queue, longest_seq: int) -> int:
         """Most sequences worth batching at this length: the measured cap, within the limit."""
-        return min(self._limits.max_batch_size, queue.runner.batch_caps.cap_for(longest_seq))
+        return min(self._limits.max_batch_size, self._caps_of(queue.runner).cap_for(longest_seq))
+
+    def _caps_of(self, runner: Runner) -> BatchCaps | LiveCaps:
+        """The runner's caps: measured at warm-up, then following live costs when enabled."""
+        if not self._limits.live_caps:
+            return runner.batch_caps
+        live = self._live.get(runner)
+        if live is None:
+            live = self._live[runner] = LiveCaps(
+                runner.batch_caps,
+                self._limits.max_batch_size,
+                on_change=functools.partial(self._caps_changed, runner),
+            )
+        return live
+
+    def _caps_changed(self, runner: Runner, caps: BatchCaps) -> None:
+        log.info("%s batch caps follow measured costs: %s", runner.key, caps.describe())
+        if self._on_caps is not None:
+            self._on_caps(runner, caps)
 
     def _take(self, queue: _Queue) -> list[_Pending]:
         for item in [item for item in queue.items if item.future.done()]:
@@ -419,7 +443,7 @@ class Batcher:
                 [item.embeddings.shape[1] for item in items],
                 max_sequences=self._limits.max_batch_size,
                 max_padding=self._limits.max_padding_ratio,
-                cap_for=queue.runner.batch_caps.cap_for,
+                cap_for=self._caps_of(queue.runner).cap_for,
                 group_by_length=self._limits.group_by_length,
             )
         ]
@@ -472,6 +496,10 @@ class Batcher:
         metrics.BATCH_SIZE.labels(label).observe(sequences)
         metrics.PADDING_RATIO.labels(label).observe(computed.padding)
         metrics.COMPUTE_DURATION.labels(label).observe(computed.compute_s)
+        caps = self._caps_of(runner)
+        if isinstance(caps, LiveCaps):
+            longest = max(item.embeddings.shape[1] for item in batch)
+            caps.observe(longest, sequences, computed.compute_s)
         succeeded = []
         batch_id = next(self._batches)
         tags = tuple(item.tag for item in batch if item.tag is not None)

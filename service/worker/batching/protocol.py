@@ -50,3 +50,4 @@ class BatchLimits:
     max_inflight_batches: int = 4  # all models together
     max_inflight_batches_per_model: int = 1  # per model version
     max_queue_bytes: int = 1 << 62  # embeddings bytes waiting, all models
+    live_caps: bool = False  # caps follow the measured cost of the batches run

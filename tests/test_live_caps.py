@@ -1,0 +1,73 @@
+"""Batch caps that follow live costs: they grow when larger batches are cheaper per sequence,
+shrink when smaller ones clearly are, stay put on noise, and explore only now and then."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from service.catalog import BatchCaps
+from service.worker.batching.live_caps import EXPLORE_EVERY, LiveCaps
+
+MAX = 32
+
+
+def _run(caps: LiveCaps, cost_per_seq: Callable[[int], float], batches: int, *,
+         noise: float = 0.0, seq: int = 100, seed: int = 0) -> list[int]:  # fmt: skip
+    """Batches as a busy queue forms them (always full to the cap in force); the sizes run."""
+    rng = random.Random(seed)
+    sizes = []
+    for _ in range(batches):
+        size = caps.cap_for(seq)
+        sizes.append(size)
+        jitter = 1 + rng.uniform(-noise, noise)
+        caps.observe(seq, size, size * cost_per_seq(size) * jitter)
+    return sizes
+
+
+def test_a_cap_measured_too_low_grows_to_the_cheapest_size() -> None:
+    # Per-sequence cost falls with batch size up to 8, then rises (memory-bound).
+    costs = {1: 1.0, 2: 0.7, 4: 0.55, 8: 0.5, 16: 0.6, 32: 0.8}
+    changes: list[BatchCaps] = []
+    caps = LiveCaps(BatchCaps(((128, 1), (512, 1))), MAX, on_change=changes.append)
+    _run(caps, costs.__getitem__, 800)
+    assert caps.cap_for(100) == 8
+    assert caps.cap_for(500) == 1  # a bucket that saw no batches keeps its first guess
+    assert changes
+    assert changes[-1] == caps.caps()
+
+
+def test_a_cap_too_high_comes_down() -> None:
+    costs = {1: 1.0, 2: 0.6, 4: 0.5, 8: 0.7, 16: 0.9, 32: 1.2}
+    caps = LiveCaps(BatchCaps(((512, 32),)), MAX)
+    sizes = _run(caps, costs.__getitem__, 50)
+    # A busy queue fills the cap, so smaller sizes are seen only when the queue is short:
+    # feed some, as light load does.
+    for size in (16, 8, 4) * 6:
+        caps.observe(100, size, size * costs[size])
+    _run(caps, costs.__getitem__, 200)
+    assert caps.cap_for(100) in (4, 8), sizes[-5:]
+
+
+def test_noise_alone_does_not_move_a_cap() -> None:
+    changes: list[BatchCaps] = []
+    caps = LiveCaps(BatchCaps(((512, 8),)), MAX, on_change=changes.append)
+    _run(caps, lambda size: 0.5, 2000, noise=0.04)  # flat cost, +-4 % jitter
+    assert len(changes) <= 1  # a tie may go to the larger size once, then stays
+    assert caps.cap_for(100) in (8, 16)
+
+
+def test_exploration_is_bounded() -> None:
+    caps = LiveCaps(BatchCaps(((512, 4),)), MAX)
+    costs = {1: 1.0, 2: 0.8, 4: 0.5, 8: 0.9, 16: 1.0, 32: 1.1}
+    sizes = _run(caps, costs.__getitem__, 1000)
+    assert caps.cap_for(100) == 4
+    tries = sum(1 for size in sizes if size > 4)
+    assert 0 < tries <= 1000 // EXPLORE_EVERY + 1
+
+
+def test_the_cap_never_exceeds_max_batch_size() -> None:
+    caps = LiveCaps(BatchCaps(((512, 64),)), 16)
+    assert caps.cap_for(10) == 16
+    _run(caps, lambda size: 1.0 / size, 500)
+    assert caps.cap_for(10) <= 16
