@@ -67,7 +67,7 @@ def headline(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
             if echo and echo.get("requests") and echo.get("server_cpu_ms_per_request") is not None:
                 out.append(
                     entry(
-                        f"seq {seq} {api}: echo server CPU us per request",
+                        f"seq {seq} {api}: echo floor CPU us per request",
                         echo["server_cpu_ms_per_request"] * 1000,
                     )
                 )
@@ -114,13 +114,16 @@ def batching(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
         extra = p50 - points[0]["ms_per_batch"]  # batch size 1: one call
     out.append(
         entry(
-            "seq 16 c=1: server p50 - in-process call (ms)",
+            C1_LATENCY,
             extra,
             "<= 0.5",
             None if extra is None else extra <= 0.5,
         )
     )
     return out
+
+
+C1_LATENCY = "seq 16 c=1: server p50 - in-process call (ms)"
 
 
 def c1_row(rows: list[Row], pinned: bool) -> Row | None:
@@ -132,7 +135,7 @@ def c1_row(rows: list[Row], pinned: bool) -> Row | None:
 
 def c1_latency(rows: list[Row], pinned: bool = True) -> list[Row]:
     """The c=1 target alone (the batching section has it too), for runs without that group."""
-    return [item for item in batching(rows, "", pinned) if item["name"].startswith("seq 16 c=1")]
+    return [item for item in batching(rows, "", pinned) if item["name"].startswith(C1_LATENCY)]
 
 
 def mixed(rows: list[Row], pinned: bool = True) -> list[Row]:

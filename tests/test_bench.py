@@ -343,7 +343,7 @@ def test_ceiling_and_ratios_come_from_rows_of_the_run() -> None:
     server_over_ceiling = found["seq 16 v2: server / stack ceiling"]
     assert server_over_ceiling["value"] == pytest.approx(1500.0 / stack_ceiling(4000.0, 3000.0))
     assert server_over_ceiling["met"] is False
-    assert found["seq 16 v2: echo server CPU us per request"]["value"] == pytest.approx(250.0)
+    assert found["seq 16 v2: echo floor CPU us per request"]["value"] == pytest.approx(250.0)
     assert found["seq 16: server / mlserver b=8 (seq/s)"]["value"] == pytest.approx(3.0)
     assert found["seq 16: server p99 / mlserver p99"]["value"] == pytest.approx(0.25)
     assert found["seq 128 v2: server / stack ceiling"]["value"] is None  # not measured
@@ -619,7 +619,8 @@ def test_targets_against_triton_mlserver_and_two_front_ends() -> None:
     assert found["seq 16: server / mlserver b=8 (seq/s)"]["target"] == ">= 3.0"
     assert found["unpinned seq 16: --frontends 2 / --frontends 1"]["value"] == 1.25
     assert found["unpinned seq 16: --frontends 2 / --frontends 1"]["met"] is True
-    c1_gap = found["seq 16 c=1: server p50 - in-process call (ms)"]  # no batching group
+    assert "seq 16 c=1: batching on / off" not in found  # no batching group: only the p50 gap
+    c1_gap = found["seq 16 c=1: server p50 - in-process call (ms)"]
     assert c1_gap["value"] == pytest.approx(0.3)
     assert found["seq 16 v2: server / in-process"]["value"] == 0.5  # the c=64 row, not c=1
     listed = ratios.targets(list(found.values()))
