@@ -79,5 +79,37 @@ def by_process(
     return found
 
 
+def thread_cpu_s(pid: int, proc: Path = PROC) -> dict[int, tuple[str, float]]:
+    """Each live thread of pid: {tid: (name, utime + stime seconds)}, from /proc/PID/task/*/stat;
+    empty when pid is gone. The name is the thread's comm (gRPC and ONNX Runtime name theirs)."""
+    ticks = _ticks()
+    found = {}
+    try:
+        entries = list((proc / str(pid) / "task").iterdir())
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            text = (entry / "stat").read_text()
+            found[int(entry.name)] = (text[text.index("(") + 1 : text.rindex(")")],
+                                      parse_stat(text, ticks)[1])  # fmt: skip
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+    return found
+
+
+def by_thread(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], pid: int
+) -> dict[str, float]:
+    """CPU seconds used between two thread_cpu_s snapshots of pid, by thread name summed; the
+    main thread (tid = pid: the event loop of our processes) as "main". Threads gone by the
+    end are left out; ones born inside the window count from zero."""
+    used: dict[str, float] = {}
+    for tid, (name, cpu_s) in after.items():
+        key = "main" if tid == pid else name
+        used[key] = used.get(key, 0.0) + max(0.0, cpu_s - before.get(tid, (name, 0.0))[1])
+    return used
+
+
 def available() -> bool:
     return (PROC / "self" / "stat").exists()

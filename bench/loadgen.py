@@ -61,6 +61,7 @@ class Mark:
     client_cpu_s: float
     server_cpu: dict[int, float] | None  # pid -> CPU s of the server and its descendants
     metrics: scrape.Snapshot | None
+    threads: dict[str, dict[int, tuple[str, float]]]  # role -> thread_cpu_s of its process
 
     @property
     def server_cpu_s(self) -> float | None:
@@ -84,7 +85,8 @@ async def take_mark(args: argparse.Namespace, *, opening: bool) -> Mark:
     before = await metrics() if opening else None
     at, client = time.perf_counter(), _client_cpu_s()
     server = cputime.family_cpu_s(args.cpu_pid) if args.cpu_pid else None
-    return Mark(at, client, server, before if opening else await metrics())
+    threads = {role: cputime.thread_cpu_s(pid) for role, pid in args.cpu_process}
+    return Mark(at, client, server, before if opening else await metrics(), threads)
 
 
 async def closed_loop(
@@ -190,6 +192,17 @@ def summarize(
         result["server_cpu_by_process_s"] = each
         result["server_cpu_us_per_request_by_process"] = {
             role: seconds / len(ok) * 1e6 if ok else math.nan for role, seconds in each.items()
+        }
+    if ok and begin.threads:
+        result["server_cpu_us_per_request_by_thread"] = {
+            role: {
+                name: seconds / len(ok) * 1e6
+                for name, seconds in cputime.by_thread(
+                    begin.threads[role], end.threads.get(role, {}), pid
+                ).items()
+            }
+            for role, pid in (roles or {}).items()
+            if role in begin.threads
         }
     if begin.metrics is not None and end.metrics is not None:
         result["server_metrics"] = scrape.summarize(begin.metrics, end.metrics)

@@ -60,6 +60,7 @@ MEASURED_KEYS = (
     "server_cpu_utilization",
     "server_cpu_by_process_s",
     "server_cpu_us_per_request_by_process",
+    "server_cpu_us_per_request_by_thread",
     "client_cpu_us_per_request",
     "server_metrics",
     "response_timing",

@@ -165,6 +165,29 @@ def test_cpu_per_process_from_fake_proc_snapshots(tmp_path: Path) -> None:
     assert each["frontend-0"] == pytest.approx(0.4)
 
 
+def test_cpu_per_thread_names_the_main_thread(tmp_path: Path) -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def snapshot(folder: str, threads: dict[int, tuple[str, float]]) -> Path:
+        for tid, (name, cpu_s) in threads.items():
+            task = tmp_path / folder / "12" / "task" / str(tid)
+            task.mkdir(parents=True)
+            zeros = " ".join(["0"] * 9)
+            task.joinpath("stat").write_text(
+                f"{tid} ({name}) S 10 {zeros} {round(cpu_s * ticks)} 0 0 0 20 0 1 0 5 0 0\n"
+            )
+        return tmp_path / folder
+
+    before = cputime.thread_cpu_s(12, snapshot("a", {12: ("python3", 1.0),
+                                                     20: ("grpc_global_tim", 0.5)}))  # fmt: skip
+    after = cputime.thread_cpu_s(12, snapshot("b", {12: ("python3", 1.5), 20: (
+        "grpc_global_tim", 0.7), 21: ("onnxruntime", 2.0), 22: ("onnxruntime", 1.0)}))  # fmt: skip
+    assert after[21] == ("onnxruntime", pytest.approx(2.0))
+    used = cputime.by_thread(before, after, 12)
+    assert used == pytest.approx({"main": 0.5, "grpc_global_tim": 0.2, "onnxruntime": 3.0})
+    assert cputime.thread_cpu_s(99, tmp_path / "b") == {}  # gone: nothing, no error
+
+
 def test_process_cpu_columns_sum_the_front_ends() -> None:
     row = {**_rows()[2], "client_cpu_us_per_request": 120.0,
            "server_cpu_us_per_request_by_process": {"worker": 300.0, "frontend-0": 200.0,
@@ -721,6 +744,7 @@ def test_loadgen_against_echo_server_writes_json(
     assert {"worker", "frontend-0", "supervisor", "other"} <= set(each)
     assert sum(each.values()) == pytest.approx(result["server_cpu_s"], abs=0.05)
     assert result["client_cpu_us_per_request"] > 0
+    assert "main" in result["server_cpu_us_per_request_by_thread"]["worker"]
     if api.startswith("attention"):  # AttentionService responses carry the batch sizes
         sizes = result["response_timing"]["requests_by_batch_size"]
         assert sum(sizes.values()) == result["requests"]
