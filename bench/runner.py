@@ -179,8 +179,10 @@ class Runner:
         weights: float = 0.0,
         model: str = "",
         embed_dim: int = 0,
+        channels: int = 0,
     ) -> dict[str, Any]:
-        """One load generator run against service; the result becomes a row."""
+        """One load generator run against service; the result becomes a row. channels (0 =
+        the run's --channels) other than the run's shows in the row's load label."""
         c = self.config
         out = self.scratch / f"load-{len(self.rows)}.json"
         command = [
@@ -190,12 +192,14 @@ class Runner:
             "--concurrency", str(concurrency or c.concurrency), "--rate", str(rate),
             "--max-outstanding", str(c.max_outstanding), "--weights-fraction", str(weights),
             "--duration-s", str(c.duration_s), "--warmup-s", str(c.warmup_s),
-            "--channels", str(c.channels), "--cpu-pid", str(service.pid),
+            "--channels", str(channels or c.channels), "--cpu-pid", str(service.pid),
             "--metrics-url", service.metrics_url, "--label", f"{group}/{name}",
             "--progress-s", "10" if c.duration_s >= 30 else "0", "--json", str(out),
             *(f"--cpu-process={role}={pid}" for role, pid in service.children.items()),
         ]  # fmt: skip
         load = f"rate={rate:.0f}" if rate else f"c={concurrency or c.concurrency}"
+        if channels and channels != c.channels:
+            load += f" ch={channels}"
         try:
             subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=c.duration_s * 4 + 300)
             result = json.loads(out.read_text())
@@ -203,6 +207,7 @@ class Runner:
             # One failed run (a server that died, say) costs its row, not the whole run.
             self.note(f"{group}/{name} {api} seq={seq} {load} failed: {err}")
             result = failed_result(str(err))
+        self._check_spread(result, f"{group}/{name} seq={seq}")
         return self._keep(
             result,
             group=group,
@@ -213,6 +218,16 @@ class Runner:
             load=load,
             pinned=pinning.pinned,
         )
+
+    def _check_spread(self, result: dict[str, Any], label: str) -> None:
+        """A note when the kernel's SO_REUSEPORT hash left a front end nearly idle (it spreads
+        connections, not calls), so a --frontends N row is not read as N front ends' work."""
+        each = result.get("server_cpu_by_process_s") or {}
+        fronts = {role: s for role, s in each.items() if role.startswith("frontend-")}
+        total = sum(fronts.values())
+        if len(fronts) > 1 and total > 0 and min(fronts.values()) < 0.1 * total:
+            shares = ", ".join(f"{role} {s / total:.0%}" for role, s in sorted(fronts.items()))
+            self.note(f"{label}: front ends unevenly loaded (CPU {shares})")
 
     def inprocess(
         self, *, group: str, seq: str, pinning: Pinning, weights: bool = False

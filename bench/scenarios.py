@@ -23,6 +23,7 @@ from bench.runner import Runner, log
 GROUPS = ("headline", "batching", "mixed", "weights", "open", "unpinned", "peers")
 STANDARD = tuple(g for g in GROUPS if g != "peers")
 OPEN_FRACTIONS = (0.5, 0.8, 1.0, 1.2)
+UNPINNED_CHANNELS = 8  # connections of the --frontends runs: 2 front ends both get some
 BATCHING_CONCURRENCY = (1, 16)  # and the headline concurrency, measured in "headline"
 LENGTH_GROUPING_FLAG = "--length-grouping"
 
@@ -177,19 +178,31 @@ def other_servers(r: Runner, groups: set[str]) -> None:
 
 def unpinned(r: Runner) -> None:
     """Everything on every core: the in-process limit, the echo floor and the server with one
-    and with two front ends (each row also shows the load generator's CPU)."""
+    and with two front ends (each row also shows the load generator's CPU). Every run here
+    opens UNPINNED_CHANNELS connections: the kernel spreads connections, not calls, over the
+    front ends, and one connection would keep all but one of them idle."""
+    channels = max(r.config.channels, UNPINNED_CHANNELS)
     for seq in SEQS:
         r.inprocess(group="unpinned", seq=seq, pinning=UNPINNED)
     for frontends in FRONTENDS:
         flags = ["--frontends", str(frontends)]
-        with r.echo(UNPINNED, flags) as service:
-            for seq in SEQS:
-                r.load(service, group="unpinned", target="echo", name=unpinned_name(frontends,
-                       "echo"), api=r.config.api, seq=seq, pinning=UNPINNED)  # fmt: skip
-        with r.server(unpinned_name(frontends), flags, UNPINNED) as service:
-            for seq in SEQS:
-                r.load(service, group="unpinned", target="server", name=unpinned_name(frontends),
-                       api=r.config.api, seq=seq, pinning=UNPINNED)  # fmt: skip
+        servers = {
+            "echo": r.echo(UNPINNED, flags),  # started only when entered, one at a time
+            "server": r.server(unpinned_name(frontends), flags, UNPINNED),
+        }
+        for target, start in servers.items():
+            with start as service:
+                for seq in SEQS:
+                    r.load(
+                        service,
+                        group="unpinned",
+                        target=target,
+                        name=unpinned_name(frontends, target),
+                        api=r.config.api,
+                        seq=seq,
+                        pinning=UNPINNED,
+                        channels=channels,
+                    )
 
 
 def run(r: Runner, groups: set[str]) -> None:

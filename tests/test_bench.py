@@ -412,16 +412,23 @@ class FakeRunner(Runner):
     def __init__(self, config: BenchConfig) -> None:
         super().__init__(config, scratch=Path("unused"))
         self.servers: list[tuple[str, list[str]]] = []
+        self.channels: list[int] = []
 
     @contextmanager
     def server(self, name: str, flags: Sequence[str], pinning: Pinning) -> Iterator[Any]:
         self.servers.append((name, list(flags)))
         yield None
 
+    @contextmanager
+    def echo(self, pinning: Pinning, flags: Sequence[str] = ()) -> Iterator[Any]:
+        self.servers.append(("echo", list(flags)))
+        yield None
+
     def load(self, service: Any, **labels: Any) -> dict[str, Any]:
         pinning = labels.pop("pinning")
         load = f"rate={labels['rate']:.0f}" if labels.get("rate") else "c=64"
-        for key in ("concurrency", "weights", "model", "embed_dim", "rate"):
+        self.channels.append(labels.get("channels", 0))
+        for key in ("concurrency", "weights", "model", "embed_dim", "rate", "channels"):
             labels.pop(key, None)
         return self._keep(failed_result("server died"), **labels, load=load, pinned=pinning.pinned)
 
@@ -464,6 +471,30 @@ def test_failed_rows_go_through_scenarios_ratios_and_table(
         assert all(item["value"] is None for item in simple(rows))
     table = report.format_table(rows)
     assert table.count("FAIL") >= len(rows) - len(report.ceiling_rows(runner.rows))
+
+
+def test_unpinned_runs_one_and_two_front_ends_over_several_connections() -> None:
+    runner = FakeRunner(_config())
+    scenarios.other_servers(runner, {"unpinned"})
+    assert runner.servers == [
+        ("echo", ["--frontends", "1"]), ("server --frontends 1", ["--frontends", "1"]),
+        ("echo", ["--frontends", "2"]), ("server --frontends 2", ["--frontends", "2"]),
+    ]  # fmt: skip
+    assert set(runner.channels) == {scenarios.UNPINNED_CHANNELS}
+    names = [row["name"] for row in runner.rows if row["target"] != "in-process"]
+    assert names.count("server --frontends 2") == len(report.SEQS)
+    assert names.count("echo --frontends 1") == len(report.SEQS)
+
+
+def test_an_idle_front_end_is_noted() -> None:
+    runner = FakeRunner(_config())
+    runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "frontend-1": 0.01,
+                                                      "worker": 3.0}}, "unpinned/x")  # fmt: skip
+    runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "frontend-1": 1.5}}, "y")
+    runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "worker": 0.0}}, "z")
+    assert len(runner.notes) == 1
+    assert "unevenly" in runner.notes[0]
+    assert "frontend-1 0%" in runner.notes[0]
 
 
 def test_a_failed_row_among_measured_ones_reads_not_measured() -> None:
