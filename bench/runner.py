@@ -219,6 +219,16 @@ class Runner:
             pinned=pinning.pinned,
         )
 
+    def keep_failed(
+        self, *, group: str, target: str, name: str, seqs: Sequence[str], reason: str
+    ) -> None:
+        """One FAILED row per length for a server that could not be set up or started."""
+        self.note(f"{name}: not measured: {reason}")
+        for seq in seqs:
+            self._keep(failed_result(reason), group=group, target=target, name=name, api="v2",
+                       seq=seq, load=f"c={self.config.concurrency}",
+                       pinned=self.config.pinning.pinned)  # fmt: skip
+
     def _check_spread(self, result: dict[str, Any], label: str) -> None:
         """A note when the kernel's SO_REUSEPORT hash left a front end nearly idle (it spreads
         connections, not calls), so a --frontends N row is not read as N front ends' work."""

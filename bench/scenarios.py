@@ -222,5 +222,6 @@ def peers(r: Runner) -> None:
     try:
         mlserver.run(r)
     except (subprocess.SubprocessError, OSError, RuntimeError) as err:
-        r.note(f"mlserver: not measured: {err}")
+        reason = " | ".join(str(err).strip().splitlines()[-3:])[:400]
+        r.keep_failed(group="peers", target="mlserver", name="mlserver", seqs=SEQS, reason=reason)
     triton.run(r)

@@ -640,6 +640,25 @@ def test_triton_peer_that_cannot_be_built_is_failed_rows(tmp_path: Path, interpr
     assert found["seq 16: server / triton (seq/s)"]["met"] is None  # not measured, not MISSED
 
 
+def test_a_peer_that_fails_to_set_up_costs_its_rows_not_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench.peers import mlserver
+
+    def broken(r: Runner) -> None:
+        raise subprocess.CalledProcessError(1, ["pip", "install", "mlserver==1.7.1"])
+
+    ran: list[Runner] = []
+    monkeypatch.setattr(mlserver, "run", broken)
+    monkeypatch.setattr(triton, "run", ran.append)
+    runner = FakeRunner(_config())
+    scenarios.peers(runner)
+    assert ran == [runner]  # Triton still ran
+    assert [(row["target"], row["seq"]) for row in runner.rows] == [("mlserver", "16"),
+                                                                    ("mlserver", "128")]  # fmt: skip
+    assert "exit status 1" in runner.rows[0]["failed"]
+
+
 def test_triton_command_is_pinned_with_one_thread_and_its_own_ports(tmp_path: Path) -> None:
     runner = Runner(_config(model_path=tmp_path / "model.onnx"), scratch=tmp_path)
     command, grpc_port = triton.serve_command(runner, Path("/venv/bin/python"), 1000)

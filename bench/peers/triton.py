@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.launcher import REPO_ROOT, Service, free_port
 from bench.report import MIXED, SEQS
-from bench.runner import Runner, failed_result, log
+from bench.runner import Runner, log
 
 HERE = Path(__file__).resolve().parent
 SERVE = HERE / "triton_ort" / "serve.py"
@@ -87,19 +87,7 @@ def serve_command(r: Runner, python: Path, queue_delay_us: int) -> tuple[list[st
 
 
 def failed_rows(r: Runner, name: str, reason: str) -> None:
-    """One FAILED row per length for a configuration that did not start."""
-    r.note(f"{name}: not measured: {reason}")
-    for seq in LENGTHS:
-        r._keep(
-            failed_result(reason),
-            group="peers",
-            target="triton",
-            name=name,
-            api="v2",
-            seq=seq,
-            load=f"c={r.config.concurrency}",
-            pinned=r.config.pinning.pinned,
-        )
+    r.keep_failed(group="peers", target="triton", name=name, seqs=LENGTHS, reason=reason)
 
 
 def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER) -> None:
