@@ -45,9 +45,12 @@ config-doc: setup
 bench: export
 	$(BIN)/python -m bench --model-repository $(MODELS) --plots docs $(BENCH_ARGS)
 
-# Our server beside Seldon MLServer (own virtualenv in .bench-venvs/, created on first use).
+# Our server beside NVIDIA Triton and Seldon MLServer (each in its own virtualenv in .bench-venvs/,
+# created on first use; Triton's from /usr/bin/python3.11), every target of issue 16 printed, the
+# output written to docs/bench-latest.md (date, commit, command).
 bench-peers: export
-	$(BIN)/python -m bench --model-repository $(MODELS) --groups headline --peers $(BENCH_ARGS)
+	$(BIN)/python -m bench --model-repository $(MODELS) --groups headline,mixed,unpinned --peers \
+		--markdown docs/bench-latest.md $(BENCH_ARGS)
 
 # Layer 0 of all-MiniLM-L6-v2 exported, served, called with a real sentence, checked against
 # the source layer and drawn (build/demo/attention.png). The model comes from the package

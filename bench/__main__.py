@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(scenarios.STANDARD),
         help=f"comma-separated, from {','.join(scenarios.GROUPS)}",
     )
-    add("--peers", action="store_true", help="also run the peers group (MLServer)")
+    add("--peers", action="store_true", help="also run the peers group (MLServer, Triton)")
     add("--quick", action="store_true", help="a smoke run: every scenario for about a second")
     add("--duration-s", type=float, default=12.0, help="measured window of each load run")
     add("--warmup-s", type=float, default=3.0, help="unmeasured load before each window")
@@ -71,6 +71,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add("--json", type=Path, default=Path("bench/results/latest.json"), help="results file")
     add("--plots", type=Path, help="also draw PNG plots into this folder (e.g. docs)")
+    add(
+        "--markdown",
+        type=Path,
+        help="also write the printed results as a page (e.g. docs/bench-latest.md)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
@@ -114,9 +119,6 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         max_batch_size=settings.max_batch_size,
         max_seq_len=settings.max_seq_len,
         provider=args.provider,
-        event_loop=settings.event_loop,
-        malloc_reuse=settings.malloc_reuse,
-        max_stream_inflight_requests=settings.max_stream_inflight_requests,
         server_flags=tuple(args.server_flag),
         pinning=pinning,
     )
@@ -160,6 +162,44 @@ def header(about: dict[str, Any], config: BenchConfig) -> str:
     )
 
 
+def results_text(
+    about: dict[str, Any],
+    config: BenchConfig,
+    rows: list[dict[str, Any]],
+    found: list[dict[str, Any]],
+    notes: list[str],
+    elapsed_s: float,
+) -> str:
+    """What a run prints: header, table, ratios, the targets, notes."""
+    parts = [
+        header(about, config),
+        "",
+        report.format_table(rows),
+        "",
+        "ratios (same run):",
+        ratios.format_ratios(found),
+        "",
+        "Targets (issue 16; printed, never asserted):",
+        ratios.format_ratios(ratios.targets(found)),
+        *(f"note: {note}" for note in notes),
+        "",
+        f"took {elapsed_s:.0f} s",
+    ]
+    return "\n".join(parts)
+
+
+def markdown_page(about: dict[str, Any], command: str, text: str) -> str:
+    """The printed results as a documentation page, with date, commit, machine and command."""
+    dirty = " (with uncommitted changes)" if about["dirty"] else ""
+    return (
+        "# Latest benchmark output\n\n"
+        f"Written by `{command}` on {about['date']}, commit {about['commit']}{dirty}, "
+        f"{about['cpus']} CPUs ({about['cpu_model']}). Method and columns: "
+        "[Benchmarks](benchmarks.md).\n\n"
+        f"```text\n{text}\n```\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = build_config(args)
@@ -174,13 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     found = ratios.all_ratios(rows, config.api, groups, pinned=config.pinning.pinned)
     about = machine(config)
     elapsed = time.monotonic() - started
-    print(f"\n{header(about, config)}\n")
-    print(report.format_table(rows))
-    print("\nratios (same run):")
-    print(ratios.format_ratios(found))
-    for note in runner.notes:
-        print(f"note: {note}")
-    print(f"\ntook {elapsed:.0f} s")
+    text = results_text(about, config, rows, found, runner.notes, elapsed)
+    print(f"\n{text}")
     document = {
         "machine": about,
         "settings": {k: str(v) for k, v in vars(args).items()},
@@ -193,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(document, indent=1, default=str) + "\n")
     log(f"wrote {args.json}")
+    if args.markdown:
+        command = " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])])
+        args.markdown.write_text(markdown_page(about, command, text))
+        log(f"wrote {args.markdown}")
     if args.plots:
         from bench import plots  # matplotlib only when plots are asked for
 

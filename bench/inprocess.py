@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -94,15 +95,18 @@ def padding_ratio(lengths: Sequence[int], groups: Sequence[Sequence[int]]) -> fl
     return (total - real) / total if total else 0.0
 
 
-def timed(run: Callable[[], int], seconds: float, min_rounds: int = 3) -> float:
-    """Sequences per second of run() (which returns the sequences it ran), repeated."""
+def timed(run: Callable[[], int], seconds: float, min_rounds: int = 3) -> tuple[float, float]:
+    """(sequences per second, CPU ms per sequence) of run() (which returns the sequences it
+    ran), repeated. The CPU is this process's (every ONNX Runtime thread), as /proc counts it
+    for the server's processes."""
     run()  # warm: first calls allocate
     rounds = done = 0
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     while rounds < min_rounds or time.perf_counter() - started < seconds:
         done += run()
         rounds += 1
-    return done / (time.perf_counter() - started)
+    cpu_s = time.process_time() - cpu_started
+    return done / (time.perf_counter() - started), cpu_s / done * 1000 if done else math.nan
 
 
 def batch_sweep(
@@ -124,10 +128,11 @@ def batch_sweep(
             sess.run(outputs, feeds)
             return batch
 
-        rate = timed(run_batch, seconds)
+        rate, cpu_ms = timed(run_batch, seconds)
         points.append(
-            {"batch_size": batch, "sequences_per_s": rate, "ms_per_batch": batch / rate * 1000}
-        )
+            {"batch_size": batch, "sequences_per_s": rate, "ms_per_batch": batch / rate * 1000,
+             "cpu_ms_per_sequence": cpu_ms}
+        )  # fmt: skip
     best = max(points, key=lambda p: p["sequences_per_s"])
     return {"seq": seq, "points": points, "best": best, "sequences_per_s": best["sequences_per_s"]}
 
@@ -153,8 +158,10 @@ def mixed(
                 sess.run(outputs, feeds)
             return count
 
+        rate, cpu_ms = timed(run_all, seconds, min_rounds=1)
         strategies[name] = {
-            "sequences_per_s": timed(run_all, seconds, min_rounds=1),
+            "sequences_per_s": rate,
+            "cpu_ms_per_sequence": cpu_ms,
             "padding_ratio": padding_ratio(drawn, groups),
         }
     best = max(strategies, key=lambda name: strategies[name]["sequences_per_s"])

@@ -21,6 +21,8 @@ from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 
 LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)")
+# The supervisor's "started worker (pid N)" / "started frontend-K (pid N)" (a restart repeats it).
+STARTED = re.compile(r"started (worker|frontend-\d+) \(pid (\d+)\)")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -121,6 +123,12 @@ class Service:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def children(self) -> dict[str, int]:
+        """The latest pid of each of our server's child processes by role, from its log;
+        empty for a server that logs no such lines (a peer)."""
+        return {match[1]: int(match[2]) for line in self.lines for match in STARTED.finditer(line)}
 
     @property
     def target(self) -> str:

@@ -59,8 +59,13 @@ class Mark:
 
     at: float
     client_cpu_s: float
-    server_cpu_s: float | None
+    server_cpu: dict[int, float] | None  # pid -> CPU s of the server and its descendants
     metrics: scrape.Snapshot | None
+    threads: dict[str, dict[int, tuple[str, float]]]  # role -> thread_cpu_s of its process
+
+    @property
+    def server_cpu_s(self) -> float | None:
+        return None if self.server_cpu is None else sum(self.server_cpu.values())
 
 
 def _client_cpu_s() -> float:
@@ -79,8 +84,9 @@ async def take_mark(args: argparse.Namespace, *, opening: bool) -> Mark:
 
     before = await metrics() if opening else None
     at, client = time.perf_counter(), _client_cpu_s()
-    server = cputime.tree_cpu_s(args.cpu_pid) if args.cpu_pid else None
-    return Mark(at, client, server, before if opening else await metrics())
+    server = cputime.family_cpu_s(args.cpu_pid) if args.cpu_pid else None
+    threads = {role: cputime.thread_cpu_s(pid) for role, pid in args.cpu_process}
+    return Mark(at, client, server, before if opening else await metrics(), threads)
 
 
 async def closed_loop(
@@ -142,7 +148,12 @@ async def progress(samples: list[Sample], started: float, every_s: float, label:
 
 
 def summarize(
-    samples: list[Sample], rejected: list[float], begin: Mark, end: Mark
+    samples: list[Sample],
+    rejected: list[float],
+    begin: Mark,
+    end: Mark,
+    roles: dict[str, int] | None = None,
+    root: int = 0,
 ) -> dict[str, Any]:
     """Throughput, latency, errors and server-side figures of the measured window."""
     window = [s for s in samples if begin.at <= s[0] <= end.at]
@@ -160,6 +171,9 @@ def summarize(
         "error_examples": {s[3].code: s[3].detail[:200] for s in samples if s[3].code != "OK"},
         "rejected": sum(1 for due in rejected if begin.at <= due <= end.at),
         "client_cpu_utilization": (end.client_cpu_s - begin.client_cpu_s) / span_s,
+        "client_cpu_us_per_request": (
+            (end.client_cpu_s - begin.client_cpu_s) / len(ok) * 1e6 if ok else math.nan
+        ),
     }
     if timings:  # AttentionService responses carry the server's own split
         result["response_timing"] = {
@@ -173,6 +187,23 @@ def summarize(
         result["server_cpu_ms_per_request"] = used / len(ok) * 1000 if ok else math.nan
         result["server_cpu_ms_per_sequence"] = used / sequences * 1000 if sequences else math.nan
         result["server_cpu_utilization"] = used / span_s
+    if begin.server_cpu is not None and end.server_cpu is not None:
+        each = cputime.by_process(begin.server_cpu, end.server_cpu, roles or {}, root)
+        result["server_cpu_by_process_s"] = each
+        result["server_cpu_us_per_request_by_process"] = {
+            role: seconds / len(ok) * 1e6 if ok else math.nan for role, seconds in each.items()
+        }
+    if ok and begin.threads:
+        result["server_cpu_us_per_request_by_thread"] = {
+            role: {
+                name: seconds / len(ok) * 1e6
+                for name, seconds in cputime.by_thread(
+                    begin.threads[role], end.threads.get(role, {}), pid
+                ).items()
+            }
+            for role, pid in (roles or {}).items()
+            if role in begin.threads
+        }
     if begin.metrics is not None and end.metrics is not None:
         result["server_metrics"] = scrape.summarize(begin.metrics, end.metrics)
     return result
@@ -223,7 +254,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await caller.close()
     for channel in channels:
         await channel.close()
-    return {"config": config_of(args), **summarize(samples, rejected, begin, end)}
+    roles = dict(args.cpu_process)
+    return {
+        "config": config_of(args),
+        **summarize(samples, rejected, begin, end, roles, args.cpu_pid),
+    }
 
 
 def config_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -246,6 +281,14 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
     return {key: getattr(args, key) for key in keys} | {"loop": "open" if args.rate else "closed"}
 
 
+def role_pid(text: str) -> tuple[str, int]:
+    """("worker", 123) from "worker=123"."""
+    role, _, pid = text.partition("=")
+    if not role or not pid.isdigit():
+        raise argparse.ArgumentTypeError(f"expected ROLE=PID, got {text!r}")
+    return role, int(pid)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__)
     add = parser.add_argument
@@ -266,6 +309,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--timeout-s", type=float, default=60.0, help="per-call deadline (unary)")
     add("--metrics-url", default="", help="server /metrics to scrape at the window's edges")
     add("--cpu-pid", type=int, default=0, help="server pid whose CPU time to measure")
+    add(
+        "--cpu-process",
+        type=role_pid,
+        action="append",
+        default=[],
+        metavar="ROLE=PID",
+        help="a named process of the server (repeat): its CPU is reported apart",
+    )
     add("--seed", type=int, default=0)
     add("--progress-s", type=float, default=5.0, help="progress line period on stderr (0 = off)")
     add("--label", default="", help="name of this run in output")

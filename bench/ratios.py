@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from bench.report import (
+    FRONTENDS,
     GROUPING_OFF,
     GROUPING_OFF_FALLBACK,
     GROUPING_ON,
@@ -15,6 +16,7 @@ from bench.report import (
     failed,
     find,
     seq_per_s,
+    unpinned_name,
 )
 from bench.stats import ratio
 
@@ -41,7 +43,9 @@ def headline(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
             server = measured(
                 find(rows, group="headline", target="server", api=api, seq=seq, pinned=pinned)
             )
-            ceiling = find(rows, target="ceiling", api=api, seq=seq, pinned=pinned)
+            ceiling = find(
+                rows, group="headline", target="ceiling", api=api, seq=seq, pinned=pinned
+            )
             value = ratio(seq_per_s(server), seq_per_s(ceiling))
             out.append(
                 entry(
@@ -57,11 +61,13 @@ def headline(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
                     ratio(seq_per_s(server), seq_per_s(limit)),
                 )
             )
-            echo = measured(find(rows, target="echo", api=api, seq=seq, pinned=pinned))
+            echo = measured(
+                find(rows, group="headline", target="echo", api=api, seq=seq, pinned=pinned)
+            )
             if echo and echo.get("requests") and echo.get("server_cpu_ms_per_request") is not None:
                 out.append(
                     entry(
-                        f"seq {seq} {api}: echo server CPU us per request",
+                        f"seq {seq} {api}: echo floor CPU us per request",
                         echo["server_cpu_ms_per_request"] * 1000,
                     )
                 )
@@ -99,9 +105,7 @@ def batching(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
             out.append(
                 entry(f"seq {seq} {load}: batching on / off", value, ">= 1.0", at_least(value, 1.0))
             )
-    c1 = measured(
-        find(rows, group="batching", name="batching on", seq="16", load="c=1", pinned=pinned)
-    )
+    c1 = measured(c1_row(rows, pinned))
     limit = measured(find(rows, group="headline", target="in-process", seq="16", pinned=pinned))
     points = (limit or {}).get("points") or []
     p50 = (c1 or {}).get("p50_ms")
@@ -110,13 +114,28 @@ def batching(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
         extra = p50 - points[0]["ms_per_batch"]  # batch size 1: one call
     out.append(
         entry(
-            "seq 16 c=1: server p50 - in-process call (ms)",
+            C1_LATENCY,
             extra,
             "<= 0.5",
             None if extra is None else extra <= 0.5,
         )
     )
     return out
+
+
+C1_LATENCY = "seq 16 c=1: server p50 - in-process call (ms)"
+
+
+def c1_row(rows: list[Row], pinned: bool) -> Row | None:
+    """Our server at seq 16, c=1: the batching group's, else the headline's own."""
+    return find(
+        rows, group="batching", name="batching on", seq="16", load="c=1", pinned=pinned
+    ) or find(rows, group="headline", target="server", seq="16", load="c=1", pinned=pinned)
+
+
+def c1_latency(rows: list[Row], pinned: bool = True) -> list[Row]:
+    """The c=1 target alone (the batching section has it too), for runs without that group."""
+    return [item for item in batching(rows, "", pinned) if item["name"].startswith(C1_LATENCY)]
 
 
 def mixed(rows: list[Row], pinned: bool = True) -> list[Row]:
@@ -165,47 +184,82 @@ def weights(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
 def unpinned(rows: list[Row]) -> list[Row]:
     out = []
     for seq in SEQS:
-        server = measured(find(rows, group="unpinned", target="server", seq=seq))
         limit = measured(find(rows, group="unpinned", target="in-process", seq=seq))
+        for frontends in FRONTENDS:
+            server = measured(find(rows, group="unpinned", name=unpinned_name(frontends), seq=seq))
+            out.append(
+                entry(
+                    f"unpinned seq {seq} --frontends {frontends}: server / in-process",
+                    ratio(seq_per_s(server), seq_per_s(limit)),
+                )
+            )
+        one, two = (
+            measured(find(rows, group="unpinned", name=unpinned_name(n), seq=seq))
+            for n in FRONTENDS
+        )
+        value = ratio(seq_per_s(two), seq_per_s(one))
+        goal = seq == SEQS[0]  # the target is stated at seq 16
         out.append(
             entry(
-                f"unpinned seq {seq}: server / in-process",
-                ratio(seq_per_s(server), seq_per_s(limit)),
+                f"unpinned seq {seq}: --frontends 2 / --frontends 1",
+                value,
+                "> 1.0" if goal else "",
+                (None if value is None else value > 1.0) if goal else None,
             )
         )
     return out
 
 
-def best_peer(rows: list[Row], seq: str) -> Row | None:
-    """The peer configuration with the most sequences/s at this length."""
+# The issue's targets against each peer, by sequence length (our server's mixed row is the
+# mixed group's "grouping on").
+PEER_GOALS = {"triton": {"16": 1.3, "128": 1.3, MIXED: 1.5}, "mlserver": {"16": 3.0, "128": 3.0}}
+
+
+def best_peer(rows: list[Row], seq: str, target: str | None = None) -> Row | None:
+    """The peer configuration (of one kind, if given) with the most sequences/s here."""
     peers = [
         r
         for r in rows
-        if r["group"] == "peers" and r["seq"] == seq and measured(r) and r.get("sequences_per_s")
+        if r["group"] == "peers"
+        and r["seq"] == seq
+        and (target is None or r["target"] == target)
+        and measured(r)
+        and r.get("sequences_per_s")
     ]
     return max(peers, key=lambda r: r["sequences_per_s"], default=None)
 
 
+def our_server(rows: list[Row], unary: str, seq: str, pinned: bool) -> Row | None:
+    if seq == MIXED:
+        return measured(find(rows, group="mixed", name=GROUPING_ON, pinned=pinned))
+    return measured(
+        find(rows, group="headline", target="server", api=unary, seq=seq, load="c=64",
+             pinned=pinned)
+    ) or measured(
+        find(rows, group="headline", target="server", api=unary, seq=seq, pinned=pinned)
+    )  # fmt: skip
+
+
 def peers(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
     out = []
-    goals = {"16": 2.8, "128": 3.0}
-    for seq in SEQS:
-        server = measured(
-            find(rows, group="headline", target="server", api=unary, seq=seq, pinned=pinned)
-        )
-        peer = best_peer(rows, seq)
-        value = ratio(seq_per_s(server), seq_per_s(peer))
-        name = f"seq {seq}: server / {peer['name'] if peer else 'peer'} (seq/s)"
-        out.append(entry(name, value, f">= {goals[seq]}", at_least(value, goals[seq])))
-        p99 = ratio((server or {}).get("p99_ms"), (peer or {}).get("p99_ms"))
-        out.append(
-            entry(
-                f"seq {seq}: server p99 / peer p99",
-                p99,
-                "< 1.0",
-                None if p99 is None else p99 < 1.0,
+    for target, goals in PEER_GOALS.items():
+        for seq, goal in goals.items():
+            server = our_server(rows, unary, seq, pinned)
+            peer = best_peer(rows, seq, target)
+            value = ratio(seq_per_s(server), seq_per_s(peer))
+            label = f"seq {seq}" if seq != MIXED else "mixed"
+            name = f"{label}: server / {peer['name'] if peer else target} (seq/s)"
+            out.append(entry(name, value, f">= {goal}", at_least(value, goal)))
+            p99 = ratio((server or {}).get("p99_ms"), (peer or {}).get("p99_ms"))
+            strict = target == "triton" and seq != MIXED  # "p99 no worse than Triton's"
+            out.append(
+                entry(
+                    f"{label}: server p99 / {target} p99",
+                    p99,
+                    "<= 1.0" if strict else "",
+                    (None if p99 is None else p99 <= 1.0) if strict else None,
+                )
             )
-        )
     return out
 
 
@@ -240,7 +294,15 @@ def all_ratios(rows: list[Row], unary: str, groups: set[str], pinned: bool = Tru
         "unpinned": lambda: unpinned(rows),
         "peers": lambda: peers(rows, unary, pinned),
     }
-    return [item for name, make in sections.items() if name in groups for item in make()]
+    found = [item for name, make in sections.items() if name in groups for item in make()]
+    if "headline" in groups and "batching" not in groups:
+        found += c1_latency(rows, pinned)
+    return found
+
+
+def targets(entries: list[Row]) -> list[Row]:
+    """The entries that state one of the issue's targets, for the "Targets" block."""
+    return [item for item in entries if item["target"]]
 
 
 def format_ratios(entries: list[Row]) -> str:

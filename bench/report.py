@@ -16,6 +16,12 @@ GROUPING_ON = "grouping on"
 GROUPING_OFF = "grouping off (first-come)"  # --length-grouping off
 # A server without --length-grouping: --max-padding-ratio 1.0, which still sorts by length.
 GROUPING_OFF_FALLBACK = "grouping ~off (pad 1.0)"
+FRONTENDS = (1, 2)  # --frontends of the unpinned runs
+
+
+def unpinned_name(frontends: int, what: str = "server") -> str:
+    """The row name of an unpinned run (the ratios find them by it)."""
+    return f"{what} --frontends {frontends}"
 
 
 def find(rows: Iterable[Row], **criteria: Any) -> Row | None:
@@ -46,7 +52,9 @@ def ceiling_rows(rows: list[Row]) -> list[Row]:
             {
                 "group": echo["group"],
                 "target": "ceiling",
-                "name": "stack ceiling",
+                "name": "stack ceiling"
+                if echo["name"] == "echo"
+                else f"ceiling ({echo['name'].removeprefix('echo ')})",
                 "api": echo["api"],
                 "seq": echo["seq"],
                 "load": "-",
@@ -103,10 +111,21 @@ COLUMNS = (
     ("compute", 8, ">"),
     ("pad", 5, ">"),
     ("CPU ms/seq", 11, ">"),
+    ("fe us/rq", 9, ">"),  # CPU of the front-end processes, summed, per request
+    ("wk us/rq", 9, ">"),  # CPU of the worker process per request
+    ("lg us/rq", 9, ">"),  # CPU of the load generator per request
     ("err", 6, ">"),  # failed by the server (a gRPC status other than OK)
     ("rej", 6, ">"),  # rejected by the load generator (open loop at --max-outstanding)
     ("client", 7, ">"),
 )
+
+
+def process_cpu_us(row: Row) -> tuple[Any, Any]:
+    """(front ends summed, worker) CPU us per request of one of our server's load rows; None
+    where the row has no per-process figures (a peer, a failed run)."""
+    each = row.get("server_cpu_us_per_request_by_process") or {}
+    fronts = [value for role, value in each.items() if role.startswith("frontend-")]
+    return (sum(fronts) if fronts else None), each.get("worker")
 
 
 def _line(cells: Iterable[str]) -> str:
@@ -118,17 +137,16 @@ def _line(cells: Iterable[str]) -> str:
 def _inprocess_lines(row: Row) -> list[list[str]]:
     head = [row["group"], "in-process"]
     if failed(row) or not row.get("best"):
-        return [[*head, f"{row['name']} FAILED"[:26], "-", row["seq"], "-", *["-"] * 12]]
+        return [[*head, f"{row['name']} FAILED"[:26], "-", row["seq"], "-", *["-"] * 15]]
     if "strategies" in row:  # mixed lengths: every way of running them, * on the best
         return [
             [*head, f"{name}{' *' if name == row['best'] else ''}"[:26], "-", row["seq"], "-",
              _num(s["sequences_per_s"]), "-", "-", "-", "-", "-", "-", _num(s["padding_ratio"], 2),
-             _num(1000 / s["sequences_per_s"] * row["threads"], 3) if row["threads"] else "-",
-             "-", "-", "-"]
+             _num(_inprocess_cpu(s, row["threads"]), 3), "-", "-", "-", "-", "-", "-"]
             for name, s in row["strategies"].items()
         ]  # fmt: skip
     best = row["best"]
-    cpu = 1000 / best["sequences_per_s"] * row["threads"] if row["threads"] else None
+    cpu = _inprocess_cpu(best, row["threads"])
     return [
         [
             *head,
@@ -145,15 +163,22 @@ def _inprocess_lines(row: Row) -> list[list[str]]:
             _num(best["ms_per_batch"], 2),
             "-",
             _num(cpu, 3),
-            "-",
-            "-",
-            "-",
+            *["-"] * 6,
         ]
     ]
 
 
+def _inprocess_cpu(point: Row, threads: int) -> float | None:
+    """CPU ms per sequence of an in-process point: measured, or (older results) estimated as
+    every thread busy for the whole run."""
+    if point.get("cpu_ms_per_sequence") is not None:
+        return float(point["cpu_ms_per_sequence"])
+    return 1000 / point["sequences_per_s"] * threads if threads else None
+
+
 def _load_line(row: Row) -> list[str]:
     batch, queue, compute, pad = _server_side(row)
+    front, worker = process_cpu_us(row)
     if failed(row):
         errors = rejected = "FAIL"
     else:
@@ -175,6 +200,9 @@ def _load_line(row: Row) -> list[str]:
         _num(compute, 2),
         _num(pad, 2),
         _num(row.get("server_cpu_ms_per_sequence"), 3),
+        _num(front, 0),
+        _num(worker, 0),
+        _num(row.get("client_cpu_us_per_request"), 0),
         errors,
         rejected,
         _percent(row.get("client_cpu_utilization")),
@@ -198,7 +226,7 @@ def format_table(rows: list[Row]) -> str:
                         row["seq"],
                         "-",
                         _num(row["sequences_per_s"]),
-                        *["-"] * 11,
+                        *["-"] * 14,
                     ]
                 )
             )

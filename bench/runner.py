@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import echo_model
 from bench.launcher import REPO_ROOT, Pinning, Service
-from service.settings import Settings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,12 +38,8 @@ class BenchConfig:
     max_batch_size: int
     max_seq_len: int
     provider: str  # auto | cpu | cuda, for the server and the in-process limit
-    event_loop: str  # the server's --event-loop, used by the echo server too
     server_flags: tuple[str, ...]  # passed through to python -m service, before a scenario's
     pinning: Pinning
-    malloc_reuse: str = "on"  # the server's --malloc-reuse, used by the echo server too
-    # the server's, used by the echo server too
-    max_stream_inflight_requests: int = Settings.max_stream_inflight_requests
     ready_timeout_s: float = 300.0
 
 
@@ -62,6 +58,10 @@ MEASURED_KEYS = (
     "server_cpu_ms_per_request",
     "server_cpu_ms_per_sequence",
     "server_cpu_utilization",
+    "server_cpu_by_process_s",
+    "server_cpu_us_per_request_by_process",
+    "server_cpu_us_per_request_by_thread",
+    "client_cpu_us_per_request",
     "server_metrics",
     "response_timing",
 )
@@ -109,7 +109,9 @@ class Runner:
 
     # -- servers ----------------------------------------------------------------------------
 
-    def server_command(self, flags: Sequence[str], pinning: Pinning) -> list[str]:
+    def server_command(
+        self, flags: Sequence[str], pinning: Pinning, repository: Path | None = None
+    ) -> list[str]:
         """The passthrough flags first, the scenario's flags last: the last of a repeated
         flag wins, and a scenario's flags define it (batching off stays off)."""
         c = self.config
@@ -117,7 +119,7 @@ class Runner:
             *pinning.prefix(pinning.server_cpus), sys.executable, "-m", "service",
             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
             "--http-port", "0",
-            "--model-repository", str(c.model_repository),
+            "--model-repository", str(repository or c.model_repository),
             "--intra-op-threads", str(pinning.server_threads),
             "--provider", c.provider, *c.server_flags, *flags,
         ]  # fmt: skip
@@ -141,22 +143,23 @@ class Runner:
             log(f"{name}: pid {service.pid} on {service.target} {' '.join(flags)}")
             yield service
 
-    def echo_command(self, pinning: Pinning) -> list[str]:
-        """The echo server with every server setting it mirrors, as the server resolves them
-        (defaults, environment, passthrough flags)."""
+    def echo_repository(self) -> Path:
+        """A model repository holding the zero-compute echo model under the measured model's
+        name, d and h (bench/echo_model.py), made once per run."""
         c = self.config
-        return [
-            *pinning.prefix(pinning.server_cpus), sys.executable, "-m", "bench.echo_server",
-            "--embed-dim", str(c.embed_dim), "--num-heads", str(c.num_heads),
-            "--max-batch-size", str(c.max_batch_size), "--max-seq-len", str(c.max_seq_len),
-            "--event-loop", c.event_loop, "--malloc-reuse", c.malloc_reuse,
-            "--max-stream-inflight-requests", str(c.max_stream_inflight_requests),
-        ]  # fmt: skip
+        repository = self.scratch / "echo-repository"
+        if not (repository / c.model).is_dir():
+            echo_model.write_repository(repository, c.model, c.embed_dim, c.num_heads)
+        return repository
 
     @contextmanager
-    def echo(self, pinning: Pinning) -> Iterator[Service]:
-        with Service("echo", self.echo_command(pinning)) as service:
-            service.wait_ready(60)
+    def echo(self, pinning: Pinning, flags: Sequence[str] = ()) -> Iterator[Service]:
+        """The echo floor: the real server, with every flag the measured server gets, serving
+        the echo model, so floor and server differ only by the model."""
+        command = self.server_command(flags, pinning, self.echo_repository())
+        with Service("echo", command) as service:
+            service.wait_ready(self.config.ready_timeout_s)
+            log(f"echo: pid {service.pid} on {service.target} {' '.join(flags)}")
             yield service
 
     # -- measurements -----------------------------------------------------------------------
@@ -176,8 +179,10 @@ class Runner:
         weights: float = 0.0,
         model: str = "",
         embed_dim: int = 0,
+        channels: int = 0,
     ) -> dict[str, Any]:
-        """One load generator run against service; the result becomes a row."""
+        """One load generator run against service; the result becomes a row. channels (0 =
+        the run's --channels) other than the run's shows in the row's load label."""
         c = self.config
         out = self.scratch / f"load-{len(self.rows)}.json"
         command = [
@@ -187,11 +192,14 @@ class Runner:
             "--concurrency", str(concurrency or c.concurrency), "--rate", str(rate),
             "--max-outstanding", str(c.max_outstanding), "--weights-fraction", str(weights),
             "--duration-s", str(c.duration_s), "--warmup-s", str(c.warmup_s),
-            "--channels", str(c.channels), "--cpu-pid", str(service.pid),
+            "--channels", str(channels or c.channels), "--cpu-pid", str(service.pid),
             "--metrics-url", service.metrics_url, "--label", f"{group}/{name}",
             "--progress-s", "10" if c.duration_s >= 30 else "0", "--json", str(out),
+            *(f"--cpu-process={role}={pid}" for role, pid in service.children.items()),
         ]  # fmt: skip
         load = f"rate={rate:.0f}" if rate else f"c={concurrency or c.concurrency}"
+        if channels and channels != c.channels:
+            load += f" ch={channels}"
         try:
             subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=c.duration_s * 4 + 300)
             result = json.loads(out.read_text())
@@ -199,6 +207,7 @@ class Runner:
             # One failed run (a server that died, say) costs its row, not the whole run.
             self.note(f"{group}/{name} {api} seq={seq} {load} failed: {err}")
             result = failed_result(str(err))
+        self._check_spread(result, f"{group}/{name} seq={seq}")
         return self._keep(
             result,
             group=group,
@@ -209,6 +218,26 @@ class Runner:
             load=load,
             pinned=pinning.pinned,
         )
+
+    def keep_failed(
+        self, *, group: str, target: str, name: str, seqs: Sequence[str], reason: str
+    ) -> None:
+        """One FAILED row per length for a server that could not be set up or started."""
+        self.note(f"{name}: not measured: {reason}")
+        for seq in seqs:
+            self._keep(failed_result(reason), group=group, target=target, name=name, api="v2",
+                       seq=seq, load=f"c={self.config.concurrency}",
+                       pinned=self.config.pinning.pinned)  # fmt: skip
+
+    def _check_spread(self, result: dict[str, Any], label: str) -> None:
+        """A note when the kernel's SO_REUSEPORT hash left a front end nearly idle (it spreads
+        connections, not calls), so a --frontends N row is not read as N front ends' work."""
+        each = result.get("server_cpu_by_process_s") or {}
+        fronts = {role: s for role, s in each.items() if role.startswith("frontend-")}
+        total = sum(fronts.values())
+        if len(fronts) > 1 and total > 0 and min(fronts.values()) < 0.1 * total:
+            shares = ", ".join(f"{role} {s / total:.0%}" for role, s in sorted(fronts.items()))
+            self.note(f"{label}: front ends unevenly loaded (CPU {shares})")
 
     def inprocess(
         self, *, group: str, seq: str, pinning: Pinning, weights: bool = False

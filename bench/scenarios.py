@@ -8,12 +8,22 @@ import sys
 from collections.abc import Callable
 
 from bench.launcher import REPO_ROOT, UNPINNED
-from bench.report import GROUPING_OFF, GROUPING_OFF_FALLBACK, GROUPING_ON, MIXED, SEQS, Row
+from bench.report import (
+    FRONTENDS,
+    GROUPING_OFF,
+    GROUPING_OFF_FALLBACK,
+    GROUPING_ON,
+    MIXED,
+    SEQS,
+    Row,
+    unpinned_name,
+)
 from bench.runner import Runner, log
 
 GROUPS = ("headline", "batching", "mixed", "weights", "open", "unpinned", "peers")
 STANDARD = tuple(g for g in GROUPS if g != "peers")
 OPEN_FRACTIONS = (0.5, 0.8, 1.0, 1.2)
+UNPINNED_CHANNELS = 8  # connections of the --frontends runs: 2 front ends both get some
 BATCHING_CONCURRENCY = (1, 16)  # and the headline concurrency, measured in "headline"
 LENGTH_GROUPING_FLAG = "--length-grouping"
 
@@ -89,22 +99,32 @@ def default_server(r: Runner, groups: set[str]) -> None:
     pinning, unary = r.config.pinning, r.config.api
     with r.server("batching on", [], pinning) as service:
         load = functools.partial(r.load, service, target="server", pinning=pinning, api=unary)
-        capacity = 0.0
-        for seq in SEQS:
-            if groups & {"headline", "batching", "weights", "open", "peers"}:
-                row = load(group="headline", name="server", seq=seq)
-                capacity = capacity or capacity_of(row)  # seq 16 comes first
-            if "headline" in groups:
-                load(group="headline", name="server", seq=seq, api=f"{unary}_stream")
-            if "batching" in groups:
-                for concurrency in BATCHING_CONCURRENCY:
-                    load(group="batching", name="batching on", seq=seq, concurrency=concurrency)
-        if "mixed" in groups:
+        capacity = fixed_lengths(load, groups, unary)
+        if groups & {"mixed", "peers"}:  # the peers compare mixed lengths too
             load(group="mixed", name=GROUPING_ON, seq=MIXED)
         if "weights" in groups:
             load(group="weights", name="weights", seq="128", weights=1.0)
         if "open" in groups:
             open_loop(load, capacity)
+
+
+def fixed_lengths(load: Callable[..., Row], groups: set[str], unary: str) -> float:
+    """The default server at seq 16 and 128; returns the closed-loop capacity (requests/s)
+    at seq 16, 0.0 when that run failed."""
+    capacity = 0.0
+    for seq in SEQS:
+        if groups & {"headline", "batching", "weights", "open", "peers"}:
+            row = load(group="headline", name="server", seq=seq)
+            capacity = capacity or capacity_of(row)  # seq 16 comes first
+        if "headline" in groups:
+            load(group="headline", name="server", seq=seq, api=f"{unary}_stream")
+        if "batching" in groups:
+            for concurrency in BATCHING_CONCURRENCY:
+                load(group="batching", name="batching on", seq=seq, concurrency=concurrency)
+    if "headline" in groups and "batching" not in groups:
+        # The c=1 latency target, also where the batching group does not run.
+        load(group="headline", name="server", seq=SEQS[0], concurrency=1)
+    return capacity
 
 
 def open_loop(load: Callable[..., object], capacity_per_s: float) -> None:
@@ -153,19 +173,36 @@ def other_servers(r: Runner, groups: set[str]) -> None:
                 pinning=pinning,
             )
     if "unpinned" in groups:
-        for seq in SEQS:
-            r.inprocess(group="unpinned", seq=seq, pinning=UNPINNED)
-        with r.server("unpinned", [], UNPINNED) as service:
-            for seq in SEQS:
-                r.load(
-                    service,
-                    group="unpinned",
-                    target="server",
-                    name="server unpinned",
-                    api=unary,
-                    seq=seq,
-                    pinning=UNPINNED,
-                )
+        unpinned(r)
+
+
+def unpinned(r: Runner) -> None:
+    """Everything on every core: the in-process limit, the echo floor and the server with one
+    and with two front ends (each row also shows the load generator's CPU). Every run here
+    opens UNPINNED_CHANNELS connections: the kernel spreads connections, not calls, over the
+    front ends, and one connection would keep all but one of them idle."""
+    channels = max(r.config.channels, UNPINNED_CHANNELS)
+    for seq in SEQS:
+        r.inprocess(group="unpinned", seq=seq, pinning=UNPINNED)
+    for frontends in FRONTENDS:
+        flags = ["--frontends", str(frontends)]
+        servers = {
+            "echo": r.echo(UNPINNED, flags),  # started only when entered, one at a time
+            "server": r.server(unpinned_name(frontends), flags, UNPINNED),
+        }
+        for target, start in servers.items():
+            with start as service:
+                for seq in SEQS:
+                    r.load(
+                        service,
+                        group="unpinned",
+                        target=target,
+                        name=unpinned_name(frontends, target),
+                        api=r.config.api,
+                        seq=seq,
+                        pinning=UNPINNED,
+                        channels=channels,
+                    )
 
 
 def run(r: Runner, groups: set[str]) -> None:
@@ -174,6 +211,17 @@ def run(r: Runner, groups: set[str]) -> None:
     default_server(r, groups)
     other_servers(r, groups)
     if "peers" in groups:
-        from bench.peers import mlserver  # its own virtualenv; imported only when asked
+        peers(r)
 
+
+def peers(r: Runner) -> None:
+    """MLServer and Triton, each in its own virtualenv (imported only when asked). A peer that
+    cannot be set up costs its rows (FAILED, with the reason), not the run."""
+    from bench.peers import mlserver, triton
+
+    try:
         mlserver.run(r)
+    except (subprocess.SubprocessError, OSError, RuntimeError) as err:
+        reason = " | ".join(str(err).strip().splitlines()[-3:])[:400]
+        r.keep_failed(group="peers", target="mlserver", name="mlserver", seqs=SEQS, reason=reason)
+    triton.run(r)

@@ -1,9 +1,8 @@
-"""The benchmark suite's pure pieces, and one short end-to-end run against the echo server.
-Nothing here asserts on speed."""
+"""The benchmark suite's pure pieces, and short end-to-end runs against the real server serving
+the echo model. Nothing here asserts on speed."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import math
@@ -13,16 +12,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
-from bench import __main__ as bench_main
-from bench import cputime, inprocess, ratios, report, scenarios, scrape
-from bench import echo_server as echo_module
-from bench.launcher import REPO_ROOT, Pinning, Service, choose_pinning, cpu_count
+from bench import cputime, echo_model, inprocess, ratios, report, scenarios, scrape
+from bench.launcher import REPO_ROOT, Pinning, choose_pinning, cpu_count
 from bench.payloads import (
     attend_stream_reply,
     attend_timing,
@@ -31,6 +28,7 @@ from bench.payloads import (
     v2_stream_reply,
     with_id,
 )
+from bench.peers import triton
 from bench.runner import (
     BenchConfig,
     Runner,
@@ -48,9 +46,10 @@ from bench.stats import (
     stack_ceiling,
 )
 from export.pipeline import ExportRequest, run_export
-from service.frontend.streaming import StreamCalls
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2
+from service.generated.inference import grpc_service_pb2_grpc
+from tests.server_process import ServerProcess, child_pids
 
 # -- statistics --------------------------------------------------------------------------------
 
@@ -129,6 +128,75 @@ def test_cpu_seconds_of_this_process_grow() -> None:
     sum(i * i for i in range(2_000_000))
     assert cputime.process_cpu_s(os.getpid()) > before
     assert cputime.tree_cpu_s(os.getpid()) >= cputime.process_cpu_s(os.getpid()) - 0.02
+
+
+def _fake_proc(root: Path, processes: dict[int, tuple[int, float]]) -> Path:
+    """A /proc with one stat file per pid: {pid: (parent, CPU seconds)}."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid, (parent, cpu_s) in processes.items():
+        (root / str(pid)).mkdir(parents=True, exist_ok=True)
+        utime = round(cpu_s * ticks * 0.75)
+        stime = round(cpu_s * ticks) - utime
+        zeros = " ".join(["0"] * 9)
+        (root / str(pid) / "stat").write_text(
+            f"{pid} (python3) S {parent} {zeros} {utime} {stime} 0 0 20 0 1 0 5 0 0\n"
+        )
+    (root / "self").mkdir(exist_ok=True)  # not a pid: skipped
+    return root
+
+
+def test_cpu_per_process_from_fake_proc_snapshots(tmp_path: Path) -> None:
+    # supervisor 10 -> worker 11, frontend-0 12, resource tracker 13; 99 is someone else's.
+    before = {10: (1, 1.0), 11: (10, 5.0), 12: (10, 2.0), 13: (10, 0.1), 99: (1, 50.0)}
+    after = {10: (1, 1.2), 11: (10, 8.0), 12: (10, 3.5), 13: (10, 0.1), 99: (1, 90.0),
+             14: (12, 0.3)}  # fmt: skip  # 14: born in the window, under the front end
+    first = cputime.family_cpu_s(10, _fake_proc(tmp_path / "a", before))
+    second = cputime.family_cpu_s(10, _fake_proc(tmp_path / "b", after))
+    assert set(first) == {10, 11, 12, 13}
+    assert set(second) == {10, 11, 12, 13, 14}
+    assert second[11] == pytest.approx(8.0)
+    roles = {"worker": 11, "frontend-0": 12}
+    each = cputime.by_process(first, second, roles, 10)
+    assert each == pytest.approx({"worker": 3.0, "frontend-0": 1.5, "supervisor": 0.2,
+                                  "other": 0.3})  # fmt: skip
+    # A front end restarted inside the window (its old pid gone) counts from zero.
+    gone = {pid: cpu for pid, cpu in second.items() if pid != 12} | {15: 0.4}
+    each = cputime.by_process(first, gone, {"worker": 11, "frontend-0": 15}, 10)
+    assert each["frontend-0"] == pytest.approx(0.4)
+
+
+def test_cpu_per_thread_names_the_main_thread(tmp_path: Path) -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def snapshot(folder: str, threads: dict[int, tuple[str, float]]) -> Path:
+        for tid, (name, cpu_s) in threads.items():
+            task = tmp_path / folder / "12" / "task" / str(tid)
+            task.mkdir(parents=True)
+            zeros = " ".join(["0"] * 9)
+            task.joinpath("stat").write_text(
+                f"{tid} ({name}) S 10 {zeros} {round(cpu_s * ticks)} 0 0 0 20 0 1 0 5 0 0\n"
+            )
+        return tmp_path / folder
+
+    before = cputime.thread_cpu_s(12, snapshot("a", {12: ("python3", 1.0),
+                                                     20: ("grpc_global_tim", 0.5)}))  # fmt: skip
+    after = cputime.thread_cpu_s(12, snapshot("b", {12: ("python3", 1.5), 20: (
+        "grpc_global_tim", 0.7), 21: ("onnxruntime", 2.0), 22: ("onnxruntime", 1.0)}))  # fmt: skip
+    assert after[21] == ("onnxruntime", pytest.approx(2.0))
+    used = cputime.by_thread(before, after, 12)
+    assert used == pytest.approx({"main": 0.5, "grpc_global_tim": 0.2, "onnxruntime": 3.0})
+    assert cputime.thread_cpu_s(99, tmp_path / "b") == {}  # gone: nothing, no error
+
+
+def test_process_cpu_columns_sum_the_front_ends() -> None:
+    row = {**_rows()[2], "client_cpu_us_per_request": 120.0,
+           "server_cpu_us_per_request_by_process": {"worker": 300.0, "frontend-0": 200.0,
+                                                    "frontend-1": 150.0, "supervisor": 1.0}}  # fmt: skip
+    assert report.process_cpu_us(row) == (350.0, 300.0)
+    assert report.process_cpu_us(_rows()[3]) == (None, None)  # a peer: no roles
+    header, line = report.format_table([row]).splitlines()
+    assert "fe us/rq  wk us/rq  lg us/rq" in header
+    assert line.split()[-6:-3] == ["350", "300", "120"]  # then err, rej, client
 
 
 # -- Prometheus -------------------------------------------------------------------------------
@@ -298,9 +366,9 @@ def test_ceiling_and_ratios_come_from_rows_of_the_run() -> None:
     server_over_ceiling = found["seq 16 v2: server / stack ceiling"]
     assert server_over_ceiling["value"] == pytest.approx(1500.0 / stack_ceiling(4000.0, 3000.0))
     assert server_over_ceiling["met"] is False
-    assert found["seq 16 v2: echo server CPU us per request"]["value"] == pytest.approx(250.0)
+    assert found["seq 16 v2: echo floor CPU us per request"]["value"] == pytest.approx(250.0)
     assert found["seq 16: server / mlserver b=8 (seq/s)"]["value"] == pytest.approx(3.0)
-    assert found["seq 16: server p99 / peer p99"]["value"] == pytest.approx(0.25)
+    assert found["seq 16: server p99 / mlserver p99"]["value"] == pytest.approx(0.25)
     assert found["seq 128 v2: server / stack ceiling"]["value"] is None  # not measured
 
 
@@ -331,7 +399,7 @@ def _config(**overrides: Any) -> BenchConfig:
         "embed_dim": 16, "num_heads": 2, "duration_s": 1.0, "warmup_s": 0.5,
         "inprocess_seconds": 0.1, "mixed_count": 8, "concurrency": 64, "api": "v2",
         "channels": 1, "max_outstanding": 256, "max_batch_size": 32, "max_seq_len": 512,
-        "provider": "cpu", "event_loop": "auto", "server_flags": (),
+        "provider": "cpu", "server_flags": (),
         "pinning": Pinning("1", "0"),
     }  # fmt: skip
     return BenchConfig(**(values | overrides))
@@ -344,16 +412,23 @@ class FakeRunner(Runner):
     def __init__(self, config: BenchConfig) -> None:
         super().__init__(config, scratch=Path("unused"))
         self.servers: list[tuple[str, list[str]]] = []
+        self.channels: list[int] = []
 
     @contextmanager
     def server(self, name: str, flags: Sequence[str], pinning: Pinning) -> Iterator[Any]:
         self.servers.append((name, list(flags)))
         yield None
 
+    @contextmanager
+    def echo(self, pinning: Pinning, flags: Sequence[str] = ()) -> Iterator[Any]:
+        self.servers.append(("echo", list(flags)))
+        yield None
+
     def load(self, service: Any, **labels: Any) -> dict[str, Any]:
         pinning = labels.pop("pinning")
         load = f"rate={labels['rate']:.0f}" if labels.get("rate") else "c=64"
-        for key in ("concurrency", "weights", "model", "embed_dim", "rate"):
+        self.channels.append(labels.get("channels", 0))
+        for key in ("concurrency", "weights", "model", "embed_dim", "rate", "channels"):
             labels.pop(key, None)
         return self._keep(failed_result("server died"), **labels, load=load, pinned=pinning.pinned)
 
@@ -396,6 +471,30 @@ def test_failed_rows_go_through_scenarios_ratios_and_table(
         assert all(item["value"] is None for item in simple(rows))
     table = report.format_table(rows)
     assert table.count("FAIL") >= len(rows) - len(report.ceiling_rows(runner.rows))
+
+
+def test_unpinned_runs_one_and_two_front_ends_over_several_connections() -> None:
+    runner = FakeRunner(_config())
+    scenarios.other_servers(runner, {"unpinned"})
+    assert runner.servers == [
+        ("echo", ["--frontends", "1"]), ("server --frontends 1", ["--frontends", "1"]),
+        ("echo", ["--frontends", "2"]), ("server --frontends 2", ["--frontends", "2"]),
+    ]  # fmt: skip
+    assert set(runner.channels) == {scenarios.UNPINNED_CHANNELS}
+    names = [row["name"] for row in runner.rows if row["target"] != "in-process"]
+    assert names.count("server --frontends 2") == len(report.SEQS)
+    assert names.count("echo --frontends 1") == len(report.SEQS)
+
+
+def test_an_idle_front_end_is_noted() -> None:
+    runner = FakeRunner(_config())
+    runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "frontend-1": 0.01,
+                                                      "worker": 3.0}}, "unpinned/x")  # fmt: skip
+    runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "frontend-1": 1.5}}, "y")
+    runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "worker": 0.0}}, "z")
+    assert len(runner.notes) == 1
+    assert "unevenly" in runner.notes[0]
+    assert "frontend-1 0%" in runner.notes[0]
 
 
 def test_a_failed_row_among_measured_ones_reads_not_measured() -> None:
@@ -486,27 +585,6 @@ def test_scenario_flags_come_last_and_overrides_are_noted(monkeypatch: pytest.Mo
     assert "--max-batch-size" in runner.notes[0]
 
 
-def test_echo_gets_every_server_setting_it_mirrors(tmp_path: Path) -> None:
-    run_export(ExportRequest(name="mha", embed_dim=16, num_heads=2, out=tmp_path))
-    args = bench_main.parse_args([
-        "--model-repository", str(tmp_path), "--no-pin",
-        "--server-flag=--malloc-reuse=off", "--server-flag=--event-loop=asyncio",
-        "--server-flag=--max-stream-inflight-requests=7", "--server-flag=--max-batch-size=4",
-        "--server-flag=--max-seq-len=64",
-    ])  # fmt: skip
-    config = bench_main.build_config(args)
-    command = Runner(config, scratch=tmp_path).echo_command(config.pinning)
-    flags = dict(itertools.pairwise(command))
-    assert flags["--malloc-reuse"] == "off"
-    assert flags["--event-loop"] == "asyncio"
-    assert flags["--max-stream-inflight-requests"] == "7"
-    assert (flags["--max-batch-size"], flags["--max-seq-len"]) == ("4", "64")
-    assert (flags["--embed-dim"], flags["--num-heads"]) == ("16", "2")
-    echo_args = echo_module.parse_args(command[command.index("bench.echo_server") + 1 :])
-    assert echo_args.malloc_reuse == "off"
-    assert echo_args.max_stream_inflight_requests == 7
-
-
 def test_inprocess_feeds_a_float16_graph_in_float16(tmp_path: Path) -> None:
     export = run_export(
         ExportRequest(name="half", embed_dim=16, num_heads=2, dtype="float16", out=tmp_path)
@@ -543,45 +621,149 @@ def test_rejections_by_the_load_generator_are_apart_from_server_errors() -> None
     assert "failed by the server 2" in said
 
 
-def test_echo_streams_go_through_the_real_stream_machinery(
+# -- peers: Triton set up or FAILED, and the targets against it -------------------------------
+
+
+@pytest.mark.parametrize("interpreter", ["/nonexistent/python3.11", "/bin/false"])
+def test_triton_peer_that_cannot_be_built_is_failed_rows(tmp_path: Path, interpreter: str) -> None:
+    runner = FakeRunner(_config())
+    triton.run(runner, venv=tmp_path / "venv", interpreter=Path(interpreter))
+    assert [(row["target"], row["seq"]) for row in runner.rows] == [
+        ("triton", "16"), ("triton", "128"), ("triton", report.MIXED)]  # fmt: skip
+    assert all(row["failed"] and row["group"] == "peers" for row in runner.rows)
+    reason = runner.rows[0]["failed"]
+    assert ("not found" in reason) if interpreter.startswith("/nonexistent") else "exited" in reason
+    assert any("triton: not measured" in note for note in runner.notes)
+    table = report.format_table(runner.rows)
+    assert table.count("FAIL") == 2 * len(runner.rows)
+    found = {r["name"]: r for r in ratios.peers(runner.rows, "v2")}
+    assert found["seq 16: server / triton (seq/s)"]["met"] is None  # not measured, not MISSED
+
+
+def test_a_peer_that_fails_to_set_up_costs_its_rows_not_the_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    seen: list[tuple[Any, int]] = []
+    from bench.peers import mlserver
 
-    async def fake_serve_stream(calls: Any, requests: Any, context: Any, *, max_inflight: int):
-        seen.append((calls, max_inflight))
+    def broken(r: Runner) -> None:
+        raise subprocess.CalledProcessError(1, ["pip", "install", "mlserver==1.7.1"])
 
-    monkeypatch.setattr(echo_module, "serve_stream", fake_serve_stream)
-    attention = echo_module.EchoAttention(2, 3)
-    inference = echo_module.EchoInference(2, 5)
-    asyncio.run(attention.AttendStream(cast(Any, None), cast(Any, None)))
-    asyncio.run(inference.ModelStreamInfer(cast(Any, None), cast(Any, None)))
-    (attend_calls, attend_bound), (v2_calls, v2_bound) = seen
-    assert isinstance(attend_calls, StreamCalls)
-    assert (attend_calls.api, attend_bound) == ("attention_stream", 3)
-    assert (v2_calls.api, v2_bound) == ("v2_stream", 5)
-    request = pb.AttendRequest(request_id="r", embeddings=pb.Tensor(shape=[2, 2], data=bytes(16)))
-    answer = asyncio.run(attention._stream_answer(request, cast(Any, None)))
-    reply = attend_stream_reply(answer.serialize())
-    assert (reply.request_id, reply.code) == ("r", "OK")
-    error = attend_calls.failure(request, grpc.StatusCode.INVALID_ARGUMENT, "bad")
-    assert attend_stream_reply(error.SerializeToString()).code == "INVALID_ARGUMENT"
-    v2_request = v2.ModelInferRequest(id="q")
-    assert v2_stream_reply(v2_calls.failure(v2_request, grpc.StatusCode.INTERNAL, "no")
-                           .SerializeToString()).code == "STREAM_ERROR"  # fmt: skip
+    ran: list[Runner] = []
+    monkeypatch.setattr(mlserver, "run", broken)
+    monkeypatch.setattr(triton, "run", ran.append)
+    runner = FakeRunner(_config())
+    scenarios.peers(runner)
+    assert ran == [runner]  # Triton still ran
+    assert [(row["target"], row["seq"]) for row in runner.rows] == [("mlserver", "16"),
+                                                                    ("mlserver", "128")]  # fmt: skip
+    assert "exit status 1" in runner.rows[0]["failed"]
 
 
-# -- end to end: load generator against the echo server ---------------------------------------
+def test_triton_command_is_pinned_with_one_thread_and_its_own_ports(tmp_path: Path) -> None:
+    runner = Runner(_config(model_path=tmp_path / "model.onnx"), scratch=tmp_path)
+    command, grpc_port = triton.serve_command(runner, Path("/venv/bin/python"), 1000)
+    assert command[:3] == ["taskset", "-c", "1"]
+    flags = dict(itertools.pairwise(command))
+    assert flags["--threads"] == "1"
+    assert (flags["--max-batch-size"], flags["--max-queue-delay-us"]) == ("32", "1000")
+    assert flags["--grpc-port"] == str(grpc_port)
+    assert len({flags["--grpc-port"], flags["--http-port"], flags["--metrics-port"]}) == 3
+    assert triton.config_name(0) == "triton b=32 delay=0us"
+
+
+def test_targets_against_triton_mlserver_and_two_front_ends() -> None:
+    rows = _rows()
+    triton_row = {**rows[3], "target": "triton", "name": "triton b=32 delay=0us",
+                  "sequences_per_s": 1000.0, "p99_ms": 1.0}  # fmt: skip
+    slower = {**triton_row, "name": "triton b=32 delay=1000us", "sequences_per_s": 900.0}
+    mixed_server = {**rows[2], "group": "mixed", "name": report.GROUPING_ON, "seq": report.MIXED,
+                    "sequences_per_s": 300.0}  # fmt: skip
+    mixed_triton = {**triton_row, "seq": report.MIXED, "sequences_per_s": 150.0}
+    unpinned = [{**rows[2], "group": "unpinned", "pinned": False, "seq": seq,
+                 "name": report.unpinned_name(n), "sequences_per_s": value}
+                for seq, n, value in (("16", 1, 1600.0), ("16", 2, 2000.0))]  # fmt: skip
+    c1 = {**rows[2], "load": "c=1", "p50_ms": 0.8, "sequences_per_s": 700.0}
+    rows += [triton_row, slower, mixed_server, mixed_triton, *unpinned, c1]
+    found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline", "peers", "unpinned"})}
+    assert found["seq 16: server / triton b=32 delay=0us (seq/s)"]["value"] == 1.5  # the best
+    assert found["seq 16: server / triton b=32 delay=0us (seq/s)"]["met"] is True
+    assert found["seq 16: server p99 / triton p99"]["met"] is False  # 2.0 ms vs 1.0 ms
+    assert found["mixed: server / triton b=32 delay=0us (seq/s)"]["value"] == 2.0
+    assert found["seq 16: server / mlserver b=8 (seq/s)"]["target"] == ">= 3.0"
+    assert found["unpinned seq 16: --frontends 2 / --frontends 1"]["value"] == 1.25
+    assert found["unpinned seq 16: --frontends 2 / --frontends 1"]["met"] is True
+    assert "seq 16 c=1: batching on / off" not in found  # no batching group: only the p50 gap
+    c1_gap = found["seq 16 c=1: server p50 - in-process call (ms)"]
+    assert c1_gap["value"] == pytest.approx(0.3)
+    assert found["seq 16 v2: server / in-process"]["value"] == 0.5  # the c=64 row, not c=1
+    listed = ratios.targets(list(found.values()))
+    assert listed
+    assert all(item["target"] for item in listed)
+    assert "seq 16: server / triton b=32 delay=0us (seq/s)" in {item["name"] for item in listed}
+
+
+# -- the echo floor: the real server with the echo model -------------------------------------
+
+
+def test_echo_model_keeps_the_graph_contract(tmp_path: Path) -> None:
+    folder = echo_model.write_repository(tmp_path, "mha", 16, 2)
+    assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "model.with_weights.onnx"]
+    sess = inprocess.session(folder / "model.with_weights.onnx", 1, "cpu")
+    assert [i.name for i in sess.get_inputs()] == ["embeddings", "key_padding_mask"]
+    meta = sess.get_modelmeta().custom_metadata_map
+    assert (meta["embed_dim"], meta["num_heads"], meta["dtype"]) == ("16", "2", "float32")
+    x = np.random.default_rng(0).standard_normal((3, 5, 16), dtype=np.float32)
+    output, weights = sess.run(None, {"embeddings": x, "key_padding_mask": np.zeros((3, 5), bool)})
+    assert np.array_equal(output, x)
+    assert weights.shape == (3, 2, 5, 5)
+    assert not weights.any()
+
+
+def test_echo_floor_is_the_real_server_with_the_passthrough_flags(tmp_path: Path) -> None:
+    config = _config(model_repository=tmp_path / "models", server_flags=("--frontends=2",))
+    runner = Runner(config, scratch=tmp_path)
+    repository = runner.echo_repository()
+    command = runner.server_command(["--frontends", "1"], config.pinning, repository)
+    assert command[command.index("-m") + 1] == "service"
+    assert command[command.index("--model-repository") + 1] == str(repository)
+    assert command[-3:] == ["--frontends=2", "--frontends", "1"]
+    assert (repository / "mha" / "1" / "model.onnx").is_file()
+    assert runner.echo_repository() == repository  # made once per run
+    plain = runner.server_command([], config.pinning)
+    assert plain[plain.index("--model-repository") + 1] == str(tmp_path / "models")
 
 
 @pytest.fixture(scope="module")
-def echo_server() -> Iterator[Service]:
+def echo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    repository = tmp_path_factory.mktemp("echo-repository")
+    echo_model.write_repository(repository, "mha", 16, 2)
     # A small stream bound, so the streaming runs below (4 callers) meet the back-pressure.
-    with Service("echo", [sys.executable, "-m", "bench.echo_server", "--embed-dim", "16",
-                          "--num-heads", "2", "--max-stream-inflight-requests", "2",
-                          "--malloc-reuse", "off"]) as service:  # fmt: skip
-        service.wait_ready(30)
-        yield service
+    with ServerProcess(repository, "--max-stream-inflight-requests", "2",
+                       "--intra-op-threads", "1") as server:  # fmt: skip
+        yield server
+
+
+def test_real_server_serves_the_echo_model_exactly(echo_server: ServerProcess) -> None:
+    x = np.random.default_rng(1).standard_normal((2, 7, 16), dtype=np.float32)
+    request = v2.ModelInferRequest(
+        model_name="mha",
+        inputs=[v2.ModelInferRequest.InferInputTensor(name="embeddings", datatype="FP32",
+                                                      shape=[2, 7, 16])],
+        outputs=[v2.ModelInferRequest.InferRequestedOutputTensor(name=name)
+                 for name in ("output", "attention_weights")],
+        raw_input_contents=[x.tobytes()],
+    )  # fmt: skip
+    with grpc.insecure_channel(echo_server.target) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        reply = stub.ModelInfer(request, timeout=30)
+        metadata = stub.ModelMetadata(v2.ModelMetadataRequest(name="mha"), timeout=30)
+    shapes = {o.name: list(o.shape) for o in reply.outputs}
+    assert shapes == {"output": [2, 7, 16], "attention_weights": [2, 2, 7, 7]}
+    contents = dict(zip((o.name for o in reply.outputs), reply.raw_output_contents, strict=True))
+    assert contents["output"] == x.tobytes()  # the input, bit for bit
+    assert contents["attention_weights"] == bytes(2 * 2 * 7 * 7 * 4)
+    assert [i.name for i in metadata.inputs] == ["embeddings"]
+    assert "served without a load-time check" in echo_server.log  # no golden.npz: said so
 
 
 @pytest.mark.parametrize(
@@ -591,13 +773,14 @@ def echo_server() -> Iterator[Service]:
      ("v2", ["--rate", "200", "--max-outstanding", "4"])],
 )  # fmt: skip
 def test_loadgen_against_echo_server_writes_json(
-    echo_server: Service, tmp_path: Path, api: str, extra: list[str]
+    echo_server: ServerProcess, tmp_path: Path, api: str, extra: list[str]
 ) -> None:
     out = tmp_path / "result.json"
+    roles = [f"--cpu-process={role}={pid}" for role, pid in child_pids(echo_server).items()]
     subprocess.run(
         [sys.executable, "-m", "bench.loadgen", "--target", echo_server.target, "--api", api,
          "--embed-dim", "16", "--concurrency", "4", "--duration-s", "0.8", "--warmup-s", "0.2",
-         "--cpu-pid", str(echo_server.pid), "--json", str(out), *extra],
+         "--cpu-pid", str(echo_server.process.pid), "--json", str(out), *roles, *extra],
         check=True, cwd=REPO_ROOT, timeout=60,
     )  # fmt: skip
     result = json.loads(out.read_text())
@@ -607,5 +790,11 @@ def test_loadgen_against_echo_server_writes_json(
     assert result["sequences_per_s"] == pytest.approx(result["requests_per_s"])
     assert result["p50_ms"] <= result["p99_ms"] <= result["p99.9_ms"]
     assert result["server_cpu_s"] >= 0
-    if api.startswith("attention"):  # the echo server answers batch_size 1 in its timing
-        assert result["response_timing"]["requests_by_batch_size"] == {"1": result["requests"]}
+    each = result["server_cpu_by_process_s"]
+    assert {"worker", "frontend-0", "supervisor", "other"} <= set(each)
+    assert sum(each.values()) == pytest.approx(result["server_cpu_s"], abs=0.05)
+    assert result["client_cpu_us_per_request"] > 0
+    assert "main" in result["server_cpu_us_per_request_by_thread"]["worker"]
+    if api.startswith("attention"):  # AttentionService responses carry the batch sizes
+        sizes = result["response_timing"]["requests_by_batch_size"]
+        assert sum(sizes.values()) == result["requests"]

@@ -1,5 +1,5 @@
-"""The gRPC server's channel options, in one place: the real server and the benchmark's echo
-server use the same ones, so the echo server measures the same protocol floor.
+"""The gRPC server's channel options, in one place (the benchmark's echo floor is the real
+server serving a zero-compute model, so it measures these same options).
 
 Connection hygiene (README, "Connection hygiene", says why each value):
 - keepalive: the server pings an idle connection every KEEPALIVE_TIME_MS and drops it when no

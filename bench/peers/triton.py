@@ -1,0 +1,117 @@
+"""NVIDIA Triton as the peer: the `tritonserver` binary shipped in nvidia-pytriton 0.7.0, in a
+virtualenv of its own made from /usr/bin/python3.11, serving the same ONNX graph from a Python
+callable with one ONNX Runtime thread (bench/peers/triton_ort/serve.py). Triton's dynamic
+batcher (max batch 32) is tried at two queue delays; the report keeps the best. Same load
+generator (V2 over gRPC), same pinning, same run as our server.
+
+Triton's Python-backend stub links the system libpython3.11 (Debian's): a virtualenv made from
+another 3.11 build fails at model load (`'_thread.RLock' object has no attribute
+'_recursion_count'`), hence /usr/bin/python3.11. A peer that cannot be set up or started is a
+FAILED row with its reason, never the end of the run."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+from bench.launcher import REPO_ROOT, Service, free_port
+from bench.report import MIXED, SEQS
+from bench.runner import Runner, log
+
+HERE = Path(__file__).resolve().parent
+SERVE = HERE / "triton_ort" / "serve.py"
+CONSTRAINTS = HERE / "triton-constraints.txt"
+VENV = REPO_ROOT / ".bench-venvs" / "triton"
+INTERPRETER = Path("/usr/bin/python3.11")
+PACKAGES = ("nvidia-pytriton==0.7.0", "onnxruntime==1.31.1")
+MAX_BATCH_SIZE = 32
+QUEUE_DELAYS_US = (0, 1000)
+LENGTHS = (*SEQS, MIXED)
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer could not be set up here; the message says why (it becomes the rows' reason)."""
+
+
+def ensure_venv(venv: Path = VENV, interpreter: Path = INTERPRETER) -> Path:
+    """Create (once per constraints file) the virtualenv and return its python."""
+    if not interpreter.is_file():
+        raise PeerUnavailable(
+            f"{interpreter} not found: Triton's Python backend needs the system Python 3.11 "
+            "(Debian: apt-get install python3.11 python3.11-venv)"
+        )
+    wanted = hashlib.sha256(
+        CONSTRAINTS.read_bytes() + " ".join(PACKAGES).encode() + str(interpreter).encode()
+    ).hexdigest()
+    stamp, python = venv / ".installed", venv / "bin" / "python"
+    if stamp.is_file() and stamp.read_text() == wanted and python.exists():
+        return python
+    log(f"creating {venv} from {interpreter} ({', '.join(PACKAGES)}); takes a minute or two")
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    for step in (
+        [str(interpreter), "-m", "venv", "--clear", str(venv)],
+        [*pip, "--upgrade", "pip"],
+        [*pip, "-c", str(CONSTRAINTS), *PACKAGES],
+    ):
+        try:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=1800)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise PeerUnavailable(f"{' '.join(step[:3])} failed: {err}") from err
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise PeerUnavailable(
+                f"`{' '.join(step[:4])}` exited {done.returncode}: {' | '.join(tail)}"
+            )
+    stamp.write_text(wanted)
+    return python
+
+
+def config_name(queue_delay_us: int) -> str:
+    return f"triton b={MAX_BATCH_SIZE} delay={queue_delay_us}us"
+
+
+def serve_command(r: Runner, python: Path, queue_delay_us: int) -> tuple[list[str], int]:
+    """The pinned command of one configuration, and the gRPC port it will listen on."""
+    pinning, c = r.config.pinning, r.config
+    grpc_port = free_port()
+    command = [
+        *pinning.prefix(pinning.server_cpus), str(python), str(SERVE),
+        "--model", str(c.model_path), "--name", c.model, "--embed-dim", str(c.embed_dim),
+        "--threads", str(pinning.server_threads or 1),
+        "--max-batch-size", str(MAX_BATCH_SIZE), "--max-queue-delay-us", str(queue_delay_us),
+        "--grpc-port", str(grpc_port), "--http-port", str(free_port()),
+        "--metrics-port", str(free_port()),
+    ]  # fmt: skip
+    return command, grpc_port
+
+
+def failed_rows(r: Runner, name: str, reason: str) -> None:
+    r.keep_failed(group="peers", target="triton", name=name, seqs=LENGTHS, reason=reason)
+
+
+def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER) -> None:
+    try:
+        python = ensure_venv(venv, interpreter)
+    except PeerUnavailable as err:
+        failed_rows(r, "triton", str(err))
+        return
+    pinning = r.config.pinning
+    for delay in QUEUE_DELAYS_US:
+        name = config_name(delay)
+        command, grpc_port = serve_command(r, python, delay)
+        try:
+            with Service(name, command, grpc_port=grpc_port, cwd=r.scratch) as service:
+                service.wait_ready(r.config.ready_timeout_s, model=r.config.model)
+                log(f"{name}: pid {service.pid} on {service.target}")
+                for seq in LENGTHS:
+                    r.load(service, group="peers", target="triton", name=name, api="v2",
+                           seq=seq, pinning=pinning)  # fmt: skip
+        except (RuntimeError, OSError) as err:
+            failed_rows(r, name, short(str(err)))
+
+
+def short(text: str, lines: int = 3) -> str:
+    """The last few non-empty lines of an error (a server's log tail), on one line."""
+    kept = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    return " | ".join(kept)[:400]
