@@ -18,7 +18,10 @@ from prometheus_client import start_http_server
 from service.app.models import ServedSet, build_controller
 from service.errors import ModelNotFound, ShuttingDown
 from service.frontend.attention_servicer import AttentionServicer
+from service.frontend.compression import Unpacker
+from service.frontend.delivery import AnswerBudget, install_disconnect_filter
 from service.frontend.handlers import add_servicer
+from service.frontend.restricted import RestrictedApiInterceptor, Restrictions
 from service.frontend.streaming import StreamCloser
 from service.frontend.v2_servicer import InferenceServicer
 from service.frontend.validation import InputLimits
@@ -124,6 +127,7 @@ class AttentionServer:
             self.tls = server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         except TlsError as err:
             raise StartupError(str(err)) from err
+        restrictions = self._restrictions()
         try:
             providers = choose_providers(settings.provider)
         except RuntimeError as err:
@@ -152,15 +156,24 @@ class AttentionServer:
             lambda model: message_limits(ModelRegistry([model], ""), settings),
             (receive_bytes, send_bytes),
         )
+        install_disconnect_filter()
         server = grpc.aio.server(
+            # No interceptor when nothing is restricted: it would cost every call a hop.
+            interceptors=[RestrictedApiInterceptor(restrictions)] if restrictions else [],
             options=server_options(
                 receive_bytes=receive_bytes,
                 send_bytes=send_bytes,
                 max_connection_age_s=settings.max_connection_age_s,
                 # A call in flight when its connection ages out gets what a drain gives it.
                 max_connection_age_grace_s=settings.grace_period_s,
-            )
+                max_connection_idle_s=settings.max_connection_idle_s,
+            ),
         )
+        # Per front-end process: with N of them, pass settings.max_undelivered_bytes // N.
+        answers = AnswerBudget(
+            settings.max_undelivered_bytes, settings.max_undelivered_bytes_per_connection
+        )
+        unpack = Unpacker(settings.grpc_compression, max_bytes=receive_bytes)
         add_servicer(
             server,
             attention_pb2_grpc.add_AttentionServiceServicer_to_server,
@@ -171,7 +184,9 @@ class AttentionServer:
                 max_stream_inflight_requests=settings.max_stream_inflight_requests,
                 max_stream_pending_bytes=settings.max_stream_pending_bytes,
                 streams=self._streams,
+                answers=answers,
             ),
+            unpack,
         )
         add_servicer(
             server,
@@ -183,7 +198,9 @@ class AttentionServer:
                 lambda: self.ready,
                 streams=self._streams,
                 repository=self.models,
+                answers=answers,
             ),
+            unpack,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -239,6 +256,26 @@ class AttentionServer:
                  registry.names(), settings.model_control_mode,
                  settings.version_policy)  # fmt: skip
         return ports
+
+    def _restrictions(self) -> Restrictions:
+        """--restricted-api, checked before anything loads; warns when explicit mode leaves
+        loading and unloading open to anyone who reaches the port."""
+        settings = self._settings
+        try:
+            restrictions = Restrictions.parse(settings.restricted_api)
+        except ValueError as err:
+            raise StartupError(str(err)) from err
+        if restrictions.describe():
+            log.info("restricted APIs: %s", restrictions.describe())
+        if settings.model_control_mode == "explicit" and not restrictions.restricted(
+            "model-repository"
+        ):
+            log.warning(
+                "--model-control-mode explicit with the model-repository API unrestricted: "
+                "anyone who reaches the gRPC port can load and unload models; set "
+                "--restricted-api model-repository:KEY=@/path/to/secret"
+            )
+        return restrictions
 
     async def _load_models(self, providers: list[str]) -> ModelRegistry:
         """The versions served at start, loaded by the model controller (not yet warm)."""

@@ -12,7 +12,8 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from service.errors import InvalidInput, ServingError
+from service.errors import ServingError
+from service.frontend.delivery import AnswerBudget, Reservation, track_delivery
 from service.frontend.handlers import Undecodable
 from service.frontend.status import code_for
 from service.observability import metrics
@@ -34,6 +35,14 @@ class Labeled(Protocol):
     def request_id(self, request: Any) -> str: ...
 
 
+class HoldsAnswers(Labeled, Protocol):
+    """A servicer whose answers count against the undelivered-answers budget."""
+
+    answers: AnswerBudget | None
+
+    def answer_bytes(self, request: Any) -> int: ...
+
+
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
@@ -45,21 +54,25 @@ def serialized(response: Any) -> WireMessage:
     return WireMessage([response.SerializeToString()])
 
 
-def rpc(api: str) -> Callable[[Handler], Handler]:
-    """Decorate a servicer method; clients see our messages, never a traceback."""
+def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]:
+    """Decorate a servicer method; clients see our messages, never a traceback. holds_answer:
+    the answer is reserved in the servicer's AnswerBudget from admission until delivered."""
 
     def decorate(handler: Handler) -> Handler:
         @functools.wraps(handler)
-        async def wrapped(self: Labeled, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.monotonic()
             code = grpc.StatusCode.OK
             model = self.model_label(request)
             in_flight = metrics.in_flight(api)
             in_flight.inc()
+            reservation: Reservation | None = None
             try:
-                if isinstance(request, Undecodable):
-                    raise InvalidInput(request.message)
-                return serialized(await handler(self, request, context))
+                reservation = _admit(self, request, context, holds_answer=holds_answer)
+                response = serialized(await handler(self, request, context))
+                _count_when_delivered(context, model, api, response, reservation)
+                reservation = None  # the done callback gives it back
+                return response
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN  # the handler chose it
                 raise
@@ -82,9 +95,48 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
                 )
             finally:
                 in_flight.dec()
-                metrics.requests_counter(model, api, code.name).inc()
+                if reservation is not None:
+                    reservation.release()  # no answer: nothing left to deliver
+                if code != grpc.StatusCode.OK:  # OK is counted once delivered (or not)
+                    metrics.requests_counter(model, api, code.name).inc()
                 metrics.request_duration(model, api).observe(time.monotonic() - started)
 
         return wrapped
 
     return decorate
+
+
+def _admit(
+    servicer: HoldsAnswers, request: Any, context: grpc.aio.ServicerContext, *, holds_answer: bool
+) -> Reservation | None:
+    """Refuse what could not be decoded; reserve the answer's bytes when it holds one."""
+    if isinstance(request, Undecodable):
+        raise request.refuse(context.peer())
+    if not holds_answer or servicer.answers is None:
+        return None
+    try:
+        estimate = servicer.answer_bytes(request)
+    except Exception:  # a malformed request: the handler says what is wrong with it
+        estimate = 0
+    return servicer.answers.reserve(context.peer(), estimate)
+
+
+def _count_when_delivered(
+    context: grpc.aio.ServicerContext,
+    model: str,
+    api: str,
+    response: WireMessage,
+    reservation: Reservation | None,
+) -> None:
+    """OK once gRPC has sent the answer; CANCELLED when the call ended before it could."""
+    delivery = track_delivery()
+    if reservation is not None:
+        reservation.resize(response.nbytes)
+
+    def done(_: object) -> None:
+        if reservation is not None:
+            reservation.release()
+        code = grpc.StatusCode.CANCELLED if delivery.lost else grpc.StatusCode.OK
+        metrics.requests_counter(model, api, code.name).inc()
+
+    context.add_done_callback(done)

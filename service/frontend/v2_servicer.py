@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -10,6 +11,8 @@ import grpc
 
 from service.errors import InvalidInput, ModelNotFound, NotSupported
 from service.frontend.admission import admit_and_run
+from service.frontend.caller import caller
+from service.frontend.delivery import AnswerBudget
 from service.frontend.rpc import rpc
 from service.frontend.streaming import StreamCalls, StreamCloser, serve_stream
 from service.frontend.v2_codec import (
@@ -34,6 +37,8 @@ from service.worker.engine.model_control import ModelController, check_repositor
 from service.worker.engine.onnx_model import OnnxModel
 from service.worker.engine.registry import SERVER_LABEL, ModelRegistry
 from service.worker.engine.repository import VersionPolicy
+
+log = logging.getLogger(__name__)
 
 API = "v2"
 STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
@@ -71,7 +76,9 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         *,
         streams: StreamCloser | None = None,
         repository: ModelController | None = None,
+        answers: AnswerBudget | None = None,
     ) -> None:
+        self.answers = answers  # None: answers are not bounded (tests of other parts)
         self._registry = registry
         self._repository = repository
         self._batcher = batcher
@@ -85,10 +92,11 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             model_label=self.model_label,
             request_id=self.request_id,
             closer=streams,
-            answer_bytes=self._answer_bytes,
+            answer_bytes=self.answer_bytes,
+            answers=answers,
         )
 
-    def _answer_bytes(self, request: v2.ModelInferRequest) -> int:
+    def answer_bytes(self, request: v2.ModelInferRequest) -> int:
         """The answer's size, estimated before computing it: the output is as large as the
         input; the weights, when asked for, add h * seq float32 values per position."""
         tensor = request.inputs[0]
@@ -264,6 +272,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 f"RepositoryModelLoad parameters {_names(request.parameters)} are not "
                 "supported (no config or file overrides): load the files in the repository"
             )
+        log.info("RepositoryModelLoad %s asked by %s", shown(request.model_name), caller(context))
         await self._control().load(request.model_name)
         return v2.RepositoryModelLoadResponse()
 
@@ -278,6 +287,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 f"RepositoryModelUnload parameters {_names(unknown)} are not supported; "
                 f"expected only {sorted(UNLOAD_PARAMETERS)}"
             )
+        log.info("RepositoryModelUnload %s asked by %s", shown(request.model_name), caller(context))
         await self._control().unload(request.model_name)
         return v2.RepositoryModelUnloadResponse()
 
@@ -286,7 +296,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             raise NotSupported("this server was started without a model repository controller")
         return self._repository
 
-    @rpc(API)
+    @rpc(API, holds_answer=True)
     async def ModelInfer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:

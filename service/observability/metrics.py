@@ -18,7 +18,9 @@ PADDING_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
 
 REQUESTS = Counter(
     f"{PREFIX}_requests_total",
-    "Finished RPCs by model, API (attention | v2 | ...) and gRPC status code.",
+    "Finished RPCs by model, API (attention | v2 | ...) and gRPC status code; an answer "
+    "computed but never delivered (the client reset the call or its connection closed first) "
+    "counts as CANCELLED, not OK.",
     ["model", "api", "code"],
 )
 REQUEST_DURATION = Histogram(
@@ -101,6 +103,29 @@ ENGINE_INFO = Gauge(
     f"{PREFIX}_engine_info",
     "Constant 1; labels show the ONNX Runtime execution provider serving each model version.",
     ["model", "version", "provider"],
+)
+
+UNDELIVERED_BYTES = Gauge(
+    f"{PREFIX}_undelivered_answer_bytes",
+    "Bytes of answers reserved from admission until gRPC delivered them or the call ended "
+    "(bounded by max_undelivered_bytes).",
+)
+UNDELIVERED_REFUSALS = Counter(
+    f"{PREFIX}_undelivered_refusals_total",
+    "Calls and stream messages refused with RESOURCE_EXHAUSTED because the undelivered "
+    "answers were at their bound (scope: server | connection).",
+    ["scope"],
+)
+COMPRESSION_REFUSALS = Counter(
+    f"{PREFIX}_compressed_requests_refused_total",
+    "Compressed request messages refused (reason: encoding = compression not accepted "
+    "(--grpc-compression identity) | too_large = inflates past the receive limit | corrupt).",
+    ["reason"],
+)
+RESTRICTED_DENIALS = Counter(
+    f"{PREFIX}_restricted_api_denials_total",
+    "Calls refused with PERMISSION_DENIED by --restricted-api, by API group.",
+    ["group"],
 )
 
 
