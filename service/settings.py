@@ -207,17 +207,18 @@ class Settings:
     )
 
     max_undelivered_bytes: int = _doc(
-        "bytes of answers (all calls and streams of this front end) reserved from admission "
-        "until gRPC has delivered them or the call ended: a call that would pass it gets "
-        "RESOURCE_EXHAUSTED at once (an empty budget still takes one answer of any legal "
-        "size), so clients that do not read cannot pile answers up in memory",
+        "memory answers may hold (all calls and streams of this front end), reserved from "
+        "admission until gRPC has taken them (a client that does not read holds them in the "
+        "send buffers) or the call ended; each answer counts twice its size (gRPC Python's "
+        "copy and core's); a call that would pass it gets RESOURCE_EXHAUSTED at once (an "
+        "empty budget still takes one answer of any legal size)",
         default=1 << 30,
     )
     max_undelivered_bytes_per_connection: int = _doc(
         "the share of --max-undelivered-bytes one client connection may hold (a connection "
         "holding nothing may still take one answer while the total has room), so one "
         "connection cannot take the whole budget",
-        default=256 << 20,
+        default=512 << 20,
     )
     grpc_compression: str = _doc(
         "compressed request messages: identity = refused (UNIMPLEMENTED, the client should send "

@@ -28,7 +28,8 @@ def build_controller(
     settle: Callable[[OnnxModel], Awaitable[None]],
     changed: Callable[[], None],
 ) -> ModelController:
-    found = discover(settings.model_repository, quiet=True)
+    follow = settings.repository_follow_symlinks == "on"
+    found = discover(settings.model_repository, quiet=True, follow_symlinks=follow)
     # Each session's arena bound: a share of --gpu-mem-fraction over the sessions at start.
     cuda = cuda_options_for(
         providers,
@@ -75,6 +76,7 @@ def build_controller(
         hooks=Hooks(
             open_model=open_model, prepare=prepare, settle=settle, changed=changed, event=event
         ),
+        follow_symlinks=follow,
     )
 
 

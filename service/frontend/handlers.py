@@ -77,18 +77,34 @@ def add_servicer(
     add_to_server(servicer, recorder)
     for service, handlers in recorder.services:
         wired = {
-            method: handler._replace(  # type: ignore[attr-defined]
-                response_serializer=serializer_for(handler.response_serializer),
-                request_deserializer=deserializer_for(
-                    handler.request_deserializer,
-                    _message_name(handler.request_deserializer),
-                    unpack,
-                ),
+            method: _writing_its_answer(
+                handler._replace(  # type: ignore[attr-defined]
+                    response_serializer=serializer_for(handler.response_serializer),
+                    request_deserializer=deserializer_for(
+                        handler.request_deserializer,
+                        _message_name(handler.request_deserializer),
+                        unpack,
+                    ),
+                )
             )
             for method, handler in handlers.items()
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wired),))
         server.add_registered_method_handlers(service, wired)
+
+
+def _writing_its_answer(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A unary method that writes its one answer itself (rpc(holds_answer=True)) registered
+    as unary-stream: on the wire the same call (one message each way, then the status), but
+    only a write tells the handler whether its answer went out."""
+    unary = handler.unary_unary
+    if unary is None or not getattr(unary, "writes_answer", False):
+        return handler
+    return grpc.unary_stream_rpc_method_handler(
+        unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _message_name(parse: Callable[[bytes], Any]) -> str:

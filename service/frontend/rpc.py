@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from service.errors import ServingError
-from service.frontend.delivery import AnswerBudget, Reservation, track_delivery
+from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Reservation
 from service.frontend.handlers import Undecodable
 from service.frontend.status import code_for
 from service.observability import metrics
@@ -55,13 +55,18 @@ def serialized(response: Any) -> WireMessage:
 
 
 def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]:
-    """Decorate a servicer method; clients see our messages, never a traceback. holds_answer:
-    the answer is reserved in the servicer's AnswerBudget from admission until delivered."""
+    """Decorate a servicer method; clients see our messages, never a traceback.
+
+    holds_answer: the answer is reserved in the servicer's AnswerBudget from admission until
+    gRPC has taken it, and counted OK only then. Such a method writes its one answer itself
+    (handlers.add_servicer registers it as unary-stream, the same calls on the wire): only a
+    write tells when an answer went out, or that it never will."""
 
     def decorate(handler: Handler) -> Handler:
         @functools.wraps(handler)
         async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.monotonic()
+            answered: float | None = None
             code = grpc.StatusCode.OK
             model = self.model_label(request)
             in_flight = metrics.in_flight(api)
@@ -70,9 +75,11 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
             try:
                 reservation = _admit(self, request, context, holds_answer=holds_answer)
                 response = serialized(await handler(self, request, context))
-                _count_when_delivered(context, model, api, response, reservation)
-                reservation = None  # the done callback gives it back
-                return response
+                answered = time.monotonic()
+                if not holds_answer:
+                    return response
+                code = await _deliver(context, response, reservation)
+                return None
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN  # the handler chose it
                 raise
@@ -96,20 +103,39 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
             finally:
                 in_flight.dec()
                 if reservation is not None:
-                    reservation.release()  # no answer: nothing left to deliver
-                if code != grpc.StatusCode.OK:  # OK is counted once delivered (or not)
-                    metrics.requests_counter(model, api, code.name).inc()
-                metrics.request_duration(model, api).observe(time.monotonic() - started)
+                    reservation.release()
+                metrics.requests_counter(model, api, code.name).inc()
+                # Server time until the answer existed: a slow reader does not stretch it.
+                ended = answered if answered is not None else time.monotonic()
+                metrics.request_duration(model, api).observe(ended - started)
 
+        wrapped.writes_answer = holds_answer  # type: ignore[attr-defined]
         return wrapped
 
     return decorate
 
 
+async def _deliver(
+    context: grpc.aio.ServicerContext, response: WireMessage, reservation: Reservation | None
+) -> grpc.StatusCode:
+    """Write the one answer: OK once gRPC took it, CANCELLED when the call ended first (the
+    client reset it or closed its connection: gRPC cancels this task, or the write fails)."""
+    if reservation is not None:
+        reservation.resize(MEMORY_PER_ANSWER_BYTE * response.nbytes)  # the real size now
+    try:
+        await context.write(response)
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:
+        log.debug("the call ended before its answer was written: %r", err)
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.OK
+
+
 def _admit(
     servicer: HoldsAnswers, request: Any, context: grpc.aio.ServicerContext, *, holds_answer: bool
 ) -> Reservation | None:
-    """Refuse what could not be decoded; reserve the answer's bytes when it holds one."""
+    """Refuse what could not be decoded; reserve the answer's memory when it holds one."""
     if isinstance(request, Undecodable):
         raise request.refuse(context.peer())
     if not holds_answer or servicer.answers is None:
@@ -118,25 +144,4 @@ def _admit(
         estimate = servicer.answer_bytes(request)
     except Exception:  # a malformed request: the handler says what is wrong with it
         estimate = 0
-    return servicer.answers.reserve(context.peer(), estimate)
-
-
-def _count_when_delivered(
-    context: grpc.aio.ServicerContext,
-    model: str,
-    api: str,
-    response: WireMessage,
-    reservation: Reservation | None,
-) -> None:
-    """OK once gRPC has sent the answer; CANCELLED when the call ended before it could."""
-    delivery = track_delivery()
-    if reservation is not None:
-        reservation.resize(response.nbytes)
-
-    def done(_: object) -> None:
-        if reservation is not None:
-            reservation.release()
-        code = grpc.StatusCode.CANCELLED if delivery.lost else grpc.StatusCode.OK
-        metrics.requests_counter(model, api, code.name).inc()
-
-    context.add_done_callback(done)
+    return servicer.answers.reserve(context.peer(), MEMORY_PER_ANSWER_BYTE * estimate)

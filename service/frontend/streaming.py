@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from service.errors import AnswersBacklogged, ServingError
-from service.frontend.delivery import AnswerBudget, Reservation
+from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Reservation
 from service.frontend.handlers import Undecodable
 from service.frontend.rpc import serialized
 from service.frontend.status import code_for
@@ -241,7 +241,8 @@ class _Stream(Generic[Request, Response]):
         if self._calls.answers is None:
             return None, None
         try:
-            return self._calls.answers.reserve(self._peer, nbytes), None
+            memory = MEMORY_PER_ANSWER_BYTE * nbytes  # the budget counts memory, as unary calls
+            return self._calls.answers.reserve(self._peer, memory), None
         except AnswersBacklogged as err:
             return None, err
 

@@ -107,8 +107,8 @@ ENGINE_INFO = Gauge(
 
 UNDELIVERED_BYTES = Gauge(
     f"{PREFIX}_undelivered_answer_bytes",
-    "Bytes of answers reserved from admission until gRPC delivered them or the call ended "
-    "(bounded by max_undelivered_bytes).",
+    "Memory held by answers from admission until gRPC took them or the call ended: twice "
+    "each answer's bytes (bounded by max_undelivered_bytes).",
 )
 UNDELIVERED_REFUSALS = Counter(
     f"{PREFIX}_undelivered_refusals_total",
