@@ -114,14 +114,20 @@ class RawGrpc:
     def _send_pending(self) -> None:
         for stream_id, pending in list(self._pending.items()):
             view, end = pending
-            while len(view):
-                room = min(self.conn.local_flow_control_window(stream_id), len(view),
-                           self.conn.max_outbound_frame_size)  # fmt: skip
-                if room <= 0:
-                    break
-                last = room == len(view)
-                self.conn.send_data(stream_id, bytes(view[:room]), end_stream=last and end)
+            state = self.streams[stream_id]
+            while len(view) and not (state.reset or state.ended):
+                try:
+                    room = min(self.conn.local_flow_control_window(stream_id), len(view),
+                               self.conn.max_outbound_frame_size)  # fmt: skip
+                    if room <= 0:
+                        break
+                    last = room == len(view)
+                    self.conn.send_data(stream_id, bytes(view[:room]), end_stream=last and end)
+                except h2.exceptions.StreamClosedError:
+                    break  # answered (refused) before the body was all sent
                 view = view[room:]
+            if state.reset or state.ended:
+                view = view[:0]
             pending[0] = view
             if not len(view):
                 del self._pending[stream_id]
