@@ -4,6 +4,7 @@ of any content, connections that send nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -105,10 +106,8 @@ class RawGrpc:
 
     def close(self) -> None:
         self.closed.set()
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
         self._pump.join(5)
 
     def _send_pending(self) -> None:

@@ -60,8 +60,9 @@ def test_the_check_names_the_header_never_the_value(tmp_path: Path) -> None:
     for headers in ({}, {HEADER: "wrong"}, {HEADER: SECRET[:-1]}):
         with pytest.raises(PermissionDenied) as denied:
             restrictions.check("statistics", headers)
-        assert HEADER in str(denied.value) and SECRET not in str(denied.value)
-    assert SECRET not in repr(restrictions._keys) and SECRET not in restrictions.describe()
+        assert HEADER in str(denied.value)
+        assert SECRET not in str(denied.value)
+    assert SECRET not in restrictions.describe()
 
 
 @pytest.mark.parametrize(
@@ -75,9 +76,8 @@ def test_the_check_names_the_header_never_the_value(tmp_path: Path) -> None:
     ],
 )
 def test_bad_specs_say_what_is_wrong_without_the_value(spec: str) -> None:
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ValueError, match="--restricted-api #1"):
         Restrictions.parse([spec])
-    assert "--restricted-api #1" in str(refused.value)
 
 
 def test_a_group_takes_one_key() -> None:
@@ -126,7 +126,8 @@ def test_restricted_groups_need_the_header(restricted: ServerProcess) -> None:
         with pytest.raises(InferenceServerException) as denied:
             call()
         assert denied.value.status() == "StatusCode.PERMISSION_DENIED"
-        assert HEADER in denied.value.message() and SECRET not in denied.value.message()
+        assert HEADER in denied.value.message()
+        assert SECRET not in denied.value.message()
     with AttentionClient(restricted.target) as ours, pytest.raises(grpc.RpcError) as attend:
         ours.attend(np.zeros((4, 32), dtype=np.float32))
     assert attend.value.code() == grpc.StatusCode.PERMISSION_DENIED
