@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 GZIP_MAGIC = b"\x1f\x8b"
 ZLIB_CMF = 0x78  # deflate, 32 KiB window
 LOG_EVERY_S = 60.0
-MAX_REMEMBERED_PEERS = 4096  # one per client address; beyond it the oldest are forgotten
+MAX_REMEMBERED_PEERS = 4096
+INFLATE_STEP = 1 << 20  # one per client address; beyond it the oldest are forgotten
 
 
 def encoding_of(data: bytes) -> str | None:
@@ -108,19 +109,37 @@ class Unpacker:
                 "compressed: send it uncompressed (gRPC clients do unless told to compress), "
                 "or start the server with --grpc-compression gzip"
             )
-        inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
-        try:
-            # At most one byte past the limit is ever inflated: that byte says "too large".
-            inflated = inflater.decompress(data, self._max_bytes + 1)
-        except zlib.error as err:
-            raise InvalidInput(f"the {encoding}-compressed request is corrupt: {err}") from err
-        if len(inflated) > self._max_bytes:
+        inflated = _inflate_at_most(data, encoding, self._max_bytes)
+        if inflated is None:
             raise CompressedTooLarge(
                 f"the {encoding}-compressed request inflates to more than {self._max_bytes} "
                 "bytes, the largest request this server takes; send fewer or shorter sequences"
             )
-        if not inflater.eof or inflater.unused_data:
-            raise InvalidInput(
-                f"the {encoding}-compressed request is truncated or has bytes after its end"
-            )
         return inflated
+
+
+def _inflate_at_most(data: bytes, encoding: str, max_bytes: int) -> bytes | None:
+    """data inflated, or None as soon as more than max_bytes came out. In INFLATE_STEP
+    pieces, joined only once the whole message is known to fit: zlib's own bounded
+    decompress (and a growing buffer) would hold the limit twice over at the peak."""
+    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    pieces: list[bytes] = []
+    size = 0
+    pending = data
+    try:
+        while not inflater.eof:
+            piece = inflater.decompress(pending, INFLATE_STEP)
+            size += len(piece)
+            if size > max_bytes:
+                return None
+            pieces.append(piece)
+            pending = inflater.unconsumed_tail
+            if not piece and not pending:
+                break  # the input ended before the compressed stream did
+    except zlib.error as err:
+        raise InvalidInput(f"the {encoding}-compressed request is corrupt: {err}") from err
+    if not inflater.eof or inflater.unused_data:
+        raise InvalidInput(
+            f"the {encoding}-compressed request is truncated or has bytes after its end"
+        )
+    return b"".join(pieces)
