@@ -5,6 +5,7 @@ of any content, connections that send nothing."""
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 import threading
@@ -41,6 +42,7 @@ class RawGrpc:
         self.streams: dict[int, StreamState] = {}
         self._pending: dict[int, list] = {}  # stream id -> [body left to send, end stream]
         self.closed = threading.Event()
+        self.ended_by = ""  # why the connection ended, for test failure messages
         self._lock = threading.Lock()
         self._flush()
         self._pump = threading.Thread(target=self._run, daemon=True)
@@ -137,27 +139,32 @@ class RawGrpc:
             self.sock.sendall(data)
 
     def _run(self) -> None:
-        self.sock.settimeout(0.05)
+        self.sock.settimeout(None)  # blocking sends: a full send buffer waits, never fails
         while not self.closed.is_set():
             try:
+                readable, _, _ = select.select([self.sock], [], [], 0.05)
+                if not readable:
+                    continue
                 data = self.sock.recv(1 << 20)
-            except TimeoutError:
-                continue
-            except OSError:
+            except (OSError, ValueError) as err:  # ValueError: closed under select
+                self.ended_by = repr(err)
                 break
             if not data:
+                self.ended_by = "the server closed the connection"
                 break
             with self._lock:
                 try:
                     events = self.conn.receive_data(data)
-                except h2.exceptions.ProtocolError:
+                except h2.exceptions.ProtocolError as err:
+                    self.ended_by = repr(err)
                     break
                 for event in events:
                     self._on(event)
                 self._send_pending()
                 try:
                     self._flush()
-                except OSError:
+                except OSError as err:
+                    self.ended_by = repr(err)
                     break
         self.closed.set()
 
@@ -177,6 +184,7 @@ class RawGrpc:
         elif isinstance(event, h2.events.StreamReset) and state is not None:
             state.reset = True
         elif isinstance(event, h2.events.ConnectionTerminated):
+            self.ended_by = repr(event)
             self.closed.set()
 
 

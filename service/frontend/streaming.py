@@ -14,6 +14,7 @@ to send the rest elsewhere.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -133,6 +134,8 @@ class _Stream(Generic[Request, Response]):
         # An answer, its reservations and how to count it; None is the reader's last word.
         self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
         self._peer = context.peer()
+        self._writing: _Answer | None = None
+        self._ended = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight = metrics.in_flight(calls.api)  # bound once per stream
         self._reader: asyncio.Task[None] | None = None
@@ -150,11 +153,9 @@ class _Stream(Generic[Request, Response]):
         self._reader = reader
         try:
             while (item := await self._answers.get()) is not None:
-                try:
-                    await self._write(item.answer)
-                except _CallEnded:
-                    item.settle(delivered=False)
-                    raise
+                self._writing = item  # settled in finally when the call ends mid-write
+                await self._write(item.answer)
+                self._writing = None
                 item.settle(delivered=True)
                 self._reserve(-item.reserved)
                 self._slots.release()
@@ -168,14 +169,20 @@ class _Stream(Generic[Request, Response]):
         finally:
             # Normally nothing is left; after a cancel or a failure this drops every request
             # of this stream still queued in the batcher.
+            self._ended = True  # answers finished from now on are settled, not queued
             reader.cancel()
             for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(reader, *self._tasks, return_exceptions=True)
-            self._abandon_unwritten()
+            try:
+                await asyncio.gather(reader, *self._tasks, return_exceptions=True)
+            finally:  # gRPC may cancel this task again while it waits
+                self._abandon_unwritten()
 
     def _abandon_unwritten(self) -> None:
         """Answers computed but never written: counted CANCELLED, their bytes given back."""
+        if self._writing is not None:
+            self._writing.settle(delivered=False)
+            self._writing = None
         while not self._answers.empty():
             item = self._answers.get_nowait()
             if item is not None:
@@ -215,6 +222,8 @@ class _Stream(Generic[Request, Response]):
             task = asyncio.create_task(self._answer(request, reserved, hold, refusal))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            if hold is not None:  # a task cancelled before it ran has no except to release it
+                task.add_done_callback(functools.partial(_release_if_cancelled, hold))
 
     async def _write(self, answer: Any) -> None:
         try:
@@ -276,8 +285,6 @@ class _Stream(Generic[Request, Response]):
             answer = calls.failure(request, code, str(err))
         except asyncio.CancelledError:
             self._reserve(-reserved)  # no answer will be written
-            if hold is not None:
-                hold.release()
             remaining = self._context.time_remaining()
             expired = ended_at_deadline(remaining)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
@@ -296,7 +303,16 @@ class _Stream(Generic[Request, Response]):
             if code != grpc.StatusCode.OK:  # OK is counted once written (or not)
                 metrics.requests_counter(model, calls.api, code.name).inc()
             metrics.request_duration(model, calls.api).observe(time.monotonic() - started)
-        self._answers.put_nowait(_Answer(answer, reserved, hold, model, calls.api, code))
+        computed = _Answer(answer, reserved, hold, model, calls.api, code)
+        if self._ended:
+            computed.settle(delivered=False)  # nobody is left to write it
+        else:
+            self._answers.put_nowait(computed)
+
+
+def _release_if_cancelled(hold: Reservation, task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        hold.release()
 
 
 @dataclass
@@ -314,6 +330,7 @@ class _Answer:
         """Written (or never will be): give the bytes back; an OK answer counts now."""
         if self.hold is not None:
             self.hold.release()
+            self.hold = None
         if self.code == grpc.StatusCode.OK:
             code = grpc.StatusCode.OK if delivered else grpc.StatusCode.CANCELLED
             metrics.requests_counter(self.model, self.api, code.name).inc()
