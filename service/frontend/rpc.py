@@ -72,6 +72,7 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
             in_flight = metrics.in_flight(api)
             in_flight.inc()
             reservation: Reservation | None = None
+            tally = _Tally(model, api)
             try:
                 reservation = _admit(self, request, context, holds_answer=holds_answer)
                 response = serialized(await handler(self, request, context))
@@ -85,6 +86,7 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
                 raise
             except ServingError as err:
                 code = code_for(err)
+                tally.count(code)
                 await context.abort(code, str(err))
             except asyncio.CancelledError:
                 remaining = context.time_remaining()
@@ -97,6 +99,7 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
                 log.exception(
                     "internal error in %s/%s request_id=%s", api, handler.__name__, request_id
                 )
+                tally.count(code)
                 await context.abort(
                     code, f"internal error; request_id={request_id} is in the server log"
                 )
@@ -104,7 +107,7 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
                 in_flight.dec()
                 if reservation is not None:
                     reservation.release()
-                metrics.requests_counter(model, api, code.name).inc()
+                tally.count(code)
                 # Server time until the answer existed: a slow reader does not stretch it.
                 ended = answered if answered is not None else time.monotonic()
                 metrics.request_duration(model, api).observe(ended - started)
@@ -113,6 +116,19 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
         return wrapped
 
     return decorate
+
+
+class _Tally:
+    """Counts a call once: before an abort sends its status (a client that has seen the
+    status must find the call counted), else when the handler ends."""
+
+    def __init__(self, model: str, api: str) -> None:
+        self._model, self._api, self._done = model, api, False
+
+    def count(self, code: grpc.StatusCode) -> None:
+        if not self._done:
+            self._done = True
+            metrics.requests_counter(self._model, self._api, code.name).inc()
 
 
 async def _deliver(
