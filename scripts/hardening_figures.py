@@ -63,12 +63,14 @@ def _slow(server: ServerProcess, label: str, start: Callable[[RawGrpc, bytes], N
         start(connection, message)
     _settle(server)
     held = server.metric("attention_undelivered_answer_bytes")
-    peak = peak_rss_bytes(pid)
+    settled, peak = rss_bytes(pid), peak_rss_bytes(pid)
     for connection in connections:
         connection.close()
     time.sleep(1)
     _say(
-        f"{label}: RSS {before // MIB} -> peak {peak // MIB} MiB (+{(peak - before) // MIB}); "
+        f"{label}: RSS {before // MIB} -> {settled // MIB} MiB held "
+        f"(+{(settled - before) // MIB}), "
+        f"peak {peak // MIB} MiB (+{(peak - before) // MIB}, compute included); "
         f"budget held {held / MIB:.0f} MiB; after the clients left {rss_bytes(pid) // MIB} MiB, "
         f"budget {server.metric('attention_undelivered_answer_bytes') / MIB:.0f} MiB"
     )
