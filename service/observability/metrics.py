@@ -85,7 +85,8 @@ QUEUE_BYTES = Gauge(
 )
 IN_FLIGHT = Gauge(
     f"{PREFIX}_inflight_requests",
-    "RPCs being handled right now (queued or computing).",
+    "RPCs being handled right now (queued, computing, or writing an answer the client has not "
+    "taken yet).",
     ["api"],
 )
 MODEL_READY = Gauge(
