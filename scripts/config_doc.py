@@ -56,7 +56,21 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "GPU": ("cuda_tf32", "gpu_mem_fraction", "fused_attention"),
     "Processes": ("frontends", "shared_memory_bytes", "max_restarts", "restart_window_s"),
     "Shutdown": ("grace_period_s", "shutdown_not_serving_s"),
-    "TLS and connections": ("tls_cert", "tls_key", "tls_client_ca", "max_connection_age_s"),
+    "TLS and connections": (
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "max_connection_age_s",
+        "max_connection_idle_s",
+    ),
+    "Protection": (
+        "restricted_api",
+        "max_undelivered_bytes",
+        "max_undelivered_bytes_per_connection",
+        "grpc_compression",
+        "repository_follow_symlinks",
+    ),
+    "HTTP/REST and tracing": ("http_port", "tracing", "tracing_max_queue_spans"),
     "Logging": ("log_level",),
 }
 

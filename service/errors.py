@@ -41,3 +41,21 @@ class ModelLoadFailed(InvalidInput):
 
 class ModelControlDisabled(ServingError):
     """A repository load or unload in a model control mode that does not allow it."""
+
+
+class PermissionDenied(ServingError):
+    """A call in a restricted API group without its header, or with a wrong value; the
+    message names the header, never the value."""
+
+
+class AnswersBacklogged(ServingError):
+    """The answers this server (or this connection) has computed but clients have not yet
+    read are at their bound (--max-undelivered-bytes); retry once they are read."""
+
+
+class CompressionRefused(NotSupported):
+    """A compressed request on a server that takes only uncompressed ones."""
+
+
+class CompressedTooLarge(ServingError):
+    """A compressed request that inflates past the receive limit (refused while inflating)."""

@@ -21,6 +21,9 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 ON_OFF = ("on", "off")
 FUSED_ATTENTION = ("auto", "on", "off")
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")  # Triton's names
+GRPC_COMPRESSION = ("identity", "gzip")
+# Fields whose secrets never reach a log line (describe() shows them redacted).
+SECRET_FIELDS = ("restricted_api",)
 VERSION_POLICY = re.compile(r"all|latest:[1-9][0-9]{0,5}")
 # Flags with a fixed set of values: --help shows them and argparse refuses the rest.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -35,6 +38,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fused_attention": FUSED_ATTENTION,
     "model_control_mode": MODEL_CONTROL_MODES,
     "tracing": ON_OFF,
+    "grpc_compression": GRPC_COMPRESSION,
+    "repository_follow_symlinks": ON_OFF,
 }
 
 
@@ -248,6 +253,45 @@ class Settings:
         default=2048,
     )
 
+    max_undelivered_bytes: int = _doc(
+        "memory answers may hold (all calls and streams of this front end), reserved from "
+        "admission until gRPC has taken them (a client that does not read holds them in the "
+        "send buffers) or the call ended; each answer counts twice its size (gRPC Python's "
+        "copy and core's); a call that would pass it gets RESOURCE_EXHAUSTED at once (an "
+        "empty budget still takes one answer of any legal size)",
+        default=1 << 30,
+    )
+    max_undelivered_bytes_per_connection: int = _doc(
+        "the share of --max-undelivered-bytes one client connection may hold (a connection "
+        "holding nothing may still take one answer while the total has room), so one "
+        "connection cannot take the whole budget",
+        default=512 << 20,
+    )
+    grpc_compression: str = _doc(
+        "compressed request messages: identity = refused (UNIMPLEMENTED, the client should send "
+        "them uncompressed); gzip = gzip and deflate accepted, inflated at most to the receive "
+        "limit (beyond it RESOURCE_EXHAUSTED), at the cost of that inflation's CPU per message",
+        default="identity",
+    )
+    restricted_api: tuple[str, ...] = _doc(
+        "GROUPS:KEY=VALUE, as Triton's --grpc-restricted-protocol: calls in the comma-separated "
+        "groups (model-repository, shared-memory, statistics, model-config, metadata, "
+        "inference, health) need the header KEY with VALUE, else PERMISSION_DENIED; VALUE "
+        "@/path reads it from a file (a mounted Secret); repeat the flag for more (the "
+        "environment variable takes a ;-separated list)",
+        default=(),
+    )
+    repository_follow_symlinks: str = _doc(
+        "on: a model or version folder that is a symbolic link out of the repository is "
+        "loaded; off: it is refused with a load error (links within the repository are fine)",
+        default="off",
+    )
+    max_connection_idle_s: float = _doc(
+        "seconds a client connection may go without any call open before it is closed "
+        "(HTTP/2 GOAWAY), so connections that sent nothing do not hold descriptors; 0 = never",
+        default=60.0,
+    )
+
     def __post_init__(self) -> None:
         problems = [
             f"{name} must be {expectation}, got {getattr(self, name)!r}"
@@ -321,6 +365,15 @@ class Settings:
             ("shared_memory_bytes", self.shared_memory_bytes >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),
             ("restart_window_s", self.restart_window_s > 0, "> 0"),
+            ("max_undelivered_bytes", self.max_undelivered_bytes >= 1, ">= 1"),
+            (
+                "max_undelivered_bytes_per_connection",
+                1 <= self.max_undelivered_bytes_per_connection <= self.max_undelivered_bytes,
+                "1..max_undelivered_bytes",
+            ),
+            ("grpc_compression", self.grpc_compression in GRPC_COMPRESSION, "identity or gzip"),
+            ("repository_follow_symlinks", self.repository_follow_symlinks in ON_OFF, "on or off"),
+            ("max_connection_idle_s", self.max_connection_idle_s >= 0, ">= 0"),
         ]
 
     @property
@@ -339,6 +392,15 @@ def _optional_path(text: str) -> Path | None:
 def _names(text: str) -> tuple[str, ...]:
     """A comma-separated list from the environment, e.g. ATTENTION_LOAD_MODEL=mha,small."""
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _specs(text: str) -> tuple[str, ...]:
+    """A ;-separated list from the environment: each item holds commas of its own."""
+    return tuple(item.strip() for item in text.split(";") if item.strip())
+
+
+# Environment converters for fields whose list items may hold commas.
+ENV_CONVERTERS: dict[str, Callable[[str], Any]] = {"restricted_api": _specs}
 
 
 def _repeatable(kind: Any) -> bool:
@@ -361,7 +423,7 @@ def _from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
         if raw is None:
             continue
         try:
-            values[spec.name] = _converter(spec.type)(raw)
+            values[spec.name] = ENV_CONVERTERS.get(spec.name, _converter(spec.type))(raw)
         except ValueError as err:
             raise ValueError(f"{env_name(spec.name)}={raw!r} is not a valid {spec.type}") from err
     return values
@@ -406,4 +468,8 @@ def load_settings(
 
 
 def describe(settings: Settings) -> str:
-    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items())
+    shown = {
+        name: ("<redacted>" if name in SECRET_FIELDS and value else value)
+        for name, value in dataclasses.asdict(settings).items()
+    }
+    return " ".join(f"{k}={v}" for k, v in shown.items())

@@ -46,3 +46,12 @@ def server(model_repository: Path) -> Iterator[ServerProcess]:
 def client(server: ServerProcess) -> Iterator[AttentionClient]:
     with AttentionClient(server.target) as attention_client:
         yield attention_client
+
+
+@pytest.fixture(scope="session")
+def mha_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """models/ with only the default model (mha, d=512, h=8): the receive and answer sizes of
+    a real deployment, for the memory-bound tests."""
+    root = tmp_path_factory.mktemp("mha-only")
+    run_export(ExportRequest(name="mha", embed_dim=512, num_heads=8, out=root))
+    return root

@@ -26,10 +26,21 @@ def _valid(environment: dict[str, str]) -> Settings:
     return settings
 
 
+def _key_file_is_mounted(settings: Settings, path: str) -> None:
+    """The example restricts the repository API with a key read from the mounted Secret."""
+    (spec,) = settings.restricted_api
+    groups, _, key = spec.partition(":")
+    assert "model-repository" in groups.split(",")
+    assert key.partition("=")[2] == f"@{path}"
+
+
 def test_compose_override_polls_a_mounted_repository() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.rollout.yml").read_text())
     server = compose["services"]["attention"]
-    _valid(server["environment"])
+    settings = _valid(server["environment"])
+    (secret,) = server["secrets"]
+    assert secret["source"] in compose["secrets"]
+    _key_file_is_mounted(settings, f"/run/secrets/{secret['target']}")
     (volume,) = server["volumes"]
     source, target, mode = volume.split(":")
     assert (source, target, mode) == ("./models", REPOSITORY, "ro")
@@ -48,12 +59,15 @@ def test_kubernetes_component_mounts_the_claim_the_overlay_creates() -> None:
     ]
     pod = patch["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    _valid({item["name"]: item["value"] for item in container["env"]})
-    (mount,) = container["volumeMounts"]
+    settings = _valid({item["name"]: item["value"] for item in container["env"]})
+    mounts = {mount["name"]: mount for mount in container["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert set(mounts) == set(volumes) == {"models", "admin-key"}
+    mount, volume = mounts["models"], volumes["models"]
     assert mount["mountPath"] == REPOSITORY
     assert mount["readOnly"] is True
-    (volume,) = pod["volumes"]
-    assert volume["name"] == mount["name"]
+    assert volumes["admin-key"]["secret"]["secretName"] == "attention-admin-key"
+    _key_file_is_mounted(settings, mounts["admin-key"]["mountPath"] + "/key")
     claim = yaml.safe_load((OVERLAY / "pvc.yaml").read_text())
     assert claim["kind"] == "PersistentVolumeClaim"
     assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]

@@ -12,6 +12,7 @@ from service.catalog import SERVER_LABEL, ModelRegistry, ServedModel
 from service.dataplane import DataPlane, Result
 from service.errors import InvalidInput
 from service.frontend.admission import admit_and_run
+from service.frontend.delivery import AnswerBudget
 from service.frontend.rpc import rpc
 from service.frontend.streaming import (
     DEFAULT_PENDING_BYTES,
@@ -81,8 +82,10 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         max_stream_inflight_requests: int = DEFAULT_STREAM_INFLIGHT,
         max_stream_pending_bytes: int = DEFAULT_PENDING_BYTES,
         streams: StreamCloser | None = None,
+        answers: AnswerBudget | None = None,
     ) -> None:
         self._plane = plane
+        self.answers = answers  # None: answers are not bounded (tests of other parts)
         self._limits = limits
         self._max_stream_inflight = max_stream_inflight_requests
         self._max_stream_pending_bytes = max_stream_pending_bytes
@@ -93,14 +96,15 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             model_label=self.model_label,
             request_id=self.request_id,
             closer=streams,
-            answer_bytes=self._answer_bytes,
+            answer_bytes=self.answer_bytes,
+            answers=answers,
         )
 
     @property
     def _registry(self) -> ModelRegistry[ServedModel]:
         return self._plane.models  # the served set changes: look it up at each call
 
-    def _answer_bytes(self, request: pb.AttendRequest) -> int:
+    def answer_bytes(self, request: pb.AttendRequest) -> int:
         """The answer's size, estimated before computing it: the output is as large as the
         input; the weights add h * seq float32 values per position."""
         payload = len(request.embeddings.data)
@@ -120,7 +124,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     def request_id(self, request: Any) -> str:
         return getattr(request, "request_id", "")
 
-    @rpc(API)
+    @rpc(API, holds_answer=True)
     async def Attend(
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from service.errors import InvalidInput, ServingError
 from service.transport.wire import serializer_for
 
 
@@ -20,11 +21,29 @@ class Undecodable:
     def __init__(self, expected: str, error: DecodeError) -> None:
         self.message = f"the request is not a valid {expected} message ({error})"
 
+    def refuse(self, peer: str) -> ServingError:
+        """The error the call (or the stream message) answers with; peer: who sent it."""
+        return InvalidInput(self.message)
 
-def deserializer_for(parse: Callable[[bytes], Any], expected: str) -> Callable[[bytes], Any]:
+
+# Turns a message's bytes as they came (compressed or not) into the bytes to parse, or into
+# the Undecodable that refuses it (service.frontend.compression).
+Unpack = Callable[[bytes], "bytes | Undecodable"]
+
+
+def _as_is(data: bytes) -> bytes | Undecodable:
+    return data
+
+
+def deserializer_for(
+    parse: Callable[[bytes], Any], expected: str, unpack: Unpack = _as_is
+) -> Callable[[bytes], Any]:
     def deserialize(data: bytes) -> Any:
+        unpacked = unpack(data)
+        if isinstance(unpacked, Undecodable):
+            return unpacked
         try:
-            return parse(data)
+            return parse(unpacked)
         except DecodeError as err:
             return Undecodable(expected, err)
 
@@ -47,23 +66,45 @@ class _Recorder:
 
 
 def add_servicer(
-    server: grpc.aio.Server, add_to_server: Callable[[Any, Any], None], servicer: Any
+    server: grpc.aio.Server,
+    add_to_server: Callable[[Any, Any], None],
+    servicer: Any,
+    unpack: Unpack = _as_is,
 ) -> None:
-    """Like add_XServicer_to_server(servicer, server), with WireMessage-aware serializers."""
+    """Like add_XServicer_to_server(servicer, server), with WireMessage-aware serializers;
+    unpack inflates (or refuses) compressed requests before they are parsed."""
     recorder = _Recorder()
     add_to_server(servicer, recorder)
     for service, handlers in recorder.services:
         wired = {
-            method: handler._replace(  # type: ignore[attr-defined]
-                response_serializer=serializer_for(handler.response_serializer),
-                request_deserializer=deserializer_for(
-                    handler.request_deserializer, _message_name(handler.request_deserializer)
-                ),
+            method: _writing_its_answer(
+                handler._replace(  # type: ignore[attr-defined]
+                    response_serializer=serializer_for(handler.response_serializer),
+                    request_deserializer=deserializer_for(
+                        handler.request_deserializer,
+                        _message_name(handler.request_deserializer),
+                        unpack,
+                    ),
+                )
             )
             for method, handler in handlers.items()
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wired),))
         server.add_registered_method_handlers(service, wired)
+
+
+def _writing_its_answer(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A unary method that writes its one answer itself (rpc(holds_answer=True)) registered
+    as unary-stream: on the wire the same call (one message each way, then the status), but
+    only a write tells the handler whether its answer went out."""
+    unary = handler.unary_unary
+    if unary is None or not getattr(unary, "writes_answer", False):
+        return handler
+    return grpc.unary_stream_rpc_method_handler(
+        unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _message_name(parse: Callable[[bytes], Any]) -> str:

@@ -13,7 +13,8 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from service.dataplane import ended_at_deadline
-from service.errors import InvalidInput, ServingError
+from service.errors import ServingError
+from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Reservation
 from service.frontend.handlers import Undecodable
 from service.frontend.status import SERVER_FAULTS, code_for
 from service.observability import metrics, tracing
@@ -32,6 +33,14 @@ class Labeled(Protocol):
     def model_label(self, request: Any) -> str: ...
 
     def request_id(self, request: Any) -> str: ...
+
+
+class HoldsAnswers(Labeled, Protocol):
+    """A servicer whose answers count against the undelivered-answers budget."""
+
+    answers: AnswerBudget | None
+
+    def answer_bytes(self, request: Any) -> int: ...
 
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -73,27 +82,40 @@ def serialized(response: Any) -> WireMessage:
     return WireMessage([response.SerializeToString()])
 
 
-def rpc(api: str) -> Callable[[Handler], Handler]:
-    """Decorate a servicer method; clients see our messages, never a traceback."""
+def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]:
+    """Decorate a servicer method; clients see our messages, never a traceback.
+
+    holds_answer: the answer is reserved in the servicer's AnswerBudget from admission until
+    gRPC has taken it, and counted OK only then. Such a method writes its one answer itself
+    (handlers.add_servicer registers it as unary-stream, the same calls on the wire): only a
+    write tells when an answer went out, or that it never will."""
 
     def decorate(handler: Handler) -> Handler:
         @functools.wraps(handler)
-        async def wrapped(self: Labeled, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.monotonic()
+            answered: float | None = None
             code = grpc.StatusCode.OK
             model = self.model_label(request)
             in_flight = metrics.in_flight(api)
             in_flight.inc()
             span = start_span(api, handler.__name__, context)
+            reservation: Reservation | None = None
+            tally = _Tally(model, api)
             try:
-                if isinstance(request, Undecodable):
-                    raise InvalidInput(request.message)
-                return serialized(await handler(self, request, context))
+                reservation = _admit(self, request, context, holds_answer=holds_answer)
+                response = serialized(await handler(self, request, context))
+                answered = time.monotonic()
+                if not holds_answer:
+                    return response
+                code = await _deliver(context, response, reservation)
+                return None
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN  # the handler chose it
                 raise
             except ServingError as err:
                 code = code_for(err)
+                tally.count(code)
                 await context.abort(code, str(err))
             except asyncio.CancelledError:
                 remaining = context.time_remaining()
@@ -106,15 +128,66 @@ def rpc(api: str) -> Callable[[Handler], Handler]:
                 log.exception(
                     "internal error in %s/%s request_id=%s", api, handler.__name__, request_id
                 )
+                tally.count(code)
                 await context.abort(
                     code, f"internal error; request_id={request_id} is in the server log"
                 )
             finally:
                 end_span(span, code)
                 in_flight.dec()
-                metrics.requests_counter(model, api, code.name).inc()
-                metrics.request_duration(model, api).observe(time.monotonic() - started)
+                if reservation is not None:
+                    reservation.release()
+                tally.count(code)
+                # Server time until the answer existed: a slow reader does not stretch it.
+                ended = answered if answered is not None else time.monotonic()
+                metrics.request_duration(model, api).observe(ended - started)
 
+        wrapped.writes_answer = holds_answer  # type: ignore[attr-defined]
         return wrapped
 
     return decorate
+
+
+class _Tally:
+    """Counts a call once: before an abort sends its status (a client that has seen the
+    status must find the call counted), else when the handler ends."""
+
+    def __init__(self, model: str, api: str) -> None:
+        self._model, self._api, self._done = model, api, False
+
+    def count(self, code: grpc.StatusCode) -> None:
+        if not self._done:
+            self._done = True
+            metrics.requests_counter(self._model, self._api, code.name).inc()
+
+
+async def _deliver(
+    context: grpc.aio.ServicerContext, response: WireMessage, reservation: Reservation | None
+) -> grpc.StatusCode:
+    """Write the one answer: OK once gRPC took it, CANCELLED when the call ended first (the
+    client reset it or closed its connection: gRPC cancels this task, or the write fails)."""
+    if reservation is not None:
+        reservation.resize(MEMORY_PER_ANSWER_BYTE * response.nbytes)  # the real size now
+    try:
+        await context.write(response)
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:
+        log.debug("the call ended before its answer was written: %r", err)
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.OK
+
+
+def _admit(
+    servicer: HoldsAnswers, request: Any, context: grpc.aio.ServicerContext, *, holds_answer: bool
+) -> Reservation | None:
+    """Refuse what could not be decoded; reserve the answer's memory when it holds one."""
+    if isinstance(request, Undecodable):
+        raise request.refuse(context.peer())
+    if not holds_answer or servicer.answers is None:
+        return None
+    try:
+        estimate = servicer.answer_bytes(request)
+    except Exception:  # a malformed request: the handler says what is wrong with it
+        estimate = 0
+    return servicer.answers.reserve(context.peer(), MEMORY_PER_ANSWER_BYTE * estimate)

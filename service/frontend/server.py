@@ -14,9 +14,12 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from service.errors import ShuttingDown
 from service.frontend.attention_servicer import AttentionServicer
+from service.frontend.compression import Unpacker
+from service.frontend.delivery import AnswerBudget, install_disconnect_filter
 from service.frontend.handlers import add_servicer
 from service.frontend.limits import message_limits
 from service.frontend.rest.app import RestFrontend
+from service.frontend.restricted import RestrictedApiInterceptor, Restrictions
 from service.frontend.served import ServedSet
 from service.frontend.streaming import StreamCloser
 from service.frontend.v2_plane import V2Plane
@@ -76,6 +79,7 @@ class FrontendServer:
         self._streams = StreamCloser()
         self._server: grpc.aio.Server | None = None
         self._rest: RestFrontend | None = None
+        self._restrictions_in_force = Restrictions()
         self.tls: ReloadingCredentials | None = None
         self.port: int | None = None
         self.plane = WorkerClient(socket_path, name, slab_bytes(settings, queue_bytes),
@@ -96,6 +100,7 @@ class FrontendServer:
             self.tls = server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
         except TlsError as err:
             raise StartupError(str(err)) from err
+        restrictions = self._restrictions_in_force = self._restrictions()
         if settings.tracing == "on":
             try:
                 tracing.start(max_queue_spans=settings.tracing_max_queue_spans)
@@ -107,18 +112,23 @@ class FrontendServer:
         self._served.check_limits(
             lambda model: message_limits([model], settings), (receive_bytes, send_bytes)
         )
+        install_disconnect_filter()
         server = grpc.aio.server(
+            # No interceptor when nothing is restricted: it would cost every call a hop.
+            interceptors=[RestrictedApiInterceptor(restrictions)] if restrictions else [],
             options=server_options(
                 receive_bytes=receive_bytes,
                 send_bytes=send_bytes,
                 max_connection_age_s=settings.max_connection_age_s,
                 # A call in flight when its connection ages out gets what a drain gives it.
                 max_connection_age_grace_s=settings.grace_period_s,
+                max_connection_idle_s=settings.max_connection_idle_s,
                 share_port=True,
-            )
+            ),
         )
         v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
-        self._add_servicers(server, v2_plane)
+        self._add_servicers(server, v2_plane, Unpacker(settings.grpc_compression,
+                                                       max_bytes=receive_bytes))  # fmt: skip
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = grpc_address(settings.host, port)
         try:
@@ -144,7 +154,10 @@ class FrontendServer:
         """The HTTP/REST front end, bodies bounded as gRPC messages are."""
         settings = self._settings
         rest = RestFrontend(
-            v2_plane, max_body_bytes=receive_bytes, grace_period_s=settings.grace_period_s
+            v2_plane,
+            max_body_bytes=receive_bytes,
+            grace_period_s=settings.grace_period_s,
+            restrictions=self._restrictions_in_force,
         )
         context = None if self.tls is None else self.tls.ssl_context()
         try:
@@ -153,9 +166,14 @@ class FrontendServer:
             raise StartupError(f"cannot bind HTTP/REST to {settings.host}:{port}: {err}") from err
         self._rest = rest
 
-    def _add_servicers(self, server: grpc.aio.Server, v2_plane: V2Plane) -> None:
+    def _add_servicers(self, server: grpc.aio.Server, v2_plane: V2Plane, unpack: Unpacker) -> None:
         settings = self._settings
         limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
+        # This front end's share of the budget: every front end holds its own answers.
+        answers = AnswerBudget(
+            max(1, settings.max_undelivered_bytes // settings.frontends),
+            max(1, settings.max_undelivered_bytes_per_connection // settings.frontends),
+        )
         add_servicer(
             server,
             attention_pb2_grpc.add_AttentionServiceServicer_to_server,
@@ -165,14 +183,22 @@ class FrontendServer:
                 max_stream_inflight_requests=settings.max_stream_inflight_requests,
                 max_stream_pending_bytes=settings.max_stream_pending_bytes,
                 streams=self._streams,
+                answers=answers,
             ),
+            unpack,
         )
         add_servicer(
             server,
             grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
             InferenceServicer(
-                self.plane, settings, lambda: self.ready, streams=self._streams, v2_plane=v2_plane
+                self.plane,
+                settings,
+                lambda: self.ready,
+                streams=self._streams,
+                v2_plane=v2_plane,
+                answers=answers,
             ),
+            unpack,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -187,6 +213,26 @@ class FrontendServer:
                 ]
             ),
         )
+
+    def _restrictions(self) -> Restrictions:
+        """--restricted-api, checked before serving; warns when explicit mode leaves loading
+        and unloading open to anyone who reaches the port."""
+        settings = self._settings
+        try:
+            restrictions = Restrictions.parse(settings.restricted_api)
+        except ValueError as err:
+            raise StartupError(str(err)) from err
+        if restrictions.describe():
+            log.info("restricted APIs: %s", restrictions.describe())
+        if settings.model_control_mode == "explicit" and not restrictions.restricted(
+            "model-repository"
+        ):
+            log.warning(
+                "--model-control-mode explicit with the model-repository API unrestricted: "
+                "anyone who reaches the gRPC port can load and unload models; set "
+                "--restricted-api model-repository:KEY=@/path/to/secret"
+            )
+        return restrictions
 
     def _changed(self) -> None:
         """The worker's served set or readiness changed (or the link to it did)."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 import grpc
 
 from service.errors import (
+    AnswersBacklogged,
+    CompressedTooLarge,
     DeadlineExpired,
     InvalidInput,
     ModelControlDisabled,
     ModelNotFound,
     NotSupported,
+    PermissionDenied,
     QueueFull,
     ServingError,
     ShuttingDown,
@@ -24,6 +27,9 @@ CODE_BY_ERROR: dict[type[ServingError], grpc.StatusCode] = {
     NotSupported: grpc.StatusCode.UNIMPLEMENTED,
     # Triton answers UNAVAILABLE, which clients read as "retry"; no retry can change the mode.
     ModelControlDisabled: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    AnswersBacklogged: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CompressedTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

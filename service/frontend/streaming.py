@@ -14,6 +14,7 @@ to send the rest elsewhere.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -24,7 +25,8 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from service.dataplane import ended_at_deadline
-from service.errors import InvalidInput, ServingError
+from service.errors import AnswersBacklogged, ServingError
+from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Reservation
 from service.frontend.handlers import Undecodable
 from service.frontend.rpc import STREAM_METHOD_OF_API, end_span, serialized, start_span
 from service.frontend.status import code_for
@@ -50,6 +52,10 @@ class StreamCalls(Generic[Request, Response]):
     # Bytes the answer to a request will hold, estimated before it is computed: the stream
     # reserves them when it reads the request, and reads no more past max_pending_bytes.
     answer_bytes: Callable[[Request], int] | None = None
+    # The server-wide bound on undelivered answers: each message's estimate is reserved in it
+    # too, from reading until written; a message that does not fit is answered
+    # RESOURCE_EXHAUSTED at once (the stream goes on).
+    answers: AnswerBudget | None = None
 
 
 DEFAULT_PENDING_BYTES = 64 << 20  # the --max-stream-pending-bytes default
@@ -125,8 +131,11 @@ class _Stream(Generic[Request, Response]):
         self._reserved_bytes = 0
         self._room = asyncio.Event()
         self._room.set()
-        # (answer, bytes reserved for it); None is the reader's last word: no more will come.
-        self._answers: asyncio.Queue[tuple[Any, int] | None] = asyncio.Queue()
+        # An answer, its reservations and how to count it; None is the reader's last word.
+        self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
+        self._peer = context.peer()
+        self._writing: _Answer | None = None
+        self._ended = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight = metrics.in_flight(calls.api)  # bound once per stream
         self._reader: asyncio.Task[None] | None = None
@@ -144,9 +153,11 @@ class _Stream(Generic[Request, Response]):
         self._reader = reader
         try:
             while (item := await self._answers.get()) is not None:
-                answer, reserved = item
-                await self._write(answer)
-                self._reserve(-reserved)
+                self._writing = item  # settled in finally when the call ends mid-write
+                await self._write(item.answer)
+                self._writing = None
+                item.settle(delivered=True)
+                self._reserve(-item.reserved)
                 self._slots.release()
             if not self.closed:
                 await reader  # already done; raises if reading the stream failed
@@ -158,10 +169,24 @@ class _Stream(Generic[Request, Response]):
         finally:
             # Normally nothing is left; after a cancel or a failure this drops every request
             # of this stream still queued in the batcher.
+            self._ended = True  # answers finished from now on are settled, not queued
             reader.cancel()
             for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(reader, *self._tasks, return_exceptions=True)
+            try:
+                await asyncio.gather(reader, *self._tasks, return_exceptions=True)
+            finally:  # gRPC may cancel this task again while it waits
+                self._abandon_unwritten()
+
+    def _abandon_unwritten(self) -> None:
+        """Answers computed but never written: counted CANCELLED, their bytes given back."""
+        if self._writing is not None:
+            self._writing.settle(delivered=False)
+            self._writing = None
+        while not self._answers.empty():
+            item = self._answers.get_nowait()
+            if item is not None:
+                item.settle(delivered=False)
 
     async def _read(self, requests: AsyncIterator[Request]) -> None:
         try:
@@ -193,9 +218,12 @@ class _Stream(Generic[Request, Response]):
                 return  # the client half-closed: finish what it sent
             reserved = self._estimate(request)
             self._reserve(reserved)
-            task = asyncio.create_task(self._answer(request, reserved))
+            hold, refusal = self._hold(reserved)
+            task = asyncio.create_task(self._answer(request, reserved, hold, refusal))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            if hold is not None:  # a task cancelled before it ran has no except to release it
+                task.add_done_callback(functools.partial(_release_if_cancelled, hold))
 
     async def _write(self, answer: Any) -> None:
         try:
@@ -217,6 +245,16 @@ class _Stream(Generic[Request, Response]):
         except Exception:  # a malformed request: its answer is an error message
             return 0
 
+    def _hold(self, nbytes: int) -> tuple[Reservation | None, AnswersBacklogged | None]:
+        """nbytes in the server's budget, or the refusal the message is answered with."""
+        if self._calls.answers is None:
+            return None, None
+        try:
+            memory = MEMORY_PER_ANSWER_BYTE * nbytes  # the budget counts memory, as unary calls
+            return self._calls.answers.reserve(self._peer, memory), None
+        except AnswersBacklogged as err:
+            return None, err
+
     def _reserve(self, change: int) -> None:
         self._reserved_bytes += change
         if self._reserved_bytes >= self._max_pending_bytes:
@@ -224,16 +262,25 @@ class _Stream(Generic[Request, Response]):
         else:
             self._room.set()
 
-    async def _answer(self, request: Request, reserved: int) -> None:
+    async def _answer(
+        self,
+        request: Request,
+        reserved: int,
+        hold: Reservation | None,
+        refusal: AnswersBacklogged | None,
+    ) -> None:
         calls = self._calls
         started = time.monotonic()
         code = grpc.StatusCode.OK
         self._inflight.inc()
+        model = calls.model_label(request)
         # A span per message: a stream may live for hours, and its messages are the requests.
         span = start_span(calls.api, STREAM_METHOD_OF_API.get(calls.api, "stream"), self._context)
         try:
             if isinstance(request, Undecodable):
-                raise InvalidInput(request.message)
+                raise request.refuse(self._peer)
+            if refusal is not None:
+                raise refusal
             answer: Any = await calls.answer(request, self._context)
         except ServingError as err:
             code = code_for(err)
@@ -256,7 +303,37 @@ class _Stream(Generic[Request, Response]):
         finally:
             end_span(span, code)
             self._inflight.dec()
-            model = calls.model_label(request)
-            metrics.requests_counter(model, calls.api, code.name).inc()
+            if code != grpc.StatusCode.OK:  # OK is counted once written (or not)
+                metrics.requests_counter(model, calls.api, code.name).inc()
             metrics.request_duration(model, calls.api).observe(time.monotonic() - started)
-        self._answers.put_nowait((answer, reserved))
+        computed = _Answer(answer, reserved, hold, model, calls.api, code)
+        if self._ended:
+            computed.settle(delivered=False)  # nobody is left to write it
+        else:
+            self._answers.put_nowait(computed)
+
+
+def _release_if_cancelled(hold: Reservation, task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        hold.release()
+
+
+@dataclass
+class _Answer:
+    """One computed answer waiting to be written, with what it holds."""
+
+    answer: Any
+    reserved: int  # in the stream's own bound
+    hold: Reservation | None  # in the server's budget
+    model: str
+    api: str
+    code: grpc.StatusCode
+
+    def settle(self, *, delivered: bool) -> None:
+        """Written (or never will be): give the bytes back; an OK answer counts now."""
+        if self.hold is not None:
+            self.hold.release()
+            self.hold = None
+        if self.code == grpc.StatusCode.OK:
+            code = grpc.StatusCode.OK if delivered else grpc.StatusCode.CANCELLED
+            metrics.requests_counter(self.model, self.api, code.name).inc()

@@ -5,6 +5,7 @@ end calls too."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -12,6 +13,8 @@ import grpc
 
 from service.catalog import SERVER_LABEL, ModelRegistry, ServedModel
 from service.dataplane import DataPlane
+from service.frontend.caller import caller
+from service.frontend.delivery import AnswerBudget
 from service.frontend.rpc import rpc
 from service.frontend.streaming import StreamCalls, StreamCloser, serve_stream
 from service.frontend.v2_codec import encode_response
@@ -19,7 +22,10 @@ from service.frontend.v2_plane import V2Plane
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 from service.settings import Settings
+from service.text import shown
 from service.transport.wire import WireMessage, joined, settled
+
+log = logging.getLogger(__name__)
 
 API = "v2"
 STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
@@ -37,7 +43,9 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         *,
         streams: StreamCloser | None = None,
         v2_plane: V2Plane | None = None,
+        answers: AnswerBudget | None = None,
     ) -> None:
+        self.answers = answers  # None: answers are not bounded (tests of other parts)
         self.plane = v2_plane or V2Plane(plane, settings, is_ready)
         self._settings = settings
         self._limits = self.plane.limits
@@ -48,14 +56,15 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             model_label=self.model_label,
             request_id=self.request_id,
             closer=streams,
-            answer_bytes=self._answer_bytes,
+            answer_bytes=self.answer_bytes,
+            answers=answers,
         )
 
     @property
     def _registry(self) -> ModelRegistry[ServedModel]:
         return self.plane.registry
 
-    def _answer_bytes(self, request: v2.ModelInferRequest) -> int:
+    def answer_bytes(self, request: v2.ModelInferRequest) -> int:
         """The answer's size, estimated before computing it: the output is as large as the
         input; the weights, when asked for, add h * seq float32 values per position."""
         tensor = request.inputs[0]
@@ -130,6 +139,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: v2.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelLoadResponse:
+        log.info("RepositoryModelLoad %s asked by %s", shown(request.model_name), caller(context))
         await self.plane.load(request.repository_name, request.model_name, request.parameters)
         return v2.RepositoryModelLoadResponse()
 
@@ -137,10 +147,11 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(
         self, request: v2.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelUnloadResponse:
+        log.info("RepositoryModelUnload %s asked by %s", shown(request.model_name), caller(context))
         await self.plane.unload(request.repository_name, request.model_name, request.parameters)
         return v2.RepositoryModelUnloadResponse()
 
-    @rpc(API)
+    @rpc(API, holds_answer=True)
     async def ModelInfer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:

@@ -179,6 +179,8 @@ class WorkerClient:
                 call.future.set_result(message)
         elif kind in (messages.WELCOME, messages.MODELS):
             self._apply_snapshot(message)
+        elif kind == messages.SYNC:
+            link.writer.send({"t": messages.SYNCED, "id": message["id"]})
         else:
             raise ValueError(f"unknown message type {kind!r}")
 

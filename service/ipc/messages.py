@@ -14,6 +14,9 @@ from service.dataplane import Duration, IndexEntry, VersionStats
 # Message types.
 INFER, CANCEL, CALL = "infer", "cancel", "call"  # front end -> worker
 DONE, FAIL, REPLY, MODELS, WELCOME = "done", "fail", "reply", "models", "welcome"
+# The worker asks (SYNC) and the front end answers (SYNCED): once the answer is in, every
+# request the front end sent before it read the latest served set has arrived too.
+SYNC, SYNCED = "sync", "synced"
 CANCELLED = "Cancelled"  # FAIL kind of a request the front end cancelled
 
 # Errors a client may see the message of, by name; anything else arrives as INTERNAL.

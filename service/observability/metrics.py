@@ -25,7 +25,9 @@ PADDING_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
 
 REQUESTS = Counter(
     f"{PREFIX}_requests_total",
-    "Finished RPCs by model, API (attention | v2 | ...) and gRPC status code.",
+    "Finished RPCs by model, API (attention | v2 | ...) and gRPC status code; an answer "
+    "computed but never delivered (the client reset the call or its connection closed first) "
+    "counts as CANCELLED, not OK.",
     ["model", "api", "code"],
 )
 REQUEST_DURATION = Histogram(
@@ -92,7 +94,8 @@ QUEUE_BYTES = Gauge(
 )
 IN_FLIGHT = Gauge(
     f"{PREFIX}_inflight_requests",
-    "RPCs being handled right now (queued or computing), all front ends.",
+    "RPCs being handled right now (queued, computing, or writing an answer the client has not "
+    "taken yet), all front ends.",
     ["api"],
     multiprocess_mode="livesum",
 )
@@ -101,6 +104,29 @@ MODEL_LOAD_EVENTS = Counter(
     "Model version loads and unloads (action: load | unload) by outcome (success | failure); "
     "a failed load never replaces a served version.",
     ["model", "action", "outcome"],
+)
+
+UNDELIVERED_BYTES = Gauge(
+    f"{PREFIX}_undelivered_answer_bytes",
+    "Memory held by answers from admission until gRPC took them or the call ended: twice "
+    "each answer's bytes (bounded by max_undelivered_bytes).",
+)
+UNDELIVERED_REFUSALS = Counter(
+    f"{PREFIX}_undelivered_refusals_total",
+    "Calls and stream messages refused with RESOURCE_EXHAUSTED because the undelivered "
+    "answers were at their bound (scope: server | connection).",
+    ["scope"],
+)
+COMPRESSION_REFUSALS = Counter(
+    f"{PREFIX}_compressed_requests_refused_total",
+    "Compressed request messages refused (reason: encoding = compression not accepted "
+    "(--grpc-compression identity) | too_large = inflates past the receive limit | corrupt).",
+    ["reason"],
+)
+RESTRICTED_DENIALS = Counter(
+    f"{PREFIX}_restricted_api_denials_total",
+    "Calls refused with PERMISSION_DENIED by --restricted-api, by API group.",
+    ["group"],
 )
 
 

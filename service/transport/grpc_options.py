@@ -15,6 +15,12 @@ Connection hygiene (README, "Connection hygiene", says why each value):
   sees UNAVAILABLE, retryable) before any handler runs, so they never pile up here.
 - TLS handshake: a connection that has not finished it within HANDSHAKE_TIMEOUT_MS is closed
   (gRPC's default is 120 s), so silent connections cannot hold the port's descriptors.
+- idle connections: a connection with no call open for max_connection_idle_s is sent GOAWAY
+  and closed, so connections that sent the preface and then nothing do not pile up.
+- compressed messages reach the application still compressed (per-message decompression
+  off): core checks the receive limit on the size that came over the wire, and
+  service/frontend/compression.py inflates (or refuses) within that limit, where core would
+  first inflate the whole message.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ def connection_options(
     max_connection_age_s: float = 0.0,
     max_connection_age_grace_s: float = 0.0,
     handshake_timeout_ms: int = HANDSHAKE_TIMEOUT_MS,
+    max_connection_idle_s: float = 0.0,
 ) -> list[tuple[str, Any]]:
-    """Keepalive, its enforcement, connection age, the handshake deadline and the
-    per-connection stream bound; max_connection_age_s 0 = no age limit."""
+    """Keepalive, its enforcement, connection age and idleness, the handshake deadline and
+    the per-connection stream bound; max_connection_age_s / max_connection_idle_s 0 = none."""
     options: list[tuple[str, Any]] = [
         ("grpc.server_handshake_timeout_ms", handshake_timeout_ms),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
@@ -54,6 +61,8 @@ def connection_options(
             ("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
             ("grpc.max_connection_age_grace_ms", max(1, round(max_connection_age_grace_s * 1000))),
         ]
+    if max_connection_idle_s > 0:
+        options.append(("grpc.max_connection_idle_ms", max(1, round(max_connection_idle_s * 1000))))
     return options
 
 
@@ -64,6 +73,7 @@ def server_options(
     max_connection_age_s: float = 0.0,
     max_connection_age_grace_s: float = 0.0,
     share_port: bool = False,
+    max_connection_idle_s: float = 0.0,
 ) -> list[tuple[str, Any]]:
     """Options for grpc.aio.server(); message limits come from the largest legal call.
     share_port: front ends of one server share its port (the supervisor checked that no
@@ -71,10 +81,13 @@ def server_options(
     return [
         ("grpc.max_receive_message_length", min(receive_bytes, GRPC_MAX_MESSAGE_BYTES)),
         ("grpc.max_send_message_length", min(send_bytes, GRPC_MAX_MESSAGE_BYTES)),
+        # Compressed requests arrive as they came; the front end inflates them within bounds.
+        ("grpc.per_message_decompression", 0),
         # A second server on a taken port must fail, not silently share it.
         ("grpc.so_reuseport", 1 if share_port else 0),
         *connection_options(
             max_connection_age_s=max_connection_age_s,
             max_connection_age_grace_s=max_connection_age_grace_s,
+            max_connection_idle_s=max_connection_idle_s,
         ),
     ]

@@ -25,7 +25,8 @@ def build_controller(
     settle: Callable[[OnnxModel], Awaitable[None]],
     changed: Callable[[], None],
 ) -> ModelController:
-    found = discover(settings.model_repository, quiet=True)
+    follow = settings.repository_follow_symlinks == "on"
+    found = discover(settings.model_repository, quiet=True, follow_symlinks=follow)
     # Each session's arena bound: a share of --gpu-mem-fraction over the sessions at start.
     cuda = cuda_options_for(
         providers,
@@ -69,6 +70,7 @@ def build_controller(
         settings.model_repository,
         mode=settings.model_control_mode,
         policy=VersionPolicy.parse(settings.version_policy),
+        follow_symlinks=follow,
         hooks=Hooks(
             open_model=open_model, prepare=prepare, settle=settle, changed=changed, event=event
         ),

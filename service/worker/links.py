@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 # Copies of answers this large run on a thread (numpy releases the GIL), so the worker's
 # event loop keeps feeding batches meanwhile.
 OFF_LOOP_COPY_BYTES = 1 << 20
+SYNC_TIMEOUT_S = 5.0
 
 Call = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
@@ -55,9 +57,25 @@ class FrontendLink:
         self._call = call
         self._submitted: dict[int, asyncio.Future[Any]] = {}  # id -> the batcher's future
         self._tasks: set[asyncio.Task[None]] = set()
+        self._syncs: dict[int, asyncio.Future[None]] = {}
+        self._sync_ids = itertools.count(1)
 
     def send(self, message: channel.Message) -> None:
         self._writer.send(message)
+
+    async def sync(self, timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        """Return once every request this front end sent before it read the latest served
+        set has arrived here (messages on one socket stay in order); a gone front end, or
+        one that does not answer in time, counts as synced."""
+        sync_id = next(self._sync_ids)
+        waiter = self._syncs[sync_id] = asyncio.get_running_loop().create_future()
+        self.send({"t": messages.SYNC, "id": sync_id})
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            log.warning("front end %s did not answer a sync in %.0fs", self.name, timeout_s)
+        finally:
+            self._syncs.pop(sync_id, None)
 
     async def serve(self) -> None:
         """Read until the front end goes; then drop what it still had queued."""
@@ -72,6 +90,9 @@ class FrontendLink:
         finally:
             for submitted in self._submitted.values():
                 submitted.cancel()
+            for waiter in self._syncs.values():
+                if not waiter.done():
+                    waiter.set_result(None)  # nothing more can arrive from it
             self._writer.close()
             self._slab.close()
 
@@ -85,6 +106,10 @@ class FrontendLink:
                 submitted.cancel()
         elif kind == messages.CALL:
             self._start(self._control(message))
+        elif kind == messages.SYNCED:
+            waiter = self._syncs.pop(int(message["id"]), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
         else:
             raise ValueError(f"unknown message type {kind!r}")
 

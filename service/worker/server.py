@@ -160,9 +160,11 @@ class WorkerServer:
                      caps.describe())  # fmt: skip
 
     async def _settle(self, model: OnnxModel) -> None:
-        """Until none of a withdrawn version's requests is queued or computing."""
+        """Until none of a withdrawn version's requests is queued or computing, counting
+        those front ends sent before they learnt of the withdrawal."""
         self._retiring[model.key] = model
         try:
+            await asyncio.gather(*(link.sync() for link in list(self._links)))
             await self.batcher.settle(model)
         finally:
             if self._retiring.get(model.key) is model:

@@ -24,6 +24,7 @@ from aiohttp import web
 from service.catalog import SERVER_LABEL
 from service.errors import ServingError
 from service.frontend.rest import routes
+from service.frontend.restricted import Restrictions
 from service.frontend.status import SERVER_FAULTS, code_for, http_status
 from service.frontend.v2_plane import V2Plane
 from service.observability import metrics, tracing
@@ -61,8 +62,16 @@ def _route(request: web.Request) -> str:
 class RestFrontend:
     """start() binds and serves; stop() closes within its timeout."""
 
-    def __init__(self, plane: V2Plane, *, max_body_bytes: int, grace_period_s: float) -> None:
+    def __init__(
+        self,
+        plane: V2Plane,
+        *,
+        max_body_bytes: int,
+        grace_period_s: float,
+        restrictions: Restrictions | None = None,
+    ) -> None:
         self._plane = plane
+        self._restrictions = restrictions or Restrictions()
         self.max_body_bytes = max_body_bytes
         self._grace_period_s = grace_period_s
         self._runner: web.AppRunner | None = None
@@ -130,6 +139,10 @@ class RestFrontend:
         in_flight.inc()
         span = self._start_span(request)
         try:
+            if self._restrictions:
+                # aiohttp's headers are case-insensitive; the check reads lower-case names.
+                headers = {name.lower(): value for name, value in request.headers.items()}
+                self._restrictions.check(group_of_path(request.path), headers)
             response = await handler(request)
             status = response.status
             return response
@@ -187,3 +200,18 @@ def _refusal_message(request: web.Request, err: web.HTTPException) -> str:
     if err.status == 405:
         return f"{request.method} is not served on {request.path[:200]!r}; {err.reason}"
     return err.reason
+
+
+def group_of_path(path: str) -> str:
+    """The --restricted-api group of a REST path, as Triton groups its HTTP endpoints."""
+    parts = [part for part in path.split("/") if part]
+    if parts[:2] == ["v2", "health"] or parts[-1:] == ["ready"]:
+        return "health"
+    if parts[:2] == ["v2", "repository"]:
+        return "model-repository"
+    if parts[:2] == ["v2", "systemsharedmemory"] or parts[:2] == ["v2", "cudasharedmemory"]:
+        return "shared-memory"
+    last = parts[-1] if parts else ""
+    return {"infer": "inference", "stats": "statistics", "config": "model-config"}.get(
+        last, "metadata"
+    )

@@ -27,7 +27,13 @@ from service.errors import (
 from service.text import shown
 from service.worker.engine.onnx_model import BrokenModel, OnnxModel
 from service.worker.engine.registry import ModelRegistry
-from service.worker.engine.repository import Scan, VersionFiles, discover, scan
+from service.worker.engine.repository import (
+    Scan,
+    VersionFiles,
+    discover,
+    relative_text,
+    scan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +70,12 @@ class ModelController:
         mode: str,
         policy: VersionPolicy,
         hooks: Hooks,
+        follow_symlinks: bool = False,
     ) -> None:
         self.registry = registry
         self.mode = mode
         self._repository = repository
+        self._follow_symlinks = follow_symlinks
         self._policy = policy
         self._hooks = hooks
         self._lock = asyncio.Lock()
@@ -78,6 +86,9 @@ class ModelController:
         self._changes: set[asyncio.Future[None]] = set()  # loads and unloads under way
         self._closed = False
 
+    def _discover(self, *, quiet: bool = False) -> list[VersionFiles]:
+        return discover(self._repository, quiet=quiet, follow_symlinks=self._follow_symlinks)
+
     # -- the three modes ---------------------------------------------------------------------
 
     async def start(self, names: Iterable[str] = ()) -> None:
@@ -85,7 +96,7 @@ class ModelController:
         all models, or in explicit mode those named (all when none is named). ModelNotFound
         when a named model has no folder: a typo must not start a server that serves nothing."""
         wanted = set(names)
-        found = await asyncio.to_thread(discover, self._repository)
+        found = await asyncio.to_thread(self._discover)
         missing = sorted(wanted - {files.name for files in found})
         if missing:
             raise ModelNotFound(
@@ -102,7 +113,9 @@ class ModelController:
         """Rescan the repository and follow it: new versions in, removed ones out. A model
         whose folder cannot be read (or all of them, when the repository cannot be listed)
         keeps what it serves: an unmounted volume or an NFS error is not a removal."""
-        found = await asyncio.to_thread(scan, self._repository, quiet=True)
+        found = await asyncio.to_thread(
+            scan, self._repository, quiet=True, follow_symlinks=self._follow_symlinks
+        )
         self._warn_unreadable(found)
         if not found.listed:
             return
@@ -155,11 +168,7 @@ class ModelController:
         await asyncio.shield(task)
 
     async def _load_model(self, name: str) -> None:
-        found = [
-            files
-            for files in await asyncio.to_thread(discover, self._repository)
-            if files.name == name
-        ]
+        found = [files for files in await asyncio.to_thread(self._discover) if files.name == name]
         if not found:
             raise ModelNotFound(
                 f"no model {shown(name)} in the repository (expected <name>/<version>/model.onnx)"
@@ -204,7 +213,7 @@ class ModelController:
 
     async def index(self, *, ready_only: bool = False) -> list[IndexEntry]:
         """Every version on disk or served, with its state; READY ones only when asked."""
-        found = await asyncio.to_thread(discover, self._repository, quiet=True)
+        found = await asyncio.to_thread(self._discover, quiet=True)
         keys = {(f.name, f.version) for f in found} | set(self._states)
         keys |= {(m.spec.name, m.spec.version) for m in self.registry.all()}
         entries = []
@@ -263,10 +272,14 @@ class ModelController:
             self._states[key] = (LOADING, "")
         log.info("loading %s version %d", files.name, files.version)
         try:
+            if files.refused:
+                raise BrokenModel(files.refused)
             model = await asyncio.to_thread(self._open, files, warm)
         except Exception as err:
             reason = str(err) if isinstance(err, BrokenModel) else f"unexpected error: {err!r}"
             log.error("not serving %s version %d: %s", files.name, files.version, reason)
+            # Clients see the reason (RepositoryIndex, a failed load): no server paths in it.
+            reason = relative_text(reason, self._repository)
             self._failed[key] = files.identity
             self._states[key] = (READY, f"reload failed: {reason}") if serving else (
                 UNAVAILABLE, reason

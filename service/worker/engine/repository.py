@@ -3,7 +3,9 @@ the version policy that picks which of them are served."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,9 @@ class VersionFiles:
     output_graph: Path
     weights_graph: Path | None
     identity: tuple[int, ...] = ()
+    # Why this version must not be loaded although its files are there (a symbolic link out
+    # of the repository); the load fails with this reason, so clients are told.
+    refused: str = ""
 
 
 def _identity(version_folder: Path) -> tuple[int, ...]:
@@ -54,14 +59,52 @@ class Scan:
     unreadable: frozenset[str] = frozenset()
 
 
-def discover(repository: Path, *, quiet: bool = False) -> list[VersionFiles]:
+def discover(
+    repository: Path, *, quiet: bool = False, follow_symlinks: bool = False
+) -> list[VersionFiles]:
     """Every well-formed version folder by (name, version); see scan()."""
-    return scan(repository, quiet=quiet).versions
+    return scan(repository, quiet=quiet, follow_symlinks=follow_symlinks).versions
 
 
-def scan(repository: Path, *, quiet: bool = False) -> Scan:
+def relative_text(text: str, repository: Path) -> str:
+    """text with the repository's absolute path taken out, as clients may see it: a file's
+    path becomes relative to the repository (ONNX Runtime's errors name the absolute one)."""
+    roots = {str(repository.absolute())}
+    with contextlib.suppress(OSError):
+        roots.add(str(repository.resolve()))
+    # Longest first: a resolved path may extend the given one (/models -> /mnt/pvc/models).
+    for root in sorted((r.rstrip("/") for r in roots if r.rstrip("/")), key=len, reverse=True):
+        # Only the whole folder name: /models must not cut /models2/x to 2/x.
+        text = re.sub(re.escape(root) + r"/", "", text)
+        text = re.sub(re.escape(root) + r"(?![\w.-])", "<model repository>", text)
+    return text
+
+
+def _outside(path: Path, root: Path) -> bool:
+    """Whether path, links followed, leaves root (an already resolved folder)."""
+    try:
+        return not path.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):  # a link loop
+        return True
+
+
+def _refusal(files: list[Path], repository: Path) -> str:
+    """The load error for a version whose folders or graphs link out of the repository."""
+    root = repository.resolve()
+    leaving = [path for path in files if _outside(path, root)]
+    if not leaving:
+        return ""
+    shown_path = leaving[0].relative_to(repository)
+    return (
+        f"{shown_path} is a symbolic link that leads out of the model repository; refused "
+        "(start the server with --repository-follow-symlinks on to serve it)"
+    )
+
+
+def scan(repository: Path, *, quiet: bool = False, follow_symlinks: bool = False) -> Scan:
     """Every well-formed version folder by (name, version); others are logged (at debug level
-    when quiet, for repeated polls), skipped."""
+    when quiet, for repeated polls), skipped. Versions whose folders or graphs link out of the
+    repository are marked refused unless follow_symlinks."""
     level = logging.DEBUG if quiet else logging.ERROR
     try:
         model_folders = sorted(p for p in repository.iterdir() if p.is_dir())
@@ -74,7 +117,7 @@ def scan(repository: Path, *, quiet: bool = False) -> Scan:
         if model_folder.name.startswith("."):
             continue
         try:
-            found += _versions(model_folder, level)
+            found += _versions(model_folder, level, None if follow_symlinks else repository)
         except (FileNotFoundError, NotADirectoryError):
             continue  # removed while we looked (poll mode): the next scan will not see it
         except OSError as err:
@@ -86,8 +129,9 @@ def scan(repository: Path, *, quiet: bool = False) -> Scan:
     )
 
 
-def _versions(model_folder: Path, level: int) -> list[VersionFiles]:
-    """The well-formed versions of one model; OSError when its folder cannot be read."""
+def _versions(model_folder: Path, level: int, confined_to: Path | None) -> list[VersionFiles]:
+    """The well-formed versions of one model; OSError when its folder cannot be read.
+    confined_to: the repository its links must stay in (None: links may go anywhere)."""
     found = []
     for version_folder in sorted(p for p in model_folder.iterdir() if p.is_dir()):
         if version_folder.name.startswith("."):
@@ -102,6 +146,12 @@ def _versions(model_folder: Path, level: int) -> list[VersionFiles]:
             log.log(level, "skipping %s: no %s in it", version_folder, OUTPUT_GRAPH)
             continue
         weights_graph = version_folder / WEIGHTS_GRAPH
+        graphs = [output_graph, *([weights_graph] if _is_file(weights_graph) else [])]
+        refused = (
+            ""
+            if confined_to is None
+            else _refusal([model_folder, version_folder, *graphs], confined_to)
+        )
         found.append(
             VersionFiles(
                 name=model_folder.name,
@@ -109,6 +159,7 @@ def _versions(model_folder: Path, level: int) -> list[VersionFiles]:
                 output_graph=output_graph,
                 weights_graph=weights_graph if _is_file(weights_graph) else None,
                 identity=_identity(version_folder),
+                refused=refused,
             )
         )
     return found
