@@ -41,3 +41,15 @@ class ModelLoadFailed(InvalidInput):
 
 class ModelControlDisabled(ServingError):
     """A repository load or unload in a model control mode that does not allow it."""
+
+
+class RegionNotFound(ServingError):
+    """No client shared-memory region of that name (never registered, or unregistered)."""
+
+
+class RegionExists(ServingError):
+    """A client shared-memory region of that name is registered already."""
+
+
+class RegionsExhausted(ServingError):
+    """Registering one more client shared-memory region would pass the server's bounds."""

@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fused_attention": FUSED_ATTENTION,
     "model_control_mode": MODEL_CONTROL_MODES,
     "tracing": ON_OFF,
+    "client_shared_memory": ON_OFF,
 }
 
 
@@ -240,6 +241,22 @@ class Settings:
         "waited for), so a slow or unreachable collector neither slows nor grows the server",
         default=2048,
     )
+    client_shared_memory: str = _doc(
+        "on: Triton's system shared-memory extension, for clients on the same host "
+        "(SystemSharedMemoryRegister etc., /v2/systemsharedmemory/...; inputs and outputs "
+        "referenced by shared_memory_region/offset/byte_size); keys name objects under "
+        "/dev/shm only; needs --frontends 1. off: those calls answer UNIMPLEMENTED",
+        default="off",
+    )
+    max_client_shared_memory_regions: int = _doc(
+        "client shared-memory regions registered at once; one more is RESOURCE_EXHAUSTED",
+        default=64,
+    )
+    max_client_shared_memory_bytes: int = _doc(
+        "total bytes of the client shared-memory regions registered at once (each is mapped "
+        "into the front end); beyond it registration is RESOURCE_EXHAUSTED",
+        default=4 << 30,
+    )
 
     def __post_init__(self) -> None:
         problems = [
@@ -313,6 +330,20 @@ class Settings:
             ("shared_memory_bytes", self.shared_memory_bytes >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),
             ("restart_window_s", self.restart_window_s > 0, "> 0"),
+            ("client_shared_memory", self.client_shared_memory in ON_OFF, "on or off"),
+            (
+                # Each front end keeps its own registry of regions, and a registration reaches
+                # one front end only; --frontends 1 keeps every request where its regions are.
+                "client_shared_memory",
+                self.client_shared_memory == "off" or self.frontends == 1,
+                "off with --frontends above 1 (registrations are kept per front end)",
+            ),
+            (
+                "max_client_shared_memory_regions",
+                1 <= self.max_client_shared_memory_regions <= 4096,
+                "in 1..4096",
+            ),
+            ("max_client_shared_memory_bytes", self.max_client_shared_memory_bytes >= 1, ">= 1"),
         ]
 
     @property

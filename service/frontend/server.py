@@ -76,6 +76,7 @@ class FrontendServer:
         self._streams = StreamCloser()
         self._server: grpc.aio.Server | None = None
         self._rest: RestFrontend | None = None
+        self._v2_plane: V2Plane | None = None
         self.tls: ReloadingCredentials | None = None
         self.port: int | None = None
         self.plane = WorkerClient(socket_path, name, slab_bytes(settings, queue_bytes),
@@ -117,7 +118,7 @@ class FrontendServer:
                 share_port=True,
             )
         )
-        v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
+        v2_plane = self._v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
         self._add_servicers(server, v2_plane)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = grpc_address(settings.host, port)
@@ -248,5 +249,7 @@ class FrontendServer:
             closing.append(self._rest.stop(remaining()))
         await asyncio.gather(*closing)
         await self.plane.close()
+        if self._v2_plane is not None:
+            self._v2_plane.close()
         tracing.stop(min(TRACING_FLUSH_S, remaining()))
         log.info("front end %s stopped", self.name)

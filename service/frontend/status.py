@@ -11,6 +11,9 @@ from service.errors import (
     ModelNotFound,
     NotSupported,
     QueueFull,
+    RegionExists,
+    RegionNotFound,
+    RegionsExhausted,
     ServingError,
     ShuttingDown,
 )
@@ -24,6 +27,9 @@ CODE_BY_ERROR: dict[type[ServingError], grpc.StatusCode] = {
     NotSupported: grpc.StatusCode.UNIMPLEMENTED,
     # Triton answers UNAVAILABLE, which clients read as "retry"; no retry can change the mode.
     ModelControlDisabled: grpc.StatusCode.FAILED_PRECONDITION,
+    RegionNotFound: grpc.StatusCode.NOT_FOUND,
+    RegionExists: grpc.StatusCode.ALREADY_EXISTS,
+    RegionsExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -43,6 +49,7 @@ HTTP_STATUS_BY_CODE: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499,  # the client went away (nginx's code; never sent)
     grpc.StatusCode.UNIMPLEMENTED: 501,
