@@ -179,7 +179,8 @@ def test_bad_references_are_refused_with_clear_codes(
         wrong_size = _code(infer(_shm_input(nbytes=IN_BYTES - 4)))
         assert f"needs {IN_BYTES} bytes" in wrong_size, wrong_size
         small = _code(infer(outputs=[_shm_output("output", "in", IN_BYTES - 4)]))
-        assert small.startswith("StatusCode.INVALID_ARGUMENT") and f"needs {IN_BYTES} bytes" in small
+        assert small.startswith("StatusCode.INVALID_ARGUMENT")
+        assert f"needs {IN_BYTES} bytes" in small
         unknown_output = _code(infer(outputs=[_shm_output("output", "gone", 16)]))
         assert unknown_output.startswith("StatusCode.NOT_FOUND")
 
@@ -206,9 +207,7 @@ def test_bad_references_are_refused_with_clear_codes(
         client.unregister_system_shared_memory("nope")  # nothing to do, as Triton
 
 
-def test_region_gone_while_waiting_fails_that_request_alone(
-    repository: Path, reference
-) -> None:
+def test_region_gone_while_waiting_fails_that_request_alone(repository: Path, reference) -> None:
     """Requests queue for --max-queue-delay-ms; meanwhile one's output region is unregistered
     and another's object is removed: those two fail NOT_FOUND, the one batched with them is
     answered."""
@@ -256,17 +255,22 @@ def test_region_gone_while_waiting_fails_that_request_alone(
     assert not list(Path("/dev/shm").glob(f"{PREFIX}-*"))
 
 
-def test_off_by_default(server: ServerProcess) -> None:
+def test_off_by_default(repository: Path) -> None:
     assert load_settings([]).client_shared_memory == "off"
-    with triton.InferenceServerClient(server.target) as client:
-        refused = _code(lambda: client.register_system_shared_memory("r", "/k", 64))
-        assert refused.startswith("StatusCode.UNIMPLEMENTED")
-        assert "--client-shared-memory on" in refused
-        tensor = triton.InferInput("embeddings", [1, 2, 512], "FP32")
-        tensor.set_shared_memory("r", 1 * 2 * 512 * 4)
-        refused = _code(lambda: client.infer("mha", [tensor]))
-        assert refused.startswith("StatusCode.INVALID_ARGUMENT")
-        assert "--client-shared-memory on" in refused
+    with ServerProcess(repository, "--default-model", "small", http=True) as server:
+        with triton.InferenceServerClient(server.target) as client:
+            refused = _code(lambda: client.register_system_shared_memory("r", "/k", 64))
+            assert refused.startswith("StatusCode.UNIMPLEMENTED")
+            assert "--client-shared-memory on" in refused
+            assert "system_shared_memory" not in client.get_server_metadata().extensions
+            refused = _code(lambda: client.infer("small", [_shm_input(region="r")]))
+            assert refused.startswith("StatusCode.INVALID_ARGUMENT")
+            assert "--client-shared-memory on" in refused
+        rest = triton_http.InferenceServerClient(server.http_url)
+        try:
+            assert _code(rest.get_system_shared_memory_status).startswith("501")
+        finally:
+            rest.close()
 
 
 def test_needs_one_front_end() -> None:
