@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
@@ -16,6 +17,8 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from export.pipeline import ExportRequest, run_export
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
 from service.settings import load_settings
 from tests.reference import attend_alone, layer_for
 from tests.server_process import ServerProcess
@@ -158,6 +161,43 @@ def test_http_shared_memory_and_mixed_outputs_equal_torch(
     np.testing.assert_allclose(got, want_output, atol=1e-5, rtol=0)
     np.testing.assert_allclose(result.as_numpy("attention_weights"), want_weights, atol=1e-6)
     del got
+
+
+def test_attend_request_region_references_equal_torch(
+    shm_server: ServerProcess, objects: Objects, reference
+) -> None:
+    x = np.random.default_rng(3).standard_normal((N, SEQ, D), dtype=np.float32)
+    memory, key = objects.make("all", 2 * IN_BYTES + WEIGHTS_BYTES)
+    shm.set_shared_memory_region(memory, [x])
+    with triton.InferenceServerClient(shm_server.target) as client:
+        client.register_system_shared_memory("all", key, 2 * IN_BYTES + WEIGHTS_BYTES)
+    with grpc.insecure_channel(shm_server.target) as channel:
+        attend = attention_pb2_grpc.AttentionServiceStub(channel).Attend
+        request = pb.AttendRequest(
+            embeddings=pb.Tensor(shape=[N, SEQ, D], dtype=pb.FLOAT32),
+            embeddings_region=pb.SharedMemoryRef(region="all", byte_size=IN_BYTES),
+            output_region=pb.SharedMemoryRef(region="all", offset=IN_BYTES, byte_size=IN_BYTES),
+            attention_weights_region=pb.SharedMemoryRef(
+                region="all", offset=2 * IN_BYTES, byte_size=WEIGHTS_BYTES
+            ),
+            return_attention_weights=True,
+        )
+        response = attend(request)
+        assert list(response.output.shape) == [N, SEQ, D]
+        assert not response.output.data
+        assert not response.attention_weights.data
+        request.embeddings_region.region = "nope"
+        with pytest.raises(grpc.RpcError) as caught:
+            attend(request)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    want_output, want_weights = attend_alone(reference, x)
+    got_output = shm.get_contents_as_numpy(memory, np.float32, [N, SEQ, D], offset=IN_BYTES)
+    got_weights = shm.get_contents_as_numpy(
+        memory, np.float32, [N, H, SEQ, SEQ], offset=2 * IN_BYTES
+    )
+    np.testing.assert_allclose(got_output, want_output, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got_weights, want_weights, atol=1e-6, rtol=0)
+    del got_output, got_weights
 
 
 def test_bad_references_are_refused_with_clear_codes(

@@ -166,6 +166,7 @@ class FrontendServer:
                 max_stream_inflight_requests=settings.max_stream_inflight_requests,
                 max_stream_pending_bytes=settings.max_stream_pending_bytes,
                 streams=self._streams,
+                regions=v2_plane.regions,  # one registry of client regions for both APIs
             ),
         )
         add_servicer(

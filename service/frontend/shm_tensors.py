@@ -68,7 +68,16 @@ def reference(
     if byte_size is None:
         raise InvalidInput(f"{where} names a shared-memory region without {BYTE_SIZE}")
     offset = _count(parameters, OFFSET, where) or 0
-    region = regions.get(parameters[REGION].string_param)
+    return region_ref(parameters[REGION].string_param, offset, byte_size, where, regions)
+
+
+def region_ref(
+    name: str, offset: int, byte_size: int, where: str, regions: ClientRegions | None
+) -> TensorRef:
+    """A reference to a registered region, checked against its bounds."""
+    if regions is None:
+        raise InvalidInput(f"{where}: {OFF}")
+    region = regions.get(name)
     if offset + byte_size > region.byte_size:
         raise InvalidInput(
             f"{where}: {OFFSET} {offset} + {BYTE_SIZE} {byte_size} is past the end of "
