@@ -59,3 +59,15 @@ class CompressionRefused(NotSupported):
 
 class CompressedTooLarge(ServingError):
     """A compressed request that inflates past the receive limit (refused while inflating)."""
+
+
+class RegionNotFound(ServingError):
+    """No client shared-memory region of that name (never registered, or unregistered)."""
+
+
+class RegionExists(ServingError):
+    """A client shared-memory region of that name is registered already."""
+
+
+class RegionsExhausted(ServingError):
+    """Registering one more client shared-memory region would pass the server's bounds."""

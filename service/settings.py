@@ -40,6 +40,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "tracing": ON_OFF,
     "grpc_compression": GRPC_COMPRESSION,
     "repository_follow_symlinks": ON_OFF,
+    "client_shared_memory": ON_OFF,
 }
 
 
@@ -252,6 +253,22 @@ class Settings:
         "waited for), so a slow or unreachable collector neither slows nor grows the server",
         default=2048,
     )
+    client_shared_memory: str = _doc(
+        "on: Triton's system shared-memory extension, for clients on the same host "
+        "(SystemSharedMemoryRegister etc., /v2/systemsharedmemory/...; inputs and outputs "
+        "referenced by shared_memory_region/offset/byte_size); keys name objects under "
+        "/dev/shm only; needs --frontends 1. off: those calls answer UNIMPLEMENTED",
+        default="off",
+    )
+    max_client_shared_memory_regions: int = _doc(
+        "client shared-memory regions registered at once; one more is RESOURCE_EXHAUSTED",
+        default=64,
+    )
+    max_client_shared_memory_bytes: int = _doc(
+        "total bytes of the client shared-memory regions registered at once (each is mapped "
+        "into the front end); beyond it registration is RESOURCE_EXHAUSTED",
+        default=4 << 30,
+    )
 
     max_undelivered_bytes: int = _doc(
         "memory answers may hold (all calls and streams of this front end), reserved from "
@@ -374,6 +391,20 @@ class Settings:
             ("grpc_compression", self.grpc_compression in GRPC_COMPRESSION, "identity or gzip"),
             ("repository_follow_symlinks", self.repository_follow_symlinks in ON_OFF, "on or off"),
             ("max_connection_idle_s", self.max_connection_idle_s >= 0, ">= 0"),
+            ("client_shared_memory", self.client_shared_memory in ON_OFF, "on or off"),
+            (
+                # Each front end keeps its own registry of regions, and a registration reaches
+                # one front end only; --frontends 1 keeps every request where its regions are.
+                "client_shared_memory",
+                self.client_shared_memory == "off" or self.frontends == 1,
+                "off with --frontends above 1 (registrations are kept per front end)",
+            ),
+            (
+                "max_client_shared_memory_regions",
+                1 <= self.max_client_shared_memory_regions <= 4096,
+                "in 1..4096",
+            ),
+            ("max_client_shared_memory_bytes", self.max_client_shared_memory_bytes >= 1, ">= 1"),
         ]
 
     @property

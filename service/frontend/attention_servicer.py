@@ -11,7 +11,9 @@ import numpy as np
 from service.catalog import SERVER_LABEL, ModelRegistry, ServedModel
 from service.dataplane import DataPlane, Result
 from service.errors import InvalidInput
+from service.frontend import shm_tensors
 from service.frontend.admission import admit_and_run
+from service.frontend.client_memory import ClientRegions
 from service.frontend.delivery import AnswerBudget
 from service.frontend.rpc import rpc
 from service.frontend.streaming import (
@@ -24,7 +26,7 @@ from service.frontend.validation import InputLimits
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.settings import Settings
-from service.transport.codec import decode_tensor, encode_tensor_wire, wire_dtype
+from service.transport.codec import decode_tensor, encode_tensor_wire, tensor_layout, wire_dtype
 from service.transport.wire import WireMessage, joined, settled
 
 API = "attention"
@@ -32,6 +34,7 @@ RESPONSE_OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number
 RESPONSE_WEIGHTS = pb.AttendResponse.DESCRIPTOR.fields_by_name["attention_weights"].number
 STREAM_RESPONSE = pb.AttendStreamResponse.DESCRIPTOR.fields_by_name["response"].number
 STREAM_API = "attention_stream"
+REGION_FIELDS = ("embeddings_region", "output_region", "attention_weights_region")
 # The setting's default (a dataclass field's default is its class attribute), for a server
 # that does not pass the setting in.
 DEFAULT_STREAM_INFLIGHT: int = Settings.max_stream_inflight_requests
@@ -83,9 +86,11 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         max_stream_pending_bytes: int = DEFAULT_PENDING_BYTES,
         streams: StreamCloser | None = None,
         answers: AnswerBudget | None = None,
+        regions: ClientRegions | None = None,
     ) -> None:
         self._plane = plane
         self.answers = answers  # None: answers are not bounded (tests of other parts)
+        self._regions = regions  # client shared memory; None when off
         self._limits = limits
         self._max_stream_inflight = max_stream_inflight_requests
         self._max_stream_pending_bytes = max_stream_pending_bytes
@@ -158,7 +163,9 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         model = self._registry.resolve(request.model, request.model_version)
         if not request.HasField("embeddings"):
             raise InvalidInput("embeddings is missing; expected a Tensor [seq, d] or [n, seq, d]")
-        received = decode_tensor(request.embeddings, "embeddings")
+        refs = self._refs(request)
+        received = _embeddings(request, refs["embeddings_region"])
+        _check_room(model, request, received, refs)
         result = await admit_and_run(
             self._plane,
             model,
@@ -169,12 +176,29 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         )
         try:
             # Encoded now: the answer's arrays may live in shared memory, freed by release().
-            return await joined(self._response(request, model, received, result))
+            return await joined(self._response(request, model, received, result, refs))
         finally:
             result.release()
 
+    def _refs(self, request: pb.AttendRequest) -> dict[str, shm_tensors.TensorRef | None]:
+        """The request's client shared-memory references, checked against their regions."""
+        refs: dict[str, shm_tensors.TensorRef | None] = {}
+        for name in REGION_FIELDS:
+            ref = getattr(request, name)
+            refs[name] = (
+                shm_tensors.region_ref(ref.region, ref.offset, ref.byte_size, name, self._regions)
+                if request.HasField(name)
+                else None
+            )
+        return refs
+
     def _response(
-        self, request: pb.AttendRequest, model: ServedModel, received: np.ndarray, result: Result
+        self,
+        request: pb.AttendRequest,
+        model: ServedModel,
+        received: np.ndarray,
+        result: Result,
+        refs: dict[str, shm_tensors.TensorRef | None],
     ) -> WireMessage:
         header = pb.AttendResponse(
             model=model.spec.name,
@@ -188,14 +212,16 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         )
         output = result.output if received.ndim == 3 else result.output[0]
         response = WireMessage.of(header).add_message(
-            RESPONSE_OUTPUT, encode_tensor_wire(output, received.dtype)
+            RESPONSE_OUTPUT, _tensor(output, received.dtype, refs["output_region"])
         )
         if result.attention_weights is not None:
             weights = result.attention_weights
             response.add_message(
                 RESPONSE_WEIGHTS,
-                encode_tensor_wire(
-                    weights if received.ndim == 3 else weights[0], np.dtype("float32")
+                _tensor(
+                    weights if received.ndim == 3 else weights[0],
+                    np.dtype("float32"),
+                    refs["attention_weights_region"],
                 ),
             )
         return response
@@ -217,3 +243,39 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
                 for name in self._registry.names()
             ]
         )
+
+
+def _embeddings(request: pb.AttendRequest, ref: shm_tensors.TensorRef | None) -> np.ndarray:
+    """The embeddings: a view of the message's bytes, or of the client's region."""
+    if ref is None:
+        return decode_tensor(request.embeddings, "embeddings")
+    if request.embeddings.data:
+        raise InvalidInput("embeddings has data and embeddings_region names a region; send one")
+    shape, dtype = tensor_layout(request.embeddings, "embeddings")
+    return shm_tensors.read_input(ref, shape, dtype, "embeddings_region")
+
+
+def _check_room(
+    model: ServedModel,
+    request: pb.AttendRequest,
+    received: np.ndarray,
+    refs: dict[str, shm_tensors.TensorRef | None],
+) -> None:
+    """Before compute: the answers asked for in client shared memory fit there (a shape of
+    the wrong rank is refused by admission, before compute, too)."""
+    output, weights = refs["output_region"], refs["attention_weights_region"]
+    if output is not None:
+        shm_tensors.check_room(output, received.nbytes, "output")  # answered in the input dtype
+    if weights is not None and not request.return_attention_weights:
+        raise InvalidInput("attention_weights_region is set but return_attention_weights is false")
+    if weights is not None and received.ndim in (2, 3):
+        n, seq = (received.shape[0] if received.ndim == 3 else 1), received.shape[-2]
+        shm_tensors.check_room(weights, n * model.spec.num_heads * seq * seq * 4, "weights")
+
+
+def _tensor(array: np.ndarray, dtype: np.dtype, ref: shm_tensors.TensorRef | None) -> WireMessage:
+    """An answer tensor: its bytes in the message, or written into the client's region."""
+    if ref is None:
+        return encode_tensor_wire(array, dtype)
+    shm_tensors.write_output(ref, np.asarray(array, dtype=dtype.newbyteorder("<")))
+    return WireMessage.of(pb.Tensor(shape=list(array.shape), dtype=wire_dtype(dtype)))

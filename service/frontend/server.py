@@ -80,6 +80,7 @@ class FrontendServer:
         self._server: grpc.aio.Server | None = None
         self._rest: RestFrontend | None = None
         self._restrictions_in_force = Restrictions()
+        self._v2_plane: V2Plane | None = None
         self.tls: ReloadingCredentials | None = None
         self.port: int | None = None
         self.plane = WorkerClient(socket_path, name, slab_bytes(settings, queue_bytes),
@@ -126,7 +127,7 @@ class FrontendServer:
                 share_port=True,
             ),
         )
-        v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
+        v2_plane = self._v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
         self._add_servicers(server, v2_plane, Unpacker(settings.grpc_compression,
                                                        max_bytes=receive_bytes))  # fmt: skip
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -184,6 +185,7 @@ class FrontendServer:
                 max_stream_pending_bytes=settings.max_stream_pending_bytes,
                 streams=self._streams,
                 answers=answers,
+                regions=v2_plane.regions,  # one registry of client regions for both APIs
             ),
             unpack,
         )
@@ -294,5 +296,7 @@ class FrontendServer:
             closing.append(self._rest.stop(remaining()))
         await asyncio.gather(*closing)
         await self.plane.close()
+        if self._v2_plane is not None:
+            self._v2_plane.close()
         tracing.stop(min(TRACING_FLUSH_S, remaining()))
         log.info("front end %s stopped", self.name)

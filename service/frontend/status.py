@@ -14,6 +14,9 @@ from service.errors import (
     NotSupported,
     PermissionDenied,
     QueueFull,
+    RegionExists,
+    RegionNotFound,
+    RegionsExhausted,
     ServingError,
     ShuttingDown,
 )
@@ -30,6 +33,9 @@ CODE_BY_ERROR: dict[type[ServingError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     AnswersBacklogged: grpc.StatusCode.RESOURCE_EXHAUSTED,
     CompressedTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RegionNotFound: grpc.StatusCode.NOT_FOUND,
+    RegionExists: grpc.StatusCode.ALREADY_EXISTS,
+    RegionsExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -49,6 +55,7 @@ HTTP_STATUS_BY_CODE: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499,  # the client went away (nginx's code; never sent)
     grpc.StatusCode.UNIMPLEMENTED: 501,

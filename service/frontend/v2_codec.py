@@ -9,6 +9,9 @@ import numpy as np
 from service.catalog import ServedModel
 from service.dataplane import Result
 from service.errors import InvalidInput
+from service.frontend import shm_tensors
+from service.frontend.client_memory import ClientRegions
+from service.frontend.shm_tensors import TensorRef
 from service.generated.inference import grpc_service_pb2 as v2
 from service.text import shown, shown_shape
 from service.transport.codec import checked_shape
@@ -22,7 +25,8 @@ V2_NAME_OF = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16"}
 # Parameters that change nothing here and that clients send as a matter of course (the HTTP
 # flavour of tritonclient marks binary data this way); any other parameter asks for something
 # this server does not do (classification, shared memory, sequences, priority, timeout), so
-# it is refused rather than silently ignored.
+# it is refused rather than silently ignored. The shared-memory parameters are taken when
+# client shared memory is on (service/frontend/shm_tensors.py).
 TOLERATED_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
 TOLERATED_INPUT_PARAMETERS = frozenset({"binary_data_size"})
 TOLERATED_OUTPUT_PARAMETERS = frozenset({"binary_data"})
@@ -51,20 +55,32 @@ def _single_input(
     return request.inputs[0]
 
 
-def refuse_parameters(request: v2.ModelInferRequest) -> None:
+def refuse_parameters(request: v2.ModelInferRequest, *, shared_memory: bool = False) -> None:
     """InvalidInput naming the first parameter this server would otherwise ignore."""
+    shm = shm_tensors.PARAMETERS if shared_memory else frozenset()
     places = [("request", request.parameters, TOLERATED_REQUEST_PARAMETERS)]
-    places += [(f"input {shown(t.name)}", t.parameters, TOLERATED_INPUT_PARAMETERS)
+    places += [(f"input {shown(t.name)}", t.parameters, TOLERATED_INPUT_PARAMETERS | shm)
                for t in request.inputs]  # fmt: skip
-    places += [(f"output {shown(t.name)}", t.parameters, TOLERATED_OUTPUT_PARAMETERS)
+    places += [(f"output {shown(t.name)}", t.parameters, TOLERATED_OUTPUT_PARAMETERS | shm)
                for t in request.outputs]  # fmt: skip
     for place, parameters, tolerated in places:
         unknown = sorted(set(parameters) - tolerated)
+        if unknown and unknown[0] in shm_tensors.PARAMETERS:
+            raise InvalidInput(f"{place} has parameter {unknown[0]}: {shm_tensors.OFF}")
         if unknown:
             raise InvalidInput(
                 f"{place} has parameter {shown(unknown[0])}, which this server does not "
                 f"implement; parameters accepted (and ignored): {sorted(tolerated)}"
             )
+
+
+def _shared_input(
+    request: v2.ModelInferRequest, tensor, dtype: np.dtype, ref: TensorRef
+) -> np.ndarray:
+    where = f"input '{INPUT_NAME}'"
+    if request.raw_input_contents or tensor.HasField("contents"):
+        raise InvalidInput(f"{where} names a shared-memory region and carries data; send one")
+    return shm_tensors.read_input(ref, checked_shape(list(tensor.shape), where), dtype, where)
 
 
 def _input_array(request: v2.ModelInferRequest, tensor, dtype: np.dtype) -> np.ndarray:
@@ -123,8 +139,11 @@ def accepted_datatypes(model: ServedModel) -> list[str]:
     return ["FP32"] if model.spec.dtype == np.float32 else ["FP16", "FP32"]
 
 
-def decode_input(request: v2.ModelInferRequest, model: ServedModel) -> np.ndarray:
-    """The embeddings [n, seq, d] as sent (a view over raw bytes when raw)."""
+def decode_input(
+    request: v2.ModelInferRequest, model: ServedModel, regions: ClientRegions | None = None
+) -> np.ndarray:
+    """The embeddings [n, seq, d] as sent (a view over raw bytes, or over the client's
+    shared-memory region)."""
     tensor = _single_input(request, model)
     accepted = accepted_datatypes(model)
     if tensor.datatype not in accepted:
@@ -138,7 +157,11 @@ def decode_input(request: v2.ModelInferRequest, model: ServedModel) -> np.ndarra
             f"input '{INPUT_NAME}' has shape {shown_shape(list(tensor.shape))};"
             f" {_model_ref(model)} expects [n, seq, {d}]"
         )
-    return _input_array(request, tensor, V2_DATATYPES[tensor.datatype])
+    dtype = V2_DATATYPES[tensor.datatype]
+    ref = shm_tensors.reference(tensor.parameters, f"input '{INPUT_NAME}'", regions)
+    if ref is not None:
+        return _shared_input(request, tensor, dtype, ref)
+    return _input_array(request, tensor, dtype)
 
 
 def requested_outputs(request: v2.ModelInferRequest, model: ServedModel) -> list[str]:
@@ -153,22 +176,46 @@ def requested_outputs(request: v2.ModelInferRequest, model: ServedModel) -> list
     return names
 
 
+def output_refs(
+    request: v2.ModelInferRequest, regions: ClientRegions | None
+) -> dict[str, TensorRef]:
+    """The requested outputs to be written into client shared memory, by name."""
+    refs = {}
+    for output in request.outputs:
+        ref = shm_tensors.reference(output.parameters, f"output {shown(output.name)}", regions)
+        if ref is not None:
+            refs[output.name] = ref
+    return refs
+
+
 def encode_response(
-    request: v2.ModelInferRequest, model: ServedModel, names: list[str], result: Result
+    request: v2.ModelInferRequest,
+    model: ServedModel,
+    names: list[str],
+    result: Result,
+    refs: dict[str, TensorRef] | None = None,
 ) -> WireMessage:
-    """The ModelInferResponse, serialized with each output's bytes copied once."""
+    """The ModelInferResponse, serialized with each output's bytes copied once: into the
+    message, or into the client's shared-memory region (then the message has none)."""
     header = v2.ModelInferResponse(
         model_name=model.spec.name, model_version=str(model.spec.version), id=request.id
     )
     arrays = {"output": result.output, "attention_weights": result.attention_weights}
-    raw = []
+    raw: list[bytes | memoryview] = []
     for name in names:
         array = arrays[name]
         assert array is not None, "weights were computed because they were requested"
-        header.outputs.add(
+        tensor = header.outputs.add(
             name=name, datatype=V2_NAME_OF[np.dtype(array.dtype)], shape=list(array.shape)
         )
-        raw.append(array_bytes(array))
+        ref = (refs or {}).get(name)
+        if ref is None:
+            raw.append(array_bytes(array))
+            continue
+        shm_tensors.write_output(ref, array)
+        for key, value in ref.parameters().items():
+            tensor.parameters[key].CopyFrom(value)
+        raw.append(b"")  # raw_output_contents pair with outputs by position
     response = WireMessage.of(header)
     for data in raw:
         response.add_bytes(RAW_OUTPUT_CONTENTS, data)

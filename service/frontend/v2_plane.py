@@ -14,13 +14,16 @@ from service.catalog import (
     check_repository_name,
 )
 from service.dataplane import DataPlane, Duration, Result, VersionStats
-from service.errors import InvalidInput, ModelNotFound
+from service.errors import InvalidInput, ModelNotFound, NotSupported
 from service.frontend.admission import HasDeadline, admit_and_run
+from service.frontend.client_memory import ClientRegions
+from service.frontend.shm_tensors import TensorRef, check_room
 from service.frontend.v2_codec import (
     INPUT_NAME,
     V2_NAME_OF,
     accepted_datatypes,
     decode_input,
+    output_refs,
     refuse_parameters,
     requested_outputs,
 )
@@ -34,6 +37,11 @@ SERVER_NAME = "attention-serving"
 PLATFORM = "onnxruntime_onnx"
 # Triton's names; model_repository: RepositoryIndex / RepositoryModelLoad / RepositoryModelUnload.
 EXTENSIONS = ["model_configuration", "statistics", "model_repository"]
+SHARED_MEMORY_EXTENSION = "system_shared_memory"
+SHARED_MEMORY_OFF = (
+    "system shared memory is off on this server; start it with --client-shared-memory on "
+    "(for clients on the same host)"
+)
 # RepositoryModelUnload parameters taken (tritonclient always sends it; there are no
 # dependent models here, so it changes nothing).
 UNLOAD_PARAMETERS = {"unload_dependents"}
@@ -78,6 +86,7 @@ class Inferred:
     model: ServedModel
     names: list[str]  # outputs asked for, in order
     result: Result
+    refs: dict[str, TensorRef]  # outputs to write into client shared memory, by name
 
 
 class V2Plane:
@@ -88,6 +97,14 @@ class V2Plane:
         self._settings = settings
         self.limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
         self.is_ready = is_ready
+        self.regions = (
+            ClientRegions(
+                max_regions=settings.max_client_shared_memory_regions,
+                max_bytes=settings.max_client_shared_memory_bytes,
+            )
+            if settings.client_shared_memory == "on"
+            else None
+        )
 
     @property
     def registry(self) -> ModelRegistry[ServedModel]:
@@ -101,8 +118,9 @@ class V2Plane:
         return self.is_ready()
 
     def server_metadata(self) -> v2.ServerMetadataResponse:
+        extensions = EXTENSIONS + ([SHARED_MEMORY_EXTENSION] if self.regions else [])
         return v2.ServerMetadataResponse(
-            name=SERVER_NAME, version=_server_version(), extensions=EXTENSIONS
+            name=SERVER_NAME, version=_server_version(), extensions=extensions
         )
 
     def model_metadata(self, name: str, version: str) -> v2.ModelMetadataResponse:
@@ -213,9 +231,11 @@ class V2Plane:
     async def infer(self, request: v2.ModelInferRequest, context: HasDeadline) -> Inferred:
         """The one ModelInfer path: gRPC unary, gRPC streamed, and HTTP/REST."""
         model = self.registry.resolve(request.model_name, request.model_version)
-        refuse_parameters(request)
+        refuse_parameters(request, shared_memory=self.regions is not None)
         names = requested_outputs(request, model)
-        received = decode_input(request, model)
+        refs = output_refs(request, self.regions)
+        received = decode_input(request, model, self.regions)
+        _check_output_room(model, received.shape, refs)
         result = await admit_and_run(
             self._plane,
             model,
@@ -224,7 +244,47 @@ class V2Plane:
             with_weights="attention_weights" in names,
             context=context,
         )
-        return Inferred(model, names, result)
+        return Inferred(model, names, result, refs)
+
+    # -- the system shared-memory extension (the shared-memory group of --restricted-api) --
+
+    def _regions(self) -> ClientRegions:
+        if self.regions is None:
+            raise NotSupported(SHARED_MEMORY_OFF)
+        return self.regions
+
+    def shm_status(self, name: str) -> v2.SystemSharedMemoryStatusResponse:
+        status = v2.SystemSharedMemoryStatusResponse.RegionStatus
+        return v2.SystemSharedMemoryStatusResponse(
+            regions={
+                r.name: status(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size)
+                for r in self._regions().status(name)
+            }
+        )
+
+    def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._regions().register(name, key, offset, byte_size)
+
+    def shm_unregister(self, name: str) -> None:
+        self._regions().unregister(name)
+
+    def close(self) -> None:
+        """Unmap the client regions (the front end is stopping)."""
+        if self.regions is not None:
+            self.regions.close()
+
+
+def _check_output_room(
+    model: ServedModel, shape: tuple[int, ...], refs: dict[str, TensorRef]
+) -> None:
+    """Before compute: every output asked for in shared memory fits its reference."""
+    n, seq, d = shape
+    sizes = {
+        "output": n * seq * d * model.spec.dtype.itemsize,
+        "attention_weights": n * model.spec.num_heads * seq * seq * 4,
+    }
+    for name, ref in refs.items():
+        check_room(ref, sizes[name], name)
 
 
 def _names(keys: Iterable[str]) -> str:

@@ -32,6 +32,12 @@ STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
     "infer_response"
 ].number
 STREAM_API = "v2_stream"
+# Requests whose name field names a shared-memory region, not a model.
+REGION_REQUESTS = (
+    v2.SystemSharedMemoryStatusRequest,
+    v2.SystemSharedMemoryRegisterRequest,
+    v2.SystemSharedMemoryUnregisterRequest,
+)
 
 
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -79,7 +85,9 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return payload + positions * spec.num_heads * seq * 4
 
     def model_label(self, request: Any) -> str:
-        if not hasattr(request, "model_name") and not hasattr(request, "name"):
+        if isinstance(request, REGION_REQUESTS) or (
+            not hasattr(request, "model_name") and not hasattr(request, "name")
+        ):
             return SERVER_LABEL  # ServerLive and friends concern no model
         name = getattr(request, "model_name", "") or getattr(request, "name", "")
         return self._registry.metric_label(name)
@@ -151,6 +159,27 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         await self.plane.unload(request.repository_name, request.model_name, request.parameters)
         return v2.RepositoryModelUnloadResponse()
 
+    # The system shared-memory extension: the shared-memory group of --restricted-api.
+    @rpc(API)
+    async def SystemSharedMemoryStatus(
+        self, request: v2.SystemSharedMemoryStatusRequest, context: grpc.aio.ServicerContext
+    ) -> v2.SystemSharedMemoryStatusResponse:
+        return self.plane.shm_status(request.name)
+
+    @rpc(API)
+    async def SystemSharedMemoryRegister(
+        self, request: v2.SystemSharedMemoryRegisterRequest, context: grpc.aio.ServicerContext
+    ) -> v2.SystemSharedMemoryRegisterResponse:
+        self.plane.shm_register(request.name, request.key, request.offset, request.byte_size)
+        return v2.SystemSharedMemoryRegisterResponse()
+
+    @rpc(API)
+    async def SystemSharedMemoryUnregister(
+        self, request: v2.SystemSharedMemoryUnregisterRequest, context: grpc.aio.ServicerContext
+    ) -> v2.SystemSharedMemoryUnregisterResponse:
+        self.plane.shm_unregister(request.name)
+        return v2.SystemSharedMemoryUnregisterResponse()
+
     @rpc(API, holds_answer=True)
     async def ModelInfer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -184,7 +213,9 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             # Encoded now: the answer's arrays may live in shared memory, freed by release().
             return await joined(
-                encode_response(request, inferred.model, inferred.names, inferred.result)
+                encode_response(
+                    request, inferred.model, inferred.names, inferred.result, inferred.refs
+                )
             )
         finally:
             inferred.result.release()

@@ -55,15 +55,19 @@ def checked_shape(shape: list[int], name: str) -> list[int]:
     return shape
 
 
-def decode_tensor(tensor: pb.Tensor, name: str) -> np.ndarray:
-    """A read-only view over the message's bytes (no copy), shaped as declared."""
+def tensor_layout(tensor: pb.Tensor, name: str) -> tuple[list[int], np.dtype]:
+    """The declared shape and dtype, checked (the bytes may be elsewhere)."""
     if tensor.dtype not in NUMPY_BY_WIRE:
         received = (
             pb.DataType.Name(tensor.dtype) if tensor.dtype in pb.DataType.values() else tensor.dtype
         )
         raise InvalidInput(f"{name}.dtype is {received}; expected FLOAT32 or FLOAT16")
-    dtype = NUMPY_BY_WIRE[tensor.dtype]
-    shape = checked_shape(list(tensor.shape), name)
+    return checked_shape(list(tensor.shape), name), NUMPY_BY_WIRE[tensor.dtype]
+
+
+def decode_tensor(tensor: pb.Tensor, name: str) -> np.ndarray:
+    """A read-only view over the message's bytes (no copy), shaped as declared."""
+    shape, dtype = tensor_layout(tensor, name)
     expected_bytes = math.prod(shape) * dtype.itemsize
     if len(tensor.data) != expected_bytes:
         raise InvalidInput(

@@ -195,7 +195,8 @@ def _refusal_message(request: web.Request, err: web.HTTPException) -> str:
         return (
             f"no endpoint {request.method} {request.path[:200]!r}; the V2 REST API serves "
             "/v2, /v2/health/{live,ready}, /v2/models/{model}[/versions/{version}]"
-            "[/ready|/config|/stats|/infer], /v2/models/stats and /v2/repository/..."
+            "[/ready|/config|/stats|/infer], /v2/models/stats, /v2/repository/... and "
+            "/v2/systemsharedmemory/..."
         )
     if err.status == 405:
         return f"{request.method} is not served on {request.path[:200]!r}; {err.reason}"

@@ -21,6 +21,8 @@ from google.protobuf.message import Message
 
 from service.dataplane import Result
 from service.errors import InvalidInput
+from service.frontend import shm_tensors
+from service.frontend.shm_tensors import TensorRef
 from service.frontend.v2_codec import V2_DATATYPES
 from service.generated.inference import grpc_service_pb2 as v2
 from service.text import shown
@@ -125,6 +127,10 @@ def _add_input(
     target = request.inputs.add(name=name, shape=shape, datatype=datatype)
     _set_parameters(target.parameters, tensor.get("parameters", {}), where)
     size = tensor.get("parameters", {}).get("binary_data_size")
+    if shm_tensors.PARAMETERS.intersection(target.parameters):
+        if "data" in tensor or size is not None:
+            raise InvalidInput(f"{where} names a shared-memory region and carries data; send one")
+        return offset  # v2_codec reads it from the region
     if size is not None:
         size = _typed(size, int, f"{where} binary_data_size", "a byte count")
         if "data" in tensor:
@@ -184,9 +190,15 @@ def decode_infer(body: bytes, header_length: str | None, model: str, version: st
 
 
 def encode_infer(
-    body: InferBody, model_name: str, version: int, names: list[str], result: Result
+    body: InferBody,
+    model_name: str,
+    version: int,
+    names: list[str],
+    result: Result,
+    refs: dict[str, TensorRef] | None = None,
 ) -> tuple[list[bytes | memoryview], int | None]:
-    """The answer's body parts, and its JSON's length when binary tensors follow it."""
+    """The answer's body parts, and its JSON's length when binary tensors follow it; outputs
+    asked for in client shared memory are written there and carry no data."""
     arrays = {"output": result.output, "attention_weights": result.attention_weights}
     outputs: list[dict[str, Any]] = []
     binary: list[bytes | memoryview] = []
@@ -195,7 +207,15 @@ def encode_infer(
         assert array is not None, "weights were computed because they were requested"
         datatype = "FP16" if array.dtype == np.float16 else "FP32"
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        if body.binary_outputs.get(name, body.binary_default):
+        ref = (refs or {}).get(name)
+        if ref is not None:
+            shm_tensors.write_output(ref, array)
+            entry["parameters"] = {
+                shm_tensors.REGION: ref.region.name,
+                shm_tensors.OFFSET: ref.offset,
+                shm_tensors.BYTE_SIZE: ref.byte_size,
+            }
+        elif body.binary_outputs.get(name, body.binary_default):
             data = array_bytes(array)
             entry["parameters"] = {"binary_data_size": len(data)}
             binary.append(data)

@@ -94,7 +94,7 @@ class _Endpoints:
         spec = inferred.model.spec
         try:
             parts, header_length = encode_infer(
-                body, spec.name, spec.version, inferred.names, inferred.result
+                body, spec.name, spec.version, inferred.names, inferred.result, inferred.refs
             )
             # Joined now: the answer's arrays may live in shared memory, freed by release().
             payload = b"".join(parts)
@@ -127,6 +127,30 @@ class _Endpoints:
         await self.plane.unload("", request.match_info["model"], names)
         return web.json_response({})
 
+    # The system shared-memory extension: the shared-memory group of --restricted-api.
+    async def shm_status(self, request: web.Request) -> web.Response:
+        status = self.plane.shm_status(request.match_info.get("region", ""))
+        regions = sorted(status.regions.values(), key=lambda region: region.name)
+        return web.json_response([message_json(region) for region in regions])
+
+    async def shm_register(self, request: web.Request) -> web.Response:
+        body = json_object(await self.frontend.body(request), "the register request")
+        key = body.get("key")
+        if not isinstance(key, str):
+            raise InvalidInput("the register request needs key, a string")
+        counts = []
+        for what in ("offset", "byte_size"):
+            value = body.get(what, 0 if what == "offset" else None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInput(f"the register request needs {what}, an integer >= 0")
+            counts.append(value)
+        self.plane.shm_register(request.match_info["region"], key, counts[0], counts[1])
+        return web.json_response({})
+
+    async def shm_unregister(self, request: web.Request) -> web.Response:
+        self.plane.shm_unregister(request.match_info.get("region", ""))
+        return web.json_response({})
+
 
 def add_routes(app: web.Application, plane: V2Plane, frontend: RestFrontend) -> None:
     """Triton's paths; each model path also with /versions/{version}."""
@@ -144,3 +168,9 @@ def add_routes(app: web.Application, plane: V2Plane, frontend: RestFrontend) -> 
     app.router.add_post("/v2/repository/index", e.repository_index)
     app.router.add_post("/v2/repository/models/{model}/load", e.load)
     app.router.add_post("/v2/repository/models/{model}/unload", e.unload)
+    shm = "/v2/systemsharedmemory"
+    app.router.add_get(f"{shm}/status", e.shm_status)
+    app.router.add_get(shm + "/region/{region}/status", e.shm_status)
+    app.router.add_post(shm + "/region/{region}/register", e.shm_register)
+    app.router.add_post(f"{shm}/unregister", e.shm_unregister)
+    app.router.add_post(shm + "/region/{region}/unregister", e.shm_unregister)

@@ -95,6 +95,21 @@ class GRPCInferenceServiceStub:
                 request_serializer=inference_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
                 response_deserializer=inference_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
                 _registered_method=True)
+        self.SystemSharedMemoryStatus = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+                request_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryRegister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+                request_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryUnregister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+                request_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -172,6 +187,24 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SystemSharedMemoryStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryRegister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryUnregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +267,21 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryModelUnload,
                     request_deserializer=inference_dot_grpc__service__pb2.RepositoryModelUnloadRequest.FromString,
                     response_serializer=inference_dot_grpc__service__pb2.RepositoryModelUnloadResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryStatus,
+                    request_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryRegister,
+                    request_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryUnregister,
+                    request_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -560,6 +608,87 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/RepositoryModelUnload',
             inference_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
             inference_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+            inference_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.SystemSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+            inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+            inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,

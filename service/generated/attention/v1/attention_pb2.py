@@ -25,39 +25,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ttention/v1/attention.proto\x12\x0c\x61ttention.v1\"L\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12%\n\x05\x64type\x18\x02 \x01(\x0e\x32\x16.attention.v1.DataType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x95\x01\n\rAttendRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12(\n\nembeddings\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12 \n\x18return_attention_weights\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"H\n\x0cServerTiming\x12\x10\n\x08queue_us\x18\x01 \x01(\x03\x12\x12\n\ncompute_us\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\"\xcd\x01\n\x0e\x41ttendResponse\x12$\n\x06output\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x11\x61ttention_weights\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.attention.v1.ServerTiming\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x92\x01\n\x14\x41ttendStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.attention.v1.AttendResponseH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.attention.v1.StreamErrorH\x00\x42\x08\n\x06result\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa6\x02\n\x10ModelVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x11\n\tembed_dim\x18\x02 \x01(\x05\x12\x11\n\tnum_heads\x18\x03 \x01(\x05\x12\x0e\n\x06\x63\x61usal\x18\x04 \x01(\x08\x12%\n\x05\x64type\x18\x05 \x01(\x0e\x32\x16.attention.v1.DataType\x12,\n\x0cinput_dtypes\x18\x06 \x03(\x0e\x32\x16.attention.v1.DataType\x12\x16\n\x0eweights_sha256\x18\x07 \x01(\t\x12\x16\n\x0eweights_source\x18\x08 \x01(\t\x12\x1a\n\x12\x65xecution_provider\x18\t \x01(\t\x12*\n\nbatch_caps\x18\n \x03(\x0b\x32\x16.attention.v1.BatchCap\"?\n\x08\x42\x61tchCap\x12\x1b\n\x13max_sequence_length\x18\x01 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\"\x80\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\x08versions\x18\x02 \x03(\x0b\x32\x1e.attention.v1.ModelVersionInfo\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.attention.v1.ModelInfo*?\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x32\xc1\x02\n\x10\x41ttentionService\x12\x43\n\x06\x41ttend\x12\x1b.attention.v1.AttendRequest\x1a\x1c.attention.v1.AttendResponse\x12\x42\n\x08GetModel\x12\x1d.attention.v1.GetModelRequest\x1a\x17.attention.v1.ModelInfo\x12O\n\nListModels\x12\x1f.attention.v1.ListModelsRequest\x1a .attention.v1.ListModelsResponse\x12S\n\x0c\x41ttendStream\x12\x1b.attention.v1.AttendRequest\x1a\".attention.v1.AttendStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ttention/v1/attention.proto\x12\x0c\x61ttention.v1\"L\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12%\n\x05\x64type\x18\x02 \x01(\x0e\x32\x16.attention.v1.DataType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc6\x02\n\rAttendRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12(\n\nembeddings\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12 \n\x18return_attention_weights\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x38\n\x11\x65mbeddings_region\x18\x06 \x01(\x0b\x32\x1d.attention.v1.SharedMemoryRef\x12\x34\n\routput_region\x18\x07 \x01(\x0b\x32\x1d.attention.v1.SharedMemoryRef\x12?\n\x18\x61ttention_weights_region\x18\x08 \x01(\x0b\x32\x1d.attention.v1.SharedMemoryRef\"D\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"H\n\x0cServerTiming\x12\x10\n\x08queue_us\x18\x01 \x01(\x03\x12\x12\n\ncompute_us\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\"\xcd\x01\n\x0e\x41ttendResponse\x12$\n\x06output\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12/\n\x11\x61ttention_weights\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.attention.v1.ServerTiming\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x92\x01\n\x14\x41ttendStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.attention.v1.AttendResponseH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.attention.v1.StreamErrorH\x00\x42\x08\n\x06result\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa6\x02\n\x10ModelVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x11\n\tembed_dim\x18\x02 \x01(\x05\x12\x11\n\tnum_heads\x18\x03 \x01(\x05\x12\x0e\n\x06\x63\x61usal\x18\x04 \x01(\x08\x12%\n\x05\x64type\x18\x05 \x01(\x0e\x32\x16.attention.v1.DataType\x12,\n\x0cinput_dtypes\x18\x06 \x03(\x0e\x32\x16.attention.v1.DataType\x12\x16\n\x0eweights_sha256\x18\x07 \x01(\t\x12\x16\n\x0eweights_source\x18\x08 \x01(\t\x12\x1a\n\x12\x65xecution_provider\x18\t \x01(\t\x12*\n\nbatch_caps\x18\n \x03(\x0b\x32\x16.attention.v1.BatchCap\"?\n\x08\x42\x61tchCap\x12\x1b\n\x13max_sequence_length\x18\x01 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\"\x80\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\x08versions\x18\x02 \x03(\x0b\x32\x1e.attention.v1.ModelVersionInfo\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.attention.v1.ModelInfo*?\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x32\xc1\x02\n\x10\x41ttentionService\x12\x43\n\x06\x41ttend\x12\x1b.attention.v1.AttendRequest\x1a\x1c.attention.v1.AttendResponse\x12\x42\n\x08GetModel\x12\x1d.attention.v1.GetModelRequest\x1a\x17.attention.v1.ModelInfo\x12O\n\nListModels\x12\x1f.attention.v1.ListModelsRequest\x1a .attention.v1.ListModelsResponse\x12S\n\x0c\x41ttendStream\x12\x1b.attention.v1.AttendRequest\x1a\".attention.v1.AttendStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'attention.v1.attention_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATATYPE']._serialized_start=1364
-  _globals['_DATATYPE']._serialized_end=1427
+  _globals['_DATATYPE']._serialized_start=1611
+  _globals['_DATATYPE']._serialized_end=1674
   _globals['_TENSOR']._serialized_start=46
   _globals['_TENSOR']._serialized_end=122
   _globals['_ATTENDREQUEST']._serialized_start=125
-  _globals['_ATTENDREQUEST']._serialized_end=274
-  _globals['_SERVERTIMING']._serialized_start=276
-  _globals['_SERVERTIMING']._serialized_end=348
-  _globals['_ATTENDRESPONSE']._serialized_start=351
-  _globals['_ATTENDRESPONSE']._serialized_end=556
-  _globals['_STREAMERROR']._serialized_start=558
-  _globals['_STREAMERROR']._serialized_end=602
-  _globals['_ATTENDSTREAMRESPONSE']._serialized_start=605
-  _globals['_ATTENDSTREAMRESPONSE']._serialized_end=751
-  _globals['_GETMODELREQUEST']._serialized_start=753
-  _globals['_GETMODELREQUEST']._serialized_end=785
-  _globals['_MODELVERSIONINFO']._serialized_start=788
-  _globals['_MODELVERSIONINFO']._serialized_end=1082
-  _globals['_BATCHCAP']._serialized_start=1084
-  _globals['_BATCHCAP']._serialized_end=1147
-  _globals['_MODELINFO']._serialized_start=1150
-  _globals['_MODELINFO']._serialized_end=1278
-  _globals['_LISTMODELSREQUEST']._serialized_start=1280
-  _globals['_LISTMODELSREQUEST']._serialized_end=1299
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1301
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1362
-  _globals['_ATTENTIONSERVICE']._serialized_start=1430
-  _globals['_ATTENTIONSERVICE']._serialized_end=1751
+  _globals['_ATTENDREQUEST']._serialized_end=451
+  _globals['_SHAREDMEMORYREF']._serialized_start=453
+  _globals['_SHAREDMEMORYREF']._serialized_end=521
+  _globals['_SERVERTIMING']._serialized_start=523
+  _globals['_SERVERTIMING']._serialized_end=595
+  _globals['_ATTENDRESPONSE']._serialized_start=598
+  _globals['_ATTENDRESPONSE']._serialized_end=803
+  _globals['_STREAMERROR']._serialized_start=805
+  _globals['_STREAMERROR']._serialized_end=849
+  _globals['_ATTENDSTREAMRESPONSE']._serialized_start=852
+  _globals['_ATTENDSTREAMRESPONSE']._serialized_end=998
+  _globals['_GETMODELREQUEST']._serialized_start=1000
+  _globals['_GETMODELREQUEST']._serialized_end=1032
+  _globals['_MODELVERSIONINFO']._serialized_start=1035
+  _globals['_MODELVERSIONINFO']._serialized_end=1329
+  _globals['_BATCHCAP']._serialized_start=1331
+  _globals['_BATCHCAP']._serialized_end=1394
+  _globals['_MODELINFO']._serialized_start=1397
+  _globals['_MODELINFO']._serialized_end=1525
+  _globals['_LISTMODELSREQUEST']._serialized_start=1527
+  _globals['_LISTMODELSREQUEST']._serialized_end=1546
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1548
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1609
+  _globals['_ATTENTIONSERVICE']._serialized_start=1677
+  _globals['_ATTENTIONSERVICE']._serialized_end=1998
 # @@protoc_insertion_point(module_scope)

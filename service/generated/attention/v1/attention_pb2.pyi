@@ -28,18 +28,34 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class AttendRequest(_message.Message):
-    __slots__ = ("model", "model_version", "embeddings", "return_attention_weights", "request_id")
+    __slots__ = ("model", "model_version", "embeddings", "return_attention_weights", "request_id", "embeddings_region", "output_region", "attention_weights_region")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     RETURN_ATTENTION_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_REGION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGION_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_WEIGHTS_REGION_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: str
     embeddings: Tensor
     return_attention_weights: bool
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., return_attention_weights: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    embeddings_region: SharedMemoryRef
+    output_region: SharedMemoryRef
+    attention_weights_region: SharedMemoryRef
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., return_attention_weights: _Optional[bool] = ..., request_id: _Optional[str] = ..., embeddings_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., output_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., attention_weights_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryRef(_message.Message):
+    __slots__ = ("region", "offset", "byte_size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    byte_size: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
     __slots__ = ("queue_us", "compute_us", "batch_size")

@@ -1,0 +1,318 @@
+"""Triton's system shared-memory extension, driven by tritonclient's own helpers against the real
+server (gRPC and HTTP/REST): exact against torch, every bad reference refused with its code."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+import tritonclient.http as triton_http
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from export.pipeline import ExportRequest, run_export
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
+from service.settings import load_settings
+from tests.reference import attend_alone, layer_for
+from tests.server_process import ServerProcess
+
+D, H, N, SEQ = 64, 4, 2, 8
+IN_BYTES = N * SEQ * D * 4
+WEIGHTS_BYTES = N * H * SEQ * SEQ * 4
+MAX_REGIONS = 6
+PREFIX = f"attn-test-{os.getpid()}"
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("shm-models")
+    run_export(ExportRequest(name="small", embed_dim=D, num_heads=H, out=root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def shm_server(repository: Path) -> Iterator[ServerProcess]:
+    flags = ("--default-model", "small", "--client-shared-memory", "on",
+             "--max-client-shared-memory-regions", str(MAX_REGIONS))  # fmt: skip
+    with ServerProcess(repository, *flags, http=True) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return layer_for(D, H)
+
+
+class Objects:
+    """Shared-memory objects made by a test, destroyed after it (none may be left behind)."""
+
+    def __init__(self) -> None:
+        self.handles: list[shm.SharedMemoryRegion] = []
+
+    def make(self, name: str, byte_size: int) -> tuple[shm.SharedMemoryRegion, str]:
+        key = f"/{PREFIX}-{name}"
+        handle = shm.create_shared_memory_region(name, key, byte_size, create_only=True)
+        self.handles.append(handle)
+        return handle, key
+
+    def destroy(self, handle: shm.SharedMemoryRegion) -> None:
+        self.handles.remove(handle)
+        shm.destroy_shared_memory_region(handle)
+
+
+@pytest.fixture
+def objects(shm_server: ServerProcess) -> Iterator[Objects]:
+    made = Objects()
+    yield made
+    with triton.InferenceServerClient(shm_server.target) as client:
+        client.unregister_system_shared_memory()
+    for handle in list(made.handles):
+        made.destroy(handle)
+    assert not list(Path("/dev/shm").glob(f"{PREFIX}-*"))
+
+
+def _code(call) -> str:
+    with pytest.raises(InferenceServerException) as caught:
+        call()
+    return f"{caught.value.status()} {caught.value.message()}"
+
+
+def _shm_input(nbytes: int = IN_BYTES, offset: int = 0, region: str = "in") -> triton.InferInput:
+    tensor = triton.InferInput("embeddings", [N, SEQ, D], "FP32")
+    tensor.set_shared_memory(region, nbytes, offset)
+    return tensor
+
+
+def _shm_output(name: str, region: str, nbytes: int, offset: int = 0):
+    output = triton.InferRequestedOutput(name)
+    output.set_shared_memory(region, nbytes, offset)
+    return output
+
+
+def test_grpc_inputs_and_outputs_in_shared_memory_equal_torch(
+    shm_server: ServerProcess, objects: Objects, reference
+) -> None:
+    x = np.random.default_rng(0).standard_normal((N, SEQ, D), dtype=np.float32)
+    inputs, key_in = objects.make("in", IN_BYTES + 128)
+    outputs, key_out = objects.make("out", 256 + IN_BYTES + WEIGHTS_BYTES)
+    shm.set_shared_memory_region(inputs, [x], offset=128)
+    with triton.InferenceServerClient(shm_server.target) as client:
+        assert "system_shared_memory" in client.get_server_metadata(as_json=True)["extensions"]
+        client.register_system_shared_memory("in", key_in, IN_BYTES + 128)
+        client.register_system_shared_memory("out", key_out, IN_BYTES + WEIGHTS_BYTES, offset=256)
+        status = client.get_system_shared_memory_status(as_json=True)["regions"]
+        assert status["out"] == {"name": "out", "key": key_out, "offset": "256",
+                                 "byte_size": str(IN_BYTES + WEIGHTS_BYTES)}  # fmt: skip
+        result = client.infer(
+            "small",
+            [_shm_input(offset=128)],
+            outputs=[
+                _shm_output("output", "out", IN_BYTES),
+                _shm_output("attention_weights", "out", WEIGHTS_BYTES, offset=IN_BYTES),
+            ],
+        )
+    response = result.get_response()
+    assert [bytes(raw) for raw in response.raw_output_contents] == [b"", b""]
+    assert response.outputs[1].parameters["shared_memory_offset"].int64_param == IN_BYTES
+    assert list(response.outputs[0].shape) == [N, SEQ, D]
+    want_output, want_weights = attend_alone(reference, x)
+    got_output = shm.get_contents_as_numpy(outputs, np.float32, [N, SEQ, D], offset=256)
+    got_weights = shm.get_contents_as_numpy(
+        outputs, np.float32, [N, H, SEQ, SEQ], offset=256 + IN_BYTES
+    )
+    np.testing.assert_allclose(got_output, want_output, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got_weights, want_weights, atol=1e-6, rtol=0)
+    del got_output, got_weights  # views of the mapping, which destroy() closes
+
+
+def test_http_shared_memory_and_mixed_outputs_equal_torch(
+    shm_server: ServerProcess, objects: Objects, reference
+) -> None:
+    x = np.random.default_rng(1).standard_normal((N, SEQ, D), dtype=np.float32)
+    inputs, key_in = objects.make("in", IN_BYTES)
+    outputs, key_out = objects.make("out", IN_BYTES)
+    shm.set_shared_memory_region(inputs, [x])
+    client = triton_http.InferenceServerClient(shm_server.http_url)
+    try:
+        client.register_system_shared_memory("in", key_in, IN_BYTES)
+        client.register_system_shared_memory("out", key_out, IN_BYTES)
+        status = client.get_system_shared_memory_status("in")
+        assert status == [{"name": "in", "key": key_in, "offset": 0, "byte_size": IN_BYTES}]
+        tensor = triton_http.InferInput("embeddings", [N, SEQ, D], "FP32")
+        tensor.set_shared_memory("in", IN_BYTES)
+        output = triton_http.InferRequestedOutput("output", binary_data=True)
+        output.set_shared_memory("out", IN_BYTES)
+        weights = triton_http.InferRequestedOutput("attention_weights", binary_data=True)
+        result = client.infer("small", [tensor], outputs=[output, weights])
+        assert result.get_output("output")["parameters"]["shared_memory_region"] == "out"
+        client.unregister_system_shared_memory("in")
+        assert [r["name"] for r in client.get_system_shared_memory_status()] == ["out"]
+    finally:
+        client.close()
+    want_output, want_weights = attend_alone(reference, x)
+    got = shm.get_contents_as_numpy(outputs, np.float32, [N, SEQ, D])
+    np.testing.assert_allclose(got, want_output, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(result.as_numpy("attention_weights"), want_weights, atol=1e-6)
+    del got
+
+
+def test_attend_request_region_references_equal_torch(
+    shm_server: ServerProcess, objects: Objects, reference
+) -> None:
+    x = np.random.default_rng(3).standard_normal((N, SEQ, D), dtype=np.float32)
+    memory, key = objects.make("all", 2 * IN_BYTES + WEIGHTS_BYTES)
+    shm.set_shared_memory_region(memory, [x])
+    with triton.InferenceServerClient(shm_server.target) as client:
+        client.register_system_shared_memory("all", key, 2 * IN_BYTES + WEIGHTS_BYTES)
+    with grpc.insecure_channel(shm_server.target) as channel:
+        attend = attention_pb2_grpc.AttentionServiceStub(channel).Attend
+        request = pb.AttendRequest(
+            embeddings=pb.Tensor(shape=[N, SEQ, D], dtype=pb.FLOAT32),
+            embeddings_region=pb.SharedMemoryRef(region="all", byte_size=IN_BYTES),
+            output_region=pb.SharedMemoryRef(region="all", offset=IN_BYTES, byte_size=IN_BYTES),
+            attention_weights_region=pb.SharedMemoryRef(
+                region="all", offset=2 * IN_BYTES, byte_size=WEIGHTS_BYTES
+            ),
+            return_attention_weights=True,
+        )
+        response = attend(request)
+        assert list(response.output.shape) == [N, SEQ, D]
+        assert not response.output.data
+        assert not response.attention_weights.data
+        request.embeddings_region.region = "nope"
+        with pytest.raises(grpc.RpcError) as caught:
+            attend(request)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    want_output, want_weights = attend_alone(reference, x)
+    got_output = shm.get_contents_as_numpy(memory, np.float32, [N, SEQ, D], offset=IN_BYTES)
+    got_weights = shm.get_contents_as_numpy(
+        memory, np.float32, [N, H, SEQ, SEQ], offset=2 * IN_BYTES
+    )
+    np.testing.assert_allclose(got_output, want_output, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got_weights, want_weights, atol=1e-6, rtol=0)
+    del got_output, got_weights
+
+
+def test_bad_references_are_refused_with_clear_codes(
+    shm_server: ServerProcess, objects: Objects
+) -> None:
+    x = np.ones((N, SEQ, D), dtype=np.float32)
+    inputs, key_in = objects.make("in", IN_BYTES)
+    shm.set_shared_memory_region(inputs, [x])
+    with triton.InferenceServerClient(shm_server.target) as client:
+        client.register_system_shared_memory("in", key_in, IN_BYTES)
+
+        def infer(tensor=None, outputs=None):
+            return lambda: client.infer("small", [tensor or _shm_input()], outputs=outputs)
+
+        assert _code(infer(_shm_input(region="nope"))).startswith("StatusCode.NOT_FOUND")
+        out_of_bounds = _code(infer(_shm_input(offset=64)))
+        assert out_of_bounds.startswith("StatusCode.INVALID_ARGUMENT")
+        assert "past the end of shared-memory region 'in'" in out_of_bounds
+        wrong_size = _code(infer(_shm_input(nbytes=IN_BYTES - 4)))
+        assert f"needs {IN_BYTES} bytes" in wrong_size, wrong_size
+        small = _code(infer(outputs=[_shm_output("output", "in", IN_BYTES - 4)]))
+        assert small.startswith("StatusCode.INVALID_ARGUMENT")
+        assert f"needs {IN_BYTES} bytes" in small
+        unknown_output = _code(infer(outputs=[_shm_output("output", "gone", 16)]))
+        assert unknown_output.startswith("StatusCode.NOT_FOUND")
+
+        def register(name: str, key: str, size: int = 64, offset: int = 0):
+            return lambda: client.register_system_shared_memory(name, key, size, offset)
+
+        for key in ("../etc/passwd", "a/b", "", "//x", "..", "x\0y", "k" * 300):
+            assert _code(register("bad", key)).startswith("StatusCode.INVALID_ARGUMENT"), key
+        assert "no object" in _code(register("bad", f"/{PREFIX}-absent"))
+        assert "past the end" in _code(register("bad", key_in, IN_BYTES, offset=4))
+        assert _code(register("in", key_in)).startswith("StatusCode.ALREADY_EXISTS")
+        link = Path(f"/dev/shm/{PREFIX}-link")
+        link.symlink_to(f"/dev/shm/{key_in[1:]}")
+        try:
+            assert "cannot open" in _code(register("bad", link.name))  # O_NOFOLLOW
+        finally:
+            link.unlink()
+        for index in range(MAX_REGIONS - 1):
+            client.register_system_shared_memory(f"r{index}", key_in, 64)
+        assert _code(register("one-more", key_in)).startswith("StatusCode.RESOURCE_EXHAUSTED")
+        assert _code(lambda: client.get_system_shared_memory_status("nope")).startswith(
+            "StatusCode.NOT_FOUND"
+        )
+        client.unregister_system_shared_memory("nope")  # nothing to do, as Triton
+
+
+def test_region_gone_while_waiting_fails_that_request_alone(repository: Path, reference) -> None:
+    """Requests queue for --max-queue-delay-ms; meanwhile one's output region is unregistered
+    and another's object is removed: those two fail NOT_FOUND, the one batched with them is
+    answered."""
+    made = Objects()
+    flags = ("--default-model", "small", "--client-shared-memory", "on",
+             "--max-queue-delay-ms", "3000", "--max-batch-size", "8")  # fmt: skip
+    x = np.random.default_rng(2).standard_normal((N, SEQ, D), dtype=np.float32)
+    try:
+        with ServerProcess(repository, *flags) as server:
+            client = triton.InferenceServerClient(server.target)
+            for name in ("a", "b"):
+                _, key = made.make(name, IN_BYTES)
+                client.register_system_shared_memory(name, key, IN_BYTES)
+            results: dict[str, object] = {}
+            done = threading.Event()
+
+            def callback(name: str):
+                def record(result, error) -> None:
+                    results[name] = error or result
+                    if len(results) == 3:
+                        done.set()
+
+                return record
+
+            plain = triton.InferInput("embeddings", [N, SEQ, D], "FP32").set_data_from_numpy(x)
+            for name in ("a", "b"):
+                output = [_shm_output("output", name, IN_BYTES)]
+                client.async_infer("small", [plain], callback(name), outputs=output)
+            client.async_infer("small", [plain], callback("plain"))
+            server.wait_metric("attention_queue_depth_requests", 3)
+            client.unregister_system_shared_memory("a")
+            made.destroy(made.handles[1])  # b's object removed while it is registered
+            assert done.wait(60)
+            client.close()
+    finally:
+        for handle in list(made.handles):
+            made.destroy(handle)
+    assert isinstance(results["a"], InferenceServerException)
+    assert results["a"].status() == "StatusCode.NOT_FOUND"
+    assert "unregistered" in results["a"].message()
+    assert isinstance(results["b"], InferenceServerException)
+    assert "removed or shrunk" in results["b"].message()
+    want, _ = attend_alone(reference, x)
+    np.testing.assert_allclose(results["plain"].as_numpy("output"), want, atol=1e-5, rtol=0)
+    assert not list(Path("/dev/shm").glob(f"{PREFIX}-*"))
+
+
+def test_off_by_default(repository: Path) -> None:
+    assert load_settings([]).client_shared_memory == "off"
+    with ServerProcess(repository, "--default-model", "small", http=True) as server:
+        with triton.InferenceServerClient(server.target) as client:
+            refused = _code(lambda: client.register_system_shared_memory("r", "/k", 64))
+            assert refused.startswith("StatusCode.UNIMPLEMENTED")
+            assert "--client-shared-memory on" in refused
+            assert "system_shared_memory" not in client.get_server_metadata().extensions
+            refused = _code(lambda: client.infer("small", [_shm_input(region="r")]))
+            assert refused.startswith("StatusCode.INVALID_ARGUMENT")
+            assert "--client-shared-memory on" in refused
+        rest = triton_http.InferenceServerClient(server.http_url)
+        try:
+            assert _code(rest.get_system_shared_memory_status).startswith("501")
+        finally:
+            rest.close()
+
+
+def test_needs_one_front_end() -> None:
+    with pytest.raises(SystemExit):
+        load_settings(["--client-shared-memory", "on", "--frontends", "2"])
