@@ -186,7 +186,9 @@ def server_scenarios(repository: Path, model: str, d: int, provider: str, short:
     command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--grpc-port", "0",
                "--metrics-port", "0", "--http-port", "0", "--model-repository", str(repository),
                "--default-model", model, "--provider", provider, "--max-batch-size", "64",
-               "--batch-cap-budget-s", "0", "--log-level", "INFO"]  # fmt: skip
+               "--batch-cap-budget-s", "0", "--log-level", "INFO",
+               # The check's repository links to the exported models (its own, trusted).
+               "--repository-follow-symlinks", "on"]  # fmt: skip
     report: Report = {}
     with Service("server", command) as server:
         server.wait_ready(180)
