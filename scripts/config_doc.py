@@ -54,7 +54,13 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "malloc_reuse",
     ),
     "GPU": ("cuda_tf32", "gpu_mem_fraction", "fused_attention"),
-    "Processes": ("frontends", "shared_memory_bytes", "max_restarts", "restart_window_s"),
+    "Processes": (
+        "frontends",
+        "shared_memory_bytes",
+        "max_restarts",
+        "restart_window_s",
+        "watchdog_timeout_s",
+    ),
     "Shutdown": ("grace_period_s", "shutdown_not_serving_s"),
     "TLS and connections": (
         "tls_cert",

@@ -230,7 +230,8 @@ class Settings:
     shared_memory_bytes: int = _doc(
         "bytes of shared memory per front end for the tensors of its requests in flight "
         "(inputs and answers); when full, RESOURCE_EXHAUSTED; pages are taken only when "
-        "written; 0 = twice the queue's byte bound, at least 1 GiB",
+        "written and go back after a burst; 0 = twice the queue's byte bound split between "
+        "the front ends, at least 64 MiB",
         default=0,
     )
     max_restarts: int = _doc(
@@ -240,6 +241,12 @@ class Settings:
         default=5,
     )
     restart_window_s: float = _doc("seconds over which --max-restarts counts", default=60.0)
+    watchdog_timeout_s: float = _doc(
+        "seconds a worker or front end may go without its heartbeat (sent from its event "
+        "loop every second) before the supervisor kills it as hung, failing its calls in "
+        "flight at once and restarting it; 0 = no watchdog",
+        default=10.0,
+    )
 
     tracing: str = _doc(
         "on: export OpenTelemetry traces (a span per request, with its queue wait and compute) "
@@ -382,6 +389,7 @@ class Settings:
             ("shared_memory_bytes", self.shared_memory_bytes >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),
             ("restart_window_s", self.restart_window_s > 0, "> 0"),
+            ("watchdog_timeout_s", self.watchdog_timeout_s >= 0, ">= 0"),
             ("max_undelivered_bytes", self.max_undelivered_bytes >= 1, ">= 1"),
             (
                 "max_undelivered_bytes_per_connection",

@@ -148,6 +148,7 @@ def _json_error(status: int, raw: bytes) -> str:
 BAD_BODIES = [
     (b"{bad", "not valid JSON"),
     (b"[1, 2]", "expected a JSON object"),
+    (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests arrays or objects too deeply"),
     (b'{"inputs": [{"name": "embeddings", "shape": [1, 2, 64], "datatype": "FP32",'
      b' "data": [1.0, 2.0]}]}', "data has 2 values; shape [1, 2, 64] needs 128"),
     (b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 64], "datatype": "FP32",'

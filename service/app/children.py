@@ -20,6 +20,7 @@ from service.settings import Settings
 
 log = logging.getLogger("service")
 PR_SET_PDEATHSIG = 1
+HEARTBEAT_S = 1.0  # how often a child tells the supervisor its event loop still turns
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
 
@@ -54,11 +55,29 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _run(settings: Settings, main: Callable[[], Awaitable[int]]) -> NoReturn:
+def _run(settings: Settings, main: Callable[[], Awaitable[int]], report: Connection) -> NoReturn:
     from service.app.loops import event_loop_factory
 
+    async def with_heartbeat() -> int:
+        beating = asyncio.create_task(_heartbeat(report), name="heartbeat")
+        try:
+            return await main()
+        finally:
+            beating.cancel()
+
     with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
-        exit_now(runner.run(main()))  # type: ignore[arg-type]
+        exit_now(runner.run(with_heartbeat()))
+
+
+async def _heartbeat(report: Connection) -> None:
+    """From the event loop itself: a loop that stops turning stops the beat, and the
+    supervisor's watchdog restarts the process."""
+    while True:
+        try:
+            report.send(("alive",))
+        except (BrokenPipeError, OSError):
+            return  # the supervisor is gone; PDEATHSIG ends this process
+        await asyncio.sleep(HEARTBEAT_S)
 
 
 async def _until_signal(start: Awaitable[object]) -> tuple[bool, float | None]:
@@ -116,7 +135,7 @@ def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoRetur
         await server.stop(settings.grace_period_s)
         return 0
 
-    _run(settings, main)
+    _run(settings, main, report)
 
 
 def run_frontend(
@@ -142,4 +161,4 @@ def run_frontend(
         await server.stop(signalled_at=signalled_at)
         return 0
 
-    _run(settings, main)
+    _run(settings, main, report)

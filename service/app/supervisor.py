@@ -88,6 +88,7 @@ class Child:
     report: Connection
     started: bool = False  # reported ready (worker) or bound (front end)
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    last_seen: float = field(default_factory=time.monotonic)  # its latest report or beat
 
 
 class Supervisor:
@@ -109,6 +110,8 @@ class Supervisor:
         self._port_socket: socket.socket | None = None
         self._metrics_http: tuple[Any, Thread] | None = None
         self._served = metrics.ServedSetCollector()
+        self._restarted = metrics.process_restarts_counter()
+        self._watchdog: asyncio.Task[None] | None = None
         self.grpc_port = self.http_port = 0
         self._http_socket: socket.socket | None = None
         self.queue_bytes = settings.max_queue_bytes or default_queue_bytes(memory_limit_bytes())
@@ -144,7 +147,9 @@ class Supervisor:
                 )
             self.http_port = self._http_socket.getsockname()[1]
         try:
-            self._metrics_http = _serve_metrics(settings, self._metrics_dir, self._served)
+            self._metrics_http = _serve_metrics(
+                settings, self._metrics_dir, [self._served, self._restarted]
+            )
         except OSError as err:
             return self._cannot_start(
                 f"cannot bind metrics to {settings.host}:{settings.metrics_port}: {err}"
@@ -152,7 +157,24 @@ class Supervisor:
         self._spawn("worker")
         for index in range(settings.frontends):
             self._spawn(f"frontend-{index}")
+        if settings.watchdog_timeout_s > 0:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="watchdog")
         return True
+
+    async def _watch(self) -> None:
+        """Kill a child whose event loop has stopped turning (hung, or stopped): its exit
+        then takes the usual path (calls in flight fail at once, a restart)."""
+        timeout = self._settings.watchdog_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for child in list(self._children.values()):
+                silent = now - child.last_seen
+                if child.process.exitcode is None and silent > timeout and not self._stopping:
+                    log.error("%s sent no heartbeat for %.1fs (hung or stopped); killing it",
+                              child.role, silent)  # fmt: skip
+                    child.last_seen = now  # once: the kill's exit restarts it
+                    child.process.kill()
 
     def _cannot_start(self, reason: str) -> bool:
         log.error("cannot start: %s", reason)
@@ -201,6 +223,7 @@ class Supervisor:
         except (EOFError, OSError):
             asyncio.get_running_loop().remove_reader(child.report.fileno())
             return
+        child.last_seen = time.monotonic()
         kind = message[0]
         if kind in ("ready", "bound"):
             child.started = True
@@ -236,6 +259,7 @@ class Supervisor:
             self._fail()
             return
         log.warning("%s exited with code %s; restarting it", child.role, code)
+        self._restarted.labels("worker" if child.role == "worker" else "frontend").inc()
         self._spawn(child.role)
 
     def _serving(self) -> bool:
@@ -273,6 +297,8 @@ class Supervisor:
         """SIGTERM to every child at once: front ends drain their calls, the worker serves
         them until they have gone. Past the grace period (and a margin), SIGKILL."""
         self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         started = self._signalled_at or time.monotonic()
         deadline = started + self._settings.grace_period_s + EXIT_MARGIN_S
         alive = [c for c in self._children.values() if c.process.exitcode is None]
@@ -300,16 +326,15 @@ class Supervisor:
         log.info("stopped")
 
 
-def _serve_metrics(
-    settings: Settings, metrics_dir: Path, served: metrics.ServedSetCollector
-) -> tuple[Any, Thread]:
+def _serve_metrics(settings: Settings, metrics_dir: Path, own: list[Any]) -> tuple[Any, Thread]:
     """/metrics: every process's series, summed by prometheus-client's multiprocess mode,
     and the served set as the worker reported it."""
     from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
-    registry.register(served)
+    for collector in own:
+        registry.register(collector)
     return start_http_server(settings.metrics_port, addr=_bare(settings.host), registry=registry)
 
 

@@ -63,9 +63,10 @@ def grpc_address(host: str, port: int) -> str:
 
 def slab_bytes(settings: Settings, queue_bytes: int) -> int:
     """Shared memory for one front end's tensors in flight: --shared-memory-bytes, or room
-    for the queue's bytes twice over (inputs and answers), at least 1 GiB. Only pages
-    written are ever taken."""
-    return settings.shared_memory_bytes or max(2 * queue_bytes, 1 << 30)
+    for the queue's bytes twice over (inputs and answers), shared by the front ends. The
+    queue's bound follows the container's memory limit, so this does too; only pages written
+    are taken, and they go back after a burst."""
+    return settings.shared_memory_bytes or max(64 << 20, 2 * queue_bytes // settings.frontends)
 
 
 class FrontendServer:
@@ -83,6 +84,7 @@ class FrontendServer:
         self._v2_plane: V2Plane | None = None
         self.tls: ReloadingCredentials | None = None
         self.port: int | None = None
+        self._queue_bytes = queue_bytes
         self.plane = WorkerClient(socket_path, name, slab_bytes(settings, queue_bytes),
                                   on_change=self._changed)  # fmt: skip
         self._started = False
@@ -110,6 +112,13 @@ class FrontendServer:
         self.plane.start()
         await self.plane.wait_welcomed()
         receive_bytes, send_bytes = message_limits(self.plane.models.all(), settings)
+        slab = slab_bytes(settings, self._queue_bytes)
+        if receive_bytes + send_bytes > slab:
+            log.warning(
+                "the largest legal call and its answer take up to %d bytes of shared memory, "
+                "more than this front end has (%d, --shared-memory-bytes): such calls get "
+                "RESOURCE_EXHAUSTED", receive_bytes + send_bytes, slab,
+            )  # fmt: skip
         self._served.check_limits(
             lambda model: message_limits([model], settings), (receive_bytes, send_bytes)
         )

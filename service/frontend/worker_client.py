@@ -46,14 +46,38 @@ class _Link:
     calls: dict[int, _Call] = field(default_factory=dict)
     alive: bool = True
 
+    high_water: int = 0  # most bytes in use since the slab last gave its pages back
+
+    def alloc(self, nbytes: int) -> Region:
+        region = self.allocator.alloc(nbytes)
+        self.high_water = max(self.high_water, self.allocator.used)
+        return region
+
+    def reserve(self, sizes: list[int]) -> list[Region]:
+        """A region of each size, or none (SlabFull, SlabTooSmall)."""
+        regions: list[Region] = []
+        try:
+            for nbytes in sizes:
+                regions.append(self.alloc(nbytes))
+        except BaseException:
+            self.free(regions)
+            raise
+        return regions
+
     def free(self, regions: list[Region]) -> None:
         for region in regions:
             self.allocator.free(region)
             if region.nbytes >= RELEASE_BYTES:
                 self.slab.release_pages(region)
+        if self.allocator.used == 0 and self.high_water >= TRIM_AFTER_BYTES:
+            # Idle after a burst: the pages its small regions took go back to the kernel
+            # (shared memory is charged to the container until then), as malloc's are.
+            self.slab.release_pages(Region(0, self.slab.size))
+            self.high_water = 0
 
 
 RELEASE_BYTES = 1 << 20
+TRIM_AFTER_BYTES = 16 << 20  # a burst that took this much shared memory is given back when idle
 
 
 @dataclass(eq=False)
@@ -217,13 +241,7 @@ class WorkerClient:
         sizes = [embeddings.nbytes, embeddings.nbytes]
         if with_weights:
             sizes.append(n * model.spec.num_heads * seq * seq * 4)
-        call = _Call(asyncio.get_running_loop().create_future())
-        try:
-            for nbytes in sizes:
-                call.regions.append(link.allocator.alloc(nbytes))
-        except BaseException:
-            link.free(call.regions)
-            raise
+        call = _Call(asyncio.get_running_loop().create_future(), link.reserve(sizes))
         regions = call.regions
         np.copyto(link.slab.array(regions[0].offset, embeddings.shape, embeddings.dtype),
                   embeddings)  # fmt: skip
@@ -242,7 +260,10 @@ class WorkerClient:
             self._abandon(link, request_id, call)
             raise
         except BaseException:
-            link.free(regions)
+            # Abandoned (failed at the drain's end): freed when the worker's answer comes,
+            # since it may still be writing; on a lost link the slab went with it.
+            if not call.abandoned and link.alive:
+                link.free(regions)
             raise
         finally:
             self._leave()

@@ -10,6 +10,7 @@ regions give their pages back when freed.
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -18,11 +19,16 @@ import numpy as np
 
 from service.errors import QueueFull
 
+log = logging.getLogger(__name__)
 ALIGN = 64  # cache-line aligned regions: numpy and ONNX Runtime read them at full speed
 PAGE = mmap.PAGESIZE
 # Freed regions this large give their pages back to the kernel (a weights answer at seq 512
 # is 8 MiB a sequence); smaller ones stay resident for the next request to reuse.
 RELEASE_BYTES = 1 << 20
+
+
+class SlabTooSmall(QueueFull):
+    """A request whose tensors would not fit even an empty slab: never retryable as is."""
 
 
 class SlabFull(QueueFull):
@@ -88,15 +94,24 @@ class RegionAllocator:
         self.size = size
         self._starts: list[int] = [0]  # free blocks, sorted by start
         self._lengths: dict[int, int] = {0: size}
+        self._taken: dict[int, int] = {}  # start -> length of each region handed out
         self.used = 0
 
     def alloc(self, nbytes: int) -> Region:
         need = _aligned(nbytes)
+        if need > self.size:
+            raise SlabTooSmall(
+                f"this request needs {need} bytes of shared memory for its tensors (input, "
+                f"output and any weights), more than the front end has ({self.size}, "
+                "--shared-memory-bytes); send fewer or shorter sequences per request, or "
+                "raise the setting"
+            )
         for start in self._starts:
             length = self._lengths[start]
             if length >= need:
                 self._take(start, length, need)
                 self.used += need
+                self._taken[start] = need
                 return Region(start, need)
         raise SlabFull(
             f"shared memory full: {self.used} of {self.size} bytes hold tensors of requests in "
@@ -114,6 +129,11 @@ class RegionAllocator:
 
     def free(self, region: Region) -> None:
         start, length = region.offset, region.nbytes
+        if self._taken.get(start) != length:
+            # Freeing twice would hand one region to two requests: refuse, loudly.
+            log.error("shared-memory region %s freed but not held; ignored", region)
+            return
+        del self._taken[start]
         self.used -= length
         index = bisect.bisect_left(self._starts, start)
         # Merge with the following block, then with the preceding one.

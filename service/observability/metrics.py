@@ -110,6 +110,7 @@ UNDELIVERED_BYTES = Gauge(
     f"{PREFIX}_undelivered_answer_bytes",
     "Memory held by answers from admission until gRPC took them or the call ended: twice "
     "each answer's bytes (bounded by max_undelivered_bytes).",
+    multiprocess_mode="livesum",
 )
 UNDELIVERED_REFUSALS = Counter(
     f"{PREFIX}_undelivered_refusals_total",
@@ -186,3 +187,14 @@ class ServedSetCollector(Collector):
             engine.add_metric([model, version, provider], 1.0)
         yield ready
         yield engine
+
+
+def process_restarts_counter() -> Counter:
+    """attention_process_restarts_total, kept by the supervisor (in its own registry)."""
+    return Counter(
+        f"{PREFIX}_process_restarts",
+        "Child processes the supervisor restarted after they died or hung (process: worker | "
+        "frontend); more than --max-restarts within --restart-window-s ends the server.",
+        ["process"],
+        registry=None,
+    )

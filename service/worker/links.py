@@ -99,7 +99,7 @@ class FrontendLink:
     def _dispatch(self, message: channel.Message) -> None:
         kind = message.get("t")
         if kind == messages.INFER:
-            self._start(self._infer(message))
+            self._submit(message)
         elif kind == messages.CANCEL:
             submitted = self._submitted.get(int(message["id"]))
             if submitted is not None:
@@ -118,26 +118,43 @@ class FrontendLink:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _infer(self, message: channel.Message) -> None:
-        """Compute one request; exactly one DONE or FAIL answers it, sent only after the
-        last write into its output regions (the front end frees them on that answer)."""
+    def _submit(self, message: channel.Message) -> None:
+        """Queue one request now, in the turn that read it: a CANCEL read in the same turn
+        then finds it (and drops it before it is computed)."""
         request_id = int(message["id"])
         try:
             model = self._resolve(str(message["model"]))
             dtype = np.dtype(message["dtype"])
             shape = tuple(int(n) for n in message["shape"])
             embeddings = self._slab.array(int(message["in"]), shape, dtype)
-            submitted = asyncio.ensure_future(
-                self._batcher.submit(
-                    model, embeddings, with_weights=bool(message["w"]),
-                    deadline=message.get("deadline"), tag=message.get("tag"),
-                )
+        except ServingError as err:
+            self._fail(request_id, err)
+            return
+        except (KeyError, TypeError, ValueError) as err:
+            log.error("front end %s sent a malformed request %d: %s", self.name, request_id, err)
+            self._fail(request_id, err)
+            return
+        try:
+            submitted = self._batcher.enqueue(
+                model, embeddings, with_weights=bool(message["w"]),
+                deadline=message.get("deadline"), tag=message.get("tag"),
             )  # fmt: skip
-            self._submitted[request_id] = submitted
+        except ServingError as err:  # queue full, shutting down
+            self._fail(request_id, err)
+            return
+        self._submitted[request_id] = submitted
+        self._start(self._infer(request_id, message, submitted))
+
+    async def _infer(
+        self, request_id: int, message: channel.Message, submitted: asyncio.Future[Any]
+    ) -> None:
+        """Await one request; exactly one DONE or FAIL answers it, sent only after the last
+        write into its output regions (the front end frees them on that answer)."""
+        try:
             try:
                 result = await submitted
             finally:
-                del self._submitted[request_id]
+                self._submitted.pop(request_id, None)
             await self._write(result.output, int(message["out"]))
             if result.attention_weights is not None:
                 await self._write(result.attention_weights, int(message["wout"]))

@@ -134,3 +134,49 @@ def _gone(pid: int) -> bool:
             return stat.read().split()[2] == "Z"  # a zombie has exited
     except FileNotFoundError:
         return True
+
+
+def test_a_hung_worker_is_killed_by_the_watchdog_and_restarted(model_repository: Path) -> None:
+    """SIGSTOP stands in for a worker whose event loop hangs: its calls fail, not wait."""
+    flags = (*PARKED, "--watchdog-timeout-s", "2")
+    with ServerProcess(model_repository, *flags) as server:
+        channel = grpc.insecure_channel(server.target)
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        parked = [stub.Attend.future(_request(), timeout=60) for _ in range(4)]
+        _queued(server, 4)
+        old = worker_pid(server)
+        stopped_at = time.monotonic()
+        os.kill(old, signal.SIGSTOP)
+        for call in parked:
+            call.exception(timeout=30)
+        ended_s = time.monotonic() - stopped_at
+        assert [call.code() for call in parked] == [grpc.StatusCode.UNAVAILABLE] * 4
+        assert 1.5 < ended_s < 15  # after the watchdog's 2 s, long before the 60 s deadline
+        assert "sent no heartbeat" in server.log
+        _wait_for(lambda: worker_pid(server) != old, what="a new worker")
+        server.wait_serving(timeout_s=120)
+        assert server.metric("attention_process_restarts_total", process="worker") == 1
+        channel.close()
+
+
+def test_a_cancel_read_with_its_request_drops_it_before_compute(model_repository: Path) -> None:
+    """A request and its cancel that reach the worker in one read (it was stopped while both
+    were sent): dropped, never computed."""
+    with ServerProcess(model_repository, "--batch-cap-budget-s", "0") as server:
+        channel = grpc.insecure_channel(server.target)
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        before = server.metric("attention_batch_size_sequences_sum")
+        dropped = server.metric("attention_requests_dropped_total")
+        worker = worker_pid(server)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            calls = [stub.Attend.future(_request()) for _ in range(10)]  # no deadline
+            _wait_for(lambda: server.metric("attention_inflight_requests") >= 10, 30, "in flight")
+            for call in calls:
+                call.cancel()
+            _wait_for(lambda: all(call.done() for call in calls), 30, "cancelled")
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        server.wait_metric("attention_requests_dropped_total", dropped + 10)
+        assert server.metric("attention_batch_size_sequences_sum") == before
+        channel.close()

@@ -56,6 +56,10 @@ def _json(text: bytes, what: str) -> Any:
         raise InvalidInput(
             f"{what} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
         ) from err
+    except RecursionError as err:
+        raise InvalidInput(
+            f"{what} nests arrays or objects too deeply; expected the flat V2 JSON layout"
+        ) from err
 
 
 def json_object(body: bytes, what: str, *, empty_ok: bool = False) -> dict[str, Any]:

@@ -152,7 +152,7 @@ class Batcher:
         """From now on submit() answers UNAVAILABLE; what is queued is still computed."""
         self._accepting = False
 
-    async def submit(
+    def enqueue(
         self,
         runner: Runner,
         embeddings: np.ndarray,
@@ -160,8 +160,9 @@ class Batcher:
         with_weights: bool,
         deadline: float | None = None,
         tag: object = None,
-    ) -> Result:
-        """Queue [n, seq, d] embeddings and wait for their share of a batch.
+    ) -> asyncio.Future[Result]:
+        """Queue [n, seq, d] embeddings now; the future resolves to their share of a batch
+        (cancelling it drops them before compute).
 
         deadline is on the time.monotonic() clock; past it the request is never computed.
         tag (small, plain data; e.g. a trace's span ids) comes back in Result.batch_tags of
@@ -182,7 +183,21 @@ class Batcher:
         queue.items.append(item)
         self._count(1, embeddings.nbytes)
         self._wakeup.set()
-        return await item.future
+        return item.future
+
+    async def submit(
+        self,
+        runner: Runner,
+        embeddings: np.ndarray,
+        *,
+        with_weights: bool,
+        deadline: float | None = None,
+        tag: object = None,
+    ) -> Result:
+        """Queue [n, seq, d] embeddings and wait for their share of a batch (see enqueue)."""
+        return await self.enqueue(
+            runner, embeddings, with_weights=with_weights, deadline=deadline, tag=tag
+        )
 
     def _admit(self, nbytes: int) -> None:
         limits = self._limits
