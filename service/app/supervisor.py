@@ -332,7 +332,9 @@ def _serve_metrics(settings: Settings, metrics_dir: Path, own: list[Any]) -> tup
     from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
+    registry.register(
+        metrics.EveryFamily(multiprocess.MultiProcessCollector(None, path=str(metrics_dir)))
+    )
     for collector in own:
         registry.register(collector)
     return start_http_server(settings.metrics_port, addr=_bare(settings.host), registry=registry)

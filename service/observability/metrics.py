@@ -10,7 +10,8 @@ import functools
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 PREFIX = "attention"
@@ -198,3 +199,23 @@ def process_restarts_counter() -> Counter:
         ["process"],
         registry=None,
     )
+
+
+class EveryFamily(Collector):
+    """The processes' series, plus an empty family for each metric declared here that has no
+    sample yet (no drop has happened, say): a scrape lists every metric, as one process's
+    registry would, so dashboards and alerts can name them before the first event."""
+
+    def __init__(self, inner: Collector) -> None:
+        self._inner = inner
+
+    def collect(self) -> Iterator[Metric]:
+        seen = set()
+        for family in self._inner.collect():
+            seen.add(family.name)
+            yield family
+        for declared in list(globals().values()):
+            if isinstance(declared, MetricWrapperBase):
+                for family in declared.describe():
+                    if family.name not in seen:
+                        yield family
