@@ -7,6 +7,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -33,7 +34,10 @@ def _die_with_parent() -> None:
     """SIGTERM when the supervisor dies, even by SIGKILL: a child never outlives it."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() == 1:  # the parent died before the call
+    parent = multiprocessing.parent_process()
+    # The parent died before the call (in a container the supervisor itself is pid 1, so
+    # compare with its pid rather than with 1).
+    if parent is not None and os.getppid() != parent.pid:
         os._exit(1)
 
 
