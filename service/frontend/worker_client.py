@@ -170,9 +170,11 @@ class WorkerClient:
         return reader, _Link(slab, RegionAllocator(slab.size), channel.Writer(writer))
 
     async def _read(self, reader: asyncio.StreamReader, link: _Link) -> None:
+        messages_in = channel.Reader(reader)
         try:
             while True:
-                self._dispatch(link, await channel.read(reader))
+                for message in await messages_in.read():
+                    self._dispatch(link, message)
         except channel.ChannelClosed:
             log.warning("the worker closed its connection; failing calls in flight, reconnecting")
         except (ValueError, KeyError, TypeError) as err:

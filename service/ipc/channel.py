@@ -30,22 +30,52 @@ def encode(message: Message) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode(body: bytes) -> Message:
+def decode(body: bytes | bytearray) -> Message:
     message = json.loads(body)
     if not isinstance(message, dict):
         raise ValueError(f"a control message is a JSON object, got {type(message).__name__}")
     return message
 
 
-async def read(reader: asyncio.StreamReader) -> Message:
-    try:
-        header = await reader.readexactly(HEADER.size)
-        (length,) = HEADER.unpack(header)
-        if length > MAX_MESSAGE_BYTES:
-            raise ValueError(f"control message of {length} bytes (max {MAX_MESSAGE_BYTES})")
-        return decode(await reader.readexactly(length))
-    except (asyncio.IncompleteReadError, ConnectionError) as err:
-        raise ChannelClosed("the other process closed the channel") from err
+READ_CHUNK_BYTES = 1 << 16
+
+
+class Reader:
+    """Reads framed messages, every whole one that has arrived at once: under load one
+    wake-up of this process takes many requests' messages, not one await per message."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self._reader = reader
+        self._buffer = bytearray()
+
+    async def read(self) -> list[Message]:
+        """The next messages (at least one); ChannelClosed once the other end has gone."""
+        while True:
+            messages = self._split()
+            if messages:
+                return messages
+            try:
+                chunk = await self._reader.read(READ_CHUNK_BYTES)
+            except ConnectionError as err:
+                raise ChannelClosed("the other process closed the channel") from err
+            if not chunk:
+                raise ChannelClosed("the other process closed the channel")
+            self._buffer += chunk
+
+    def _split(self) -> list[Message]:
+        buffer, messages, start = self._buffer, [], 0
+        while len(buffer) - start >= HEADER.size:
+            (length,) = HEADER.unpack_from(buffer, start)
+            if length > MAX_MESSAGE_BYTES:
+                raise ValueError(f"control message of {length} bytes (max {MAX_MESSAGE_BYTES})")
+            end = start + HEADER.size + length
+            if end > len(buffer):
+                break
+            messages.append(decode(buffer[start + HEADER.size : end]))
+            start = end
+        if start:
+            del buffer[:start]
+        return messages
 
 
 class Writer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -18,20 +19,13 @@ import numpy as np
 from service.errors import ServingError
 from service.ipc import channel, messages
 from service.ipc.slab import Slab
-from service.worker.batching.batcher import Batcher
+from service.worker.batching.batcher import Batcher, Result
 from service.worker.engine.onnx_model import OnnxModel
 
 log = logging.getLogger(__name__)
-# Copies of answers this large run on a thread (numpy releases the GIL), so the worker's
-# event loop keeps feeding batches meanwhile.
-OFF_LOOP_COPY_BYTES = 1 << 20
 SYNC_TIMEOUT_S = 5.0
 
 Call = Callable[[str, dict[str, Any]], Awaitable[Any]]
-
-
-def _copy(source: np.ndarray, target: np.ndarray) -> None:
-    np.copyto(target, source)
 
 
 class FrontendLink:
@@ -55,7 +49,7 @@ class FrontendLink:
         self._resolve = resolve
         self._batcher = batcher
         self._call = call
-        self._submitted: dict[int, asyncio.Future[Any]] = {}  # id -> the batcher's future
+        self._submitted: dict[int, asyncio.Future[Result]] = {}  # id -> the batcher's future
         self._tasks: set[asyncio.Task[None]] = set()
         self._syncs: dict[int, asyncio.Future[None]] = {}
         self._sync_ids = itertools.count(1)
@@ -79,10 +73,11 @@ class FrontendLink:
 
     async def serve(self) -> None:
         """Read until the front end goes; then drop what it still had queued."""
+        messages_in = channel.Reader(self._reader)
         try:
             while True:
-                message = await channel.read(self._reader)
-                self._dispatch(message)
+                for message in await messages_in.read():
+                    self._dispatch(message)
         except channel.ChannelClosed:
             log.info("front end %s disconnected", self.name)
         except ValueError as err:
@@ -101,9 +96,7 @@ class FrontendLink:
         if kind == messages.INFER:
             self._submit(message)
         elif kind == messages.CANCEL:
-            submitted = self._submitted.get(int(message["id"]))
-            if submitted is not None:
-                submitted.cancel()
+            self._withdraw(int(message["id"]))
         elif kind == messages.CALL:
             self._start(self._control(message))
         elif kind == messages.SYNCED:
@@ -120,13 +113,22 @@ class FrontendLink:
 
     def _submit(self, message: channel.Message) -> None:
         """Queue one request now, in the turn that read it: a CANCEL read in the same turn
-        then finds it (and drops it before it is computed)."""
+        then finds it (and drops it before it is computed). The compute thread writes the
+        answer straight into the front end's regions; the DONE that follows tells it so."""
         request_id = int(message["id"])
         try:
             model = self._resolve(str(message["model"]))
             dtype = np.dtype(message["dtype"])
-            shape = tuple(int(n) for n in message["shape"])
-            embeddings = self._slab.array(int(message["in"]), shape, dtype)
+            n, seq, d = (int(size) for size in message["shape"])
+            with_weights = bool(message["w"])
+            embeddings = self._slab.array(int(message["in"]), (n, seq, d), dtype)
+            output = self._slab.array(int(message["out"]), (n, seq, d), dtype)
+            weights_shape = (n, model.spec.num_heads, seq, seq)
+            weights = (
+                self._slab.array(int(message["wout"]), weights_shape, np.dtype("float32"))
+                if with_weights
+                else None
+            )
         except ServingError as err:
             self._fail(request_id, err)
             return
@@ -136,50 +138,43 @@ class FrontendLink:
             return
         try:
             submitted = self._batcher.enqueue(
-                model, embeddings, with_weights=bool(message["w"]),
+                model, embeddings, with_weights=with_weights,
                 deadline=message.get("deadline"), tag=message.get("tag"),
+                into=(output, weights),
             )  # fmt: skip
         except ServingError as err:  # queue full, shutting down
             self._fail(request_id, err)
             return
         self._submitted[request_id] = submitted
-        self._start(self._infer(request_id, message, submitted))
+        submitted.add_done_callback(functools.partial(self._answer, request_id))
 
-    async def _infer(
-        self, request_id: int, message: channel.Message, submitted: asyncio.Future[Any]
-    ) -> None:
-        """Await one request; exactly one DONE or FAIL answers it, sent only after the last
-        write into its output regions (the front end frees them on that answer)."""
-        try:
-            try:
-                result = await submitted
-            finally:
-                self._submitted.pop(request_id, None)
-            await self._write(result.output, int(message["out"]))
-            if result.attention_weights is not None:
-                await self._write(result.attention_weights, int(message["wout"]))
-        except asyncio.CancelledError:
+    def _withdraw(self, request_id: int) -> None:
+        """The front end cancelled: a queued request is dropped (and answered CANCELLED); one
+        computing is answered when its batch ends, having written into its regions."""
+        submitted = self._submitted.get(request_id)
+        if submitted is not None:
+            self._batcher.withdraw(submitted)
+
+    def _answer(self, request_id: int, submitted: asyncio.Future[Result]) -> None:
+        """Exactly one DONE or FAIL answers each request, sent only after the compute thread
+        wrote its last byte into the request's regions (the front end frees them on it)."""
+        self._submitted.pop(request_id, None)
+        if submitted.cancelled():
             self.send({"t": messages.FAIL, "id": request_id, "kind": messages.CANCELLED,
                        "msg": "cancelled by the front end"})  # fmt: skip
             return
-        except ServingError as err:
-            self._fail(request_id, err)
+        error = submitted.exception()
+        if error is not None:
+            if not isinstance(error, ServingError):
+                log.error("request %d from front end %s failed", request_id, self.name,
+                          exc_info=error)  # fmt: skip
+            self._fail(request_id, error)
             return
-        except Exception as err:
-            log.exception("request %d from front end %s failed", request_id, self.name)
-            self._fail(request_id, err)
-            return
+        result = submitted.result()
         self.send({"t": messages.DONE, "id": request_id, "q": result.queue_s,
                    "c": result.compute_s, "b": result.batch_size, "s": result.started_at,
                    "p": result.padding, "i": result.batch_id,
                    "tags": list(result.batch_tags)})  # fmt: skip
-
-    async def _write(self, source: np.ndarray, offset: int) -> None:
-        target = self._slab.array(offset, source.shape, source.dtype)
-        if source.nbytes >= OFF_LOOP_COPY_BYTES:
-            await asyncio.shield(asyncio.to_thread(_copy, source, target))
-        else:
-            _copy(source, target)
 
     def _fail(self, request_id: int, error: BaseException) -> None:
         kind = messages.error_kind(error)

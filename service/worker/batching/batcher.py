@@ -16,6 +16,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -42,12 +43,21 @@ from service.worker.batching.protocol import (
 from service.worker.batching.statistics import InferenceStatistics
 
 log = logging.getLogger(__name__)
+# Loop turns from bytes on a front end's socket to a request in its queue: the read
+# callback, the link's task, and one to spare.
+TURNS_TO_TAKE_IN = 3
+MAX_YIELDS = 4  # yields before a batch below its cap, while each one brought requests in
 GRAPHS = {False: "output", True: "output+attention_weights"}
 
 
 class SchedulerFailed(ShuttingDown):
     """The batch scheduler died; this replica computes nothing more (UNAVAILABLE: retry
     on another one)."""
+
+
+# Arrays a request's answer is written into ([n, seq, d] output, [n, h, seq, seq] weights or
+# None): the caller's shared memory, so the answer is copied once, on the compute thread.
+Targets = tuple[np.ndarray, np.ndarray | None]
 
 
 @dataclass(eq=False)
@@ -70,6 +80,7 @@ class _Pending:
     queued: bool = True
     timer: asyncio.TimerHandle | None = None
     tag: object = None  # the caller's, handed back to every request of its batch
+    into: Targets | None = None  # where the compute thread writes its output (and weights)
 
 
 @dataclass(frozen=True)
@@ -80,18 +91,32 @@ class _Computed:
     padding: float
 
 
-def _compute(runner: Runner, arrays: Sequence[np.ndarray], with_weights: bool) -> _Computed:
-    """Runs on the executor thread: merge, ONNX Runtime, split, finiteness of each part."""
+def _place(part: np.ndarray, target: np.ndarray | None) -> np.ndarray:
+    """The part, contiguous: copied into its target when there is one."""
+    if target is None:
+        return np.ascontiguousarray(part)
+    np.copyto(target, part)
+    return target
+
+
+def _compute(
+    runner: Runner,
+    arrays: Sequence[np.ndarray],
+    with_weights: bool,
+    targets: Sequence[Targets | None],
+) -> _Computed:
+    """Runs on the executor thread: merge, ONNX Runtime, split (into the targets given),
+    finiteness of each part."""
     started = time.monotonic()
     embeddings, mask = merge(arrays)
     output, weights = runner.run(embeddings, mask, with_weights)
     shapes = [(a.shape[0], a.shape[1]) for a in arrays]
-    # Contiguous here, on the compute thread: the padded slices would otherwise be copied
-    # while encoding, on the event loop that every other call waits for.
-    parts = [
-        (np.ascontiguousarray(out), None if w is None else np.ascontiguousarray(w))
-        for out, w in split(output, weights, shapes)
-    ]
+    # Copied here, on the compute thread: the padded slices would otherwise be copied while
+    # encoding (or into shared memory), on the event loop that every other call waits for.
+    parts = []
+    for (out, w), into in zip(split(output, weights, shapes), targets, strict=True):
+        out_into, w_into = into if into is not None else (None, None)
+        parts.append((_place(out, out_into), None if w is None else _place(w, w_into)))
     # Finite inputs can still overflow the model's arithmetic; such a part is never an OK.
     finite = [
         bool(np.isfinite(out).all()) and (w is None or bool(np.isfinite(w).all()))
@@ -125,6 +150,7 @@ class Batcher:
         self._queues: dict[tuple[Runner, bool], _Queue] = {}
         self._settle_waiters: list[asyncio.Future[None]] = []
         self._pending = 0
+        self._arrivals = 0  # requests ever queued: tells whether a yield brought any in
         self._pending_bytes = 0
         self._queued_high_bytes = 0  # most bytes queued at once since memory was last trimmed
         self._running = 0
@@ -160,13 +186,16 @@ class Batcher:
         with_weights: bool,
         deadline: float | None = None,
         tag: object = None,
+        into: Targets | None = None,
     ) -> asyncio.Future[Result]:
         """Queue [n, seq, d] embeddings now; the future resolves to their share of a batch
         (cancelling it drops them before compute).
 
         deadline is on the time.monotonic() clock; past it the request is never computed.
         tag (small, plain data; e.g. a trace's span ids) comes back in Result.batch_tags of
-        every request computed with this one.
+        every request computed with this one. into: arrays of the answer's shapes that the
+        compute thread writes the answer into (the Result then holds them); the caller keeps
+        them valid until the future is done, and after withdraw() returned False.
         """
         self._admit(embeddings.nbytes)
         loop = asyncio.get_running_loop()
@@ -175,12 +204,14 @@ class Batcher:
         if queue is None:
             queue = self._queues[key] = _Queue(runner, with_weights)
         item = _Pending(
-            embeddings, loop.create_future(), time.monotonic(), deadline, queue, tag=tag
-        )
+            embeddings, loop.create_future(), time.monotonic(), deadline, queue, tag=tag,
+            into=into,
+        )  # fmt: skip
         item.future.add_done_callback(functools.partial(self._on_done, item))
         if deadline is not None:
             item.timer = loop.call_later(deadline - item.enqueued_at, self._expire, item)
         queue.items.append(item)
+        self._arrivals += 1
         self._count(1, embeddings.nbytes)
         self._wakeup.set()
         return item.future
@@ -198,6 +229,15 @@ class Batcher:
         return await self.enqueue(
             runner, embeddings, with_weights=with_weights, deadline=deadline, tag=tag
         )
+
+    def withdraw(self, future: asyncio.Future[Result]) -> bool:
+        """The caller is gone: drop its request if it is still queued (its future is then
+        cancelled) and say True; False when its batch is computing, which will still write
+        into its targets and then resolve the future."""
+        if any(item.future is future for item in self._computing):
+            return False
+        future.cancel()
+        return True
 
     def _admit(self, nbytes: int) -> None:
         limits = self._limits
@@ -269,13 +309,6 @@ class Batcher:
         return any(queue.items for queue in self._queues.values() if queue.runner is runner) or any(
             item.queue.runner is runner for item in self._computing
         )
-
-    def fail_running(self, error: Exception) -> None:
-        """Answer the requests of batches still computing with error now; their results,
-        when they come, are dropped."""
-        for item in self._computing:
-            if not item.future.done():
-                item.future.set_exception(error)
 
     # -- queue accounting -------------------------------------------------------------------
 
@@ -378,12 +411,37 @@ class Batcher:
     async def _schedule(self) -> None:
         while True:
             self._wakeup.clear()
+            if self._below_cap(time.monotonic()):
+                await self._let_arrivals_in()
             wait_s = self._launch_ready(time.monotonic())
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives
             # just as the wait completes, and stop() then waited for this loop forever.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s):
                     await self._wakeup.wait()
+
+    def _below_cap(self, now: float) -> bool:
+        """Whether the next batch to start would be smaller than its cap."""
+        if self._flushing or self._running >= self._limits.max_inflight_batches:
+            return False
+        queue, _ = self._ready_queue(now)
+        return queue is not None and queue.sequences() < self._cap(
+            queue, queue.items[0].embeddings.shape[1]
+        )
+
+    async def _let_arrivals_in(self) -> None:
+        """Before starting a batch below its cap, give the CPU away once and take in what
+        arrived meanwhile. Where the front ends share this worker's core they run only when
+        it yields; without this, each request arrived alone and became a batch of one
+        (measured on one core at seq 16: 1.3 sequences per batch, 3.4 with it, and +30%
+        throughput). Where nothing else wants the core, it costs a few loop turns."""
+        for _ in range(MAX_YIELDS):
+            arrived = self._arrivals
+            os.sched_yield()
+            for _ in range(TURNS_TO_TAKE_IN):
+                await asyncio.sleep(0)
+            if self._arrivals == arrived:
+                return
 
     def _launch_ready(self, now: float) -> float | None:
         """Start every batch that is ready and has a free slot; else how long until one is
@@ -483,6 +541,7 @@ class Batcher:
                 runner,
                 [item.embeddings for item in batch],
                 queue.with_weights,
+                [item.into for item in batch],
             )
         except Exception as err:
             log.exception("batch of %d requests on %s failed", len(batch), runner.key)
