@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.cputime import family_cpu_s
 from bench.launcher import Pinning, Service
 from bench.stats import percentile
 
@@ -73,12 +74,32 @@ def pin_self(pinning: Pinning) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process, from /proc (MiB)."""
+def _status_kib(pid: int) -> dict[str, int]:
+    fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+        name, _, value = line.partition(":")
+        if name in ("RssAnon", "RssFile", "RssShmem"):
+            fields[name] = int(value.split()[0])
+    return fields
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a server, from /proc (MiB): the process and every live descendant
+    (supervisor, front ends, worker), each one's own pages, and the shared memory they all
+    map counted once (the largest process's share of it)."""
+    own = shared = 0
+    found = False
+    for member in family_cpu_s(pid):
+        try:
+            kib = _status_kib(member)
+        except FileNotFoundError:
+            continue  # exited meanwhile
+        found = found or member == pid
+        own += kib.get("RssAnon", 0) + kib.get("RssFile", 0)
+        shared = max(shared, kib.get("RssShmem", 0))
+    if not found:
+        raise RuntimeError(f"no process {pid}")
+    return (own + shared) / 1024
 
 
 class RssSampler:

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from pathlib import Path
 from threading import Thread
 from typing import Any
 
+from service.app import run_dir
 from service.app.children import run_frontend, run_worker
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
 from service.observability import metrics
@@ -98,7 +98,7 @@ class Supervisor:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._context = multiprocessing.get_context("spawn")  # no inherited threads or locks
-        self._run_dir = Path(tempfile.mkdtemp(prefix="attention-serving-"))
+        self._run_dir = run_dir.create()
         self._metrics_dir = self._run_dir / "metrics"
         self._children: dict[str, Child] = {}
         self._restarts: deque[float] = deque()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
 
+from service.app import run_dir
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from tests.server_process import ServerProcess, child_pids, worker_pid
@@ -120,12 +122,27 @@ def test_children_exit_with_the_supervisor_even_when_it_is_killed(model_reposito
     try:
         server.wait_serving()
         pids = child_pids(server)
+        owned = _run_dirs_of(server.process.pid)
+        assert len(owned) == 1, owned
         server.process.kill()
         server.process.wait(10)
         for pid in pids.values():
             _wait_for(lambda pid=pid: _gone(pid), 30, f"child {pid} exiting")
     finally:
         server.kill()
+    # Nobody was left to remove its run directory; the next supervisor's sweep does.
+    assert owned[0].exists()
+    assert owned[0] in run_dir.sweep(owned[0].parent)
+    assert not owned[0].exists()
+
+
+def _run_dirs_of(supervisor_pid: int) -> list[Path]:
+    parent = Path(tempfile.gettempdir())
+    return [
+        marker.parent
+        for marker in parent.glob(run_dir.PREFIX + "*/" + run_dir.OWNER_FILE)
+        if marker.read_text() == str(supervisor_pid)
+    ]
 
 
 def _gone(pid: int) -> bool:

@@ -1,0 +1,52 @@
+"""The supervisor's run directory (the worker's socket, the metrics files of every process),
+and the sweep of those left behind by a supervisor that was SIGKILLed: its children exit
+with it (PDEATHSIG), but nobody is left to remove the directory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+PREFIX = "attention-serving-"
+OWNER_FILE = "supervisor.pid"
+
+
+def create() -> Path:
+    """A fresh run directory, marked with this process's pid, after sweeping dead ones."""
+    sweep(Path(tempfile.gettempdir()))
+    run_dir = Path(tempfile.mkdtemp(prefix=PREFIX))
+    (run_dir / OWNER_FILE).write_text(str(os.getpid()))
+    return run_dir
+
+
+def sweep(parent: Path) -> list[Path]:
+    """Remove this user's run directories whose supervisor is gone; the ones removed."""
+    removed = []
+    for candidate in parent.glob(PREFIX + "*"):
+        try:
+            if candidate.stat().st_uid != os.getuid():
+                continue
+            owner = int((candidate / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or being created right now
+        if _alive(owner):
+            continue
+        shutil.rmtree(candidate, ignore_errors=True)
+        removed.append(candidate)
+    if removed:
+        log.info("removed %d run directories of supervisors that died", len(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process holds that pid now
+    return True
