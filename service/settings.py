@@ -19,6 +19,7 @@ PROVIDERS = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 ON_OFF = ("on", "off")
+CPU_ARENAS = ("bounded", "on", "off")
 FUSED_ATTENTION = ("auto", "on", "off")
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")  # Triton's names
 GRPC_COMPRESSION = ("identity", "gzip")
@@ -32,7 +33,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "length_grouping": ON_OFF,
     "live_batch_caps": ON_OFF,
     "intra_op_spinning": ON_OFF,
-    "cpu_arena": ON_OFF,
+    "cpu_arena": CPU_ARENAS,
     "malloc_reuse": ON_OFF,
     "cuda_tf32": ON_OFF,
     "fused_attention": FUSED_ATTENTION,
@@ -157,11 +158,13 @@ class Settings:
         default="off",
     )
     cpu_arena: str = _doc(
-        "on: ONNX Runtime's CPU arena keeps the memory of the largest batch it has run, so "
-        "resident memory stays at that peak; off: that memory goes back after each batch "
-        "(resident memory returns to its base; the largest batches spend time faulting their "
-        "pages in again)",
-        default="off",
+        "bounded: ONNX Runtime's CPU arena keeps the memory of batches below 8 MiB of input "
+        "(4x that with weights) for the next ones and gives back what a larger batch took "
+        "once it ends, so resident memory stays near the largest ordinary batch's; on: the "
+        "arena keeps the largest batch's memory for good; off: no arena, every batch faults "
+        "its intermediates' pages in again (measured on one core: 8 to 29 percent fewer "
+        "requests/s)",
+        default="bounded",
     )
     provider: str = _doc(
         "execution provider: auto (CUDA if usable, else CPU), cuda, cpu", default="auto"
@@ -351,7 +354,7 @@ class Settings:
             ("max_stream_pending_bytes", self.max_stream_pending_bytes >= 1, ">= 1"),
             ("intra_op_threads", self.intra_op_threads >= 0, ">= 0"),
             ("intra_op_spinning", self.intra_op_spinning in ("on", "off"), "on or off"),
-            ("cpu_arena", self.cpu_arena in ("on", "off"), "on or off"),
+            ("cpu_arena", self.cpu_arena in CPU_ARENAS, f"one of {CPU_ARENAS}"),
             ("provider", self.provider in PROVIDERS, f"one of {PROVIDERS}"),
             ("cuda_tf32", self.cuda_tf32 in ON_OFF, "on or off"),
             ("gpu_mem_fraction", 0 <= self.gpu_mem_fraction <= 1, "in 0..1"),

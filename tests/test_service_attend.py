@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from service.client import AsyncAttentionClient, AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
+from service.memory.budget import TRIM_AFTER_BATCH_BYTES, is_large_batch
 from tests.providers import serving_provider
 from tests.reference import attend_alone, cpu_session, layer_for
 from tests.server_process import ServerProcess
@@ -73,6 +74,23 @@ def test_weights_come_back_only_when_asked(
     np.testing.assert_allclose(full.attention_weights, want_weights, atol=1e-6, rtol=0)
     np.testing.assert_allclose(full.output, want_output, atol=1e-5, rtol=0)
     np.testing.assert_allclose(full.output, plain.output, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_a_large_batch_is_exact_while_its_memory_goes_back(
+    client: AttentionClient, reference, weights: bool
+) -> None:
+    """Batches this large run with their outputs bound to arrays of the worker's own, so the
+    arena can give back what they took (--cpu-arena bounded); the results are the same."""
+    seq = 256
+    n = -(-TRIM_AFTER_BATCH_BYTES // ((4 if weights else 1) * seq * D * 4))
+    x = np.random.default_rng(9).standard_normal((n, seq, D), dtype=np.float32)
+    assert is_large_batch(x, weights)
+    result = client.attend(x, return_attention_weights=weights)
+    want_output, want_weights = attend_alone(reference, x)
+    np.testing.assert_allclose(result.output, want_output, atol=1e-5, rtol=0)
+    if weights:
+        np.testing.assert_allclose(result.attention_weights, want_weights, atol=1e-6, rtol=0)
 
 
 def test_float16_input_gets_float16_output(client: AttentionClient, reference) -> None:

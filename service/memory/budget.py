@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 CGROUP_LIMIT_FILES = (
     Path("/sys/fs/cgroup/memory.max"),  # cgroup v2 (Kubernetes, docker, podman)
     Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1
@@ -51,6 +53,12 @@ def default_queue_bytes(limit_bytes: int) -> int:
 # freed memory scattered over malloc's per-thread arenas that resident memory would creep up
 # burst after burst; handing it back costs one pass over the heap, small beside such a batch.
 TRIM_AFTER_BATCH_BYTES = 8 << 20
+
+
+def is_large_batch(embeddings: np.ndarray, with_weights: bool) -> bool:
+    """Whether a batch is large enough to give its memory back once it ends (its weights
+    output and their intermediates take several times its input)."""
+    return embeddings.nbytes * (4 if with_weights else 1) >= TRIM_AFTER_BATCH_BYTES
 
 
 @functools.cache

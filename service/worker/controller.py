@@ -41,7 +41,7 @@ def build_controller(
             providers,
             settings.intra_op_threads,
             intra_op_spinning=settings.intra_op_spinning == "on",
-            cpu_arena=settings.cpu_arena == "on",
+            cpu_arena=settings.cpu_arena,
             cuda=cuda,
             fused=settings.fused_attention,
         )

@@ -29,7 +29,7 @@ import numpy as np
 
 from service.catalog import BatchCaps
 from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull, ShuttingDown
-from service.memory.budget import TRIM_AFTER_BATCH_BYTES, release_free_memory
+from service.memory.budget import TRIM_AFTER_BATCH_BYTES, is_large_batch, release_free_memory
 from service.observability import metrics
 from service.worker.batching.live_caps import LiveCaps
 from service.worker.batching.policy import choose_batch, merge, padding_ratio, split
@@ -123,7 +123,7 @@ def _compute(
         for out, w in parts
     ]
     padding = padding_ratio([s[0] for s in shapes], [s[1] for s in shapes])
-    if embeddings.nbytes * (4 if with_weights else 1) >= TRIM_AFTER_BATCH_BYTES:
+    if is_large_batch(embeddings, with_weights):
         del embeddings, mask, output, weights
         release_free_memory()
     return _Computed(parts, finite, time.monotonic() - started, padding)

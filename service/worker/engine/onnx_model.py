@@ -11,6 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.catalog import ModelSpec
+from service.memory.budget import is_large_batch
 from service.worker.engine import fused as fusing
 from service.worker.engine.caps import SERVER_BATCH_OVERHEAD_S, BatchCaps, measure_caps
 from service.worker.engine.cuda import (
@@ -29,6 +30,21 @@ __all__ = ["CPU", "CUDA", "BrokenModel", "ModelSpec", "OnnxModel", "choose_provi
 log = logging.getLogger(__name__)
 
 INPUTS = ("embeddings", "key_padding_mask")
+SHRINK_DEVICES = "cpu:0"  # arenas a large batch's run gives back (CUDA's is sized apart)
+
+
+NUMPY_OF_ORT: dict[str, np.dtype] = {
+    "tensor(float)": np.dtype("float32"),
+    "tensor(float16)": np.dtype("float16"),
+}
+
+
+def _output_dtype(session: ort.InferenceSession | None, name: str) -> np.dtype:
+    """The numpy dtype of a graph output (float32 where the graph is absent)."""
+    for output in session.get_outputs() if session is not None else ():
+        if output.name == name:
+            return NUMPY_OF_ORT.get(output.type, np.dtype("float32"))
+    return np.dtype("float32")
 
 
 class BrokenModel(ValueError):
@@ -107,16 +123,17 @@ class OnnxModel:
         intra_op_threads: int,
         *,
         intra_op_spinning: bool = False,
-        cpu_arena: bool = False,
+        cpu_arena: str = "bounded",
         cuda: CudaOptions | None = None,
         fused: str = "auto",
     ) -> None:
         options = ort.SessionOptions()
-        # Off by default, measured (README, "Memory"): the CPU arena keeps the largest batch's
-        # intermediates for good (RSS 94 MiB -> 2.2 GiB after one [32, 512, 512] request with
-        # weights); without it RSS returns to ~100 MiB, small batches cost the same and only
-        # the largest ones pay for faulting their pages in again.
-        options.enable_cpu_mem_arena = cpu_arena
+        # The arena keeps the largest batch's intermediates for good (RSS 94 MiB -> 2.2 GiB
+        # after one [32, 512, 512] request with weights); without it every batch faults its
+        # intermediates' pages in again (measured on one core: seq 128 205 -> 246 requests/s
+        # with it). Bounded: kept, except what a large batch took (docs/batching.md, Memory).
+        options.enable_cpu_mem_arena = cpu_arena in ("on", "bounded")
+        self._shrink_after_large = cpu_arena == "bounded"
         options.intra_op_num_threads = intra_op_threads_for(intra_op_threads, providers)
         # Spinning threads keep a core busy between ops; here that core also runs the event
         # loop that feeds the next batch, so they wait on a lock instead unless told to spin.
@@ -142,6 +159,7 @@ class OnnxModel:
         self._fused = self._load_fused(fused_path, options, providers, cuda) if want_fused else None
         self._use_fused = False
         self.spec = _read_spec(self._plain, files)
+        self._weights_dtype = _output_dtype(self._full, "attention_weights")
         self.key = f"{files.name}/{files.version}"
         self.provider = self._common_provider()
         # Until measure_batch_caps() runs, only --max-batch-size limits a batch.
@@ -227,11 +245,36 @@ class OnnxModel:
         feeds = {"embeddings": embeddings, "key_padding_mask": key_padding_mask}
         if with_weights:
             assert self._full is not None, "validated before batching"
-            output, weights = self._full.run(["output", "attention_weights"], feeds)
-            return output, weights
-        session = self._fused if self._use_fused and self._fused is not None else self._plain
-        (output,) = session.run(["output"], feeds)
-        return output, None
+            session, names = self._full, ["output", "attention_weights"]
+        else:
+            session = self._fused if self._use_fused and self._fused is not None else self._plain
+            names = ["output"]
+        if self._shrink_after_large and is_large_batch(embeddings, with_weights):
+            outputs = self._run_giving_back(session, names, embeddings, key_padding_mask)
+        else:
+            outputs = session.run(names, feeds)
+        return outputs[0], outputs[1] if with_weights else None
+
+    def _run_giving_back(
+        self, session: ort.InferenceSession, names: list[str], embeddings: np.ndarray,
+        key_padding_mask: np.ndarray,
+    ) -> list[np.ndarray]:  # fmt: skip
+        """Run a large batch so that its arena memory goes back when it ends: the outputs go
+        into arrays of our own (an output left in the arena would keep its region there)
+        and the run shrinks the arena afterwards."""
+        b, t, d = embeddings.shape
+        shapes = {"output": (b, t, d), "attention_weights": (b, self.spec.num_heads, t, t)}
+        dtypes = {"output": self.spec.dtype, "attention_weights": self._weights_dtype}
+        binding = session.io_binding()
+        binding.bind_cpu_input("embeddings", np.ascontiguousarray(embeddings))
+        binding.bind_cpu_input("key_padding_mask", np.ascontiguousarray(key_padding_mask))
+        outputs = [np.empty(shapes[name], dtypes[name]) for name in names]
+        for name, array in zip(names, outputs, strict=True):
+            binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        options = ort.RunOptions()
+        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", SHRINK_DEVICES)
+        session.run_with_iobinding(binding, options)
+        return outputs
 
     @property
     def uses_fused_graph(self) -> bool:
