@@ -14,8 +14,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from service.client import AsyncAttentionClient, AttentionClient
+from service.client import AsyncAttentionClient, AttentionClient, attend_request, attend_result
 from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
 from service.memory.budget import TRIM_AFTER_BATCH_BYTES, is_large_batch
 from tests.providers import serving_provider
 from tests.reference import attend_alone, cpu_session, layer_for
@@ -91,6 +92,48 @@ def test_a_large_batch_is_exact_while_its_memory_goes_back(
     np.testing.assert_allclose(result.output, want_output, atol=1e-5, rtol=0)
     if weights:
         np.testing.assert_allclose(result.attention_weights, want_weights, atol=1e-6, rtol=0)
+
+
+def test_calls_cancelled_at_any_moment_leave_the_others_exact(
+    server: ServerProcess, reference
+) -> None:
+    """The worker writes answers straight into the front end's shared memory; a call
+    cancelled while its batch computes must not have its regions reused before the batch
+    is done, or another call's answer would be overwritten."""
+    calls = 240
+    callers = 16
+    rng = np.random.default_rng(21)
+    inputs = [rng.standard_normal((2, 16 + i % 5, D), dtype=np.float32) for i in range(calls)]
+    delays = rng.uniform(0.0, 0.03, calls)
+
+    async def run() -> list[pb.AttendResponse | None]:
+        # Callers one after another on few connections, so a cancelled call's freed regions
+        # are soon taken by the next call's request and answer.
+        answers: list[pb.AttendResponse | None] = [None] * calls
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+
+            async def caller(first: int) -> None:
+                for i in range(first, calls, callers):
+                    call = stub.Attend(attend_request(inputs[i]), timeout=60)
+                    if i % 2 == 0:  # cancelled: queued, computing or answered by then
+                        await asyncio.sleep(delays[i])
+                        call.cancel()
+                    else:
+                        answers[i] = await call
+
+            await asyncio.gather(*(caller(first) for first in range(callers)))
+        return answers
+
+    answers = asyncio.run(run())
+    for x, answer in zip(inputs, answers, strict=True):
+        if answer is not None:
+            want, _ = attend_alone(reference, x)
+            np.testing.assert_allclose(attend_result(answer).output, want, atol=1e-5, rtol=0)
+    assert sum(answer is not None for answer in answers) == calls // 2
+    client = AttentionClient(server.target)  # and the server serves on
+    assert client.attend(inputs[1]).output.shape == inputs[1].shape
+    client.close()
 
 
 def test_float16_input_gets_float16_output(client: AttentionClient, reference) -> None:

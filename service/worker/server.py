@@ -29,6 +29,9 @@ from service.worker.links import FrontendLink, LinkListener
 from service.worker_socket import socket_path
 
 log = logging.getLogger(__name__)
+# Longest a batch may hold up the event loop (heartbeats, control calls, reads): shorter
+# batches compute on its own thread (Batcher.compute_short_batches_inline).
+INLINE_BATCH_S = 0.05
 
 
 class StartupError(RuntimeError):
@@ -96,6 +99,8 @@ class WorkerServer:
             providers = choose_providers(settings.provider)
         except RuntimeError as err:
             raise StartupError(str(err)) from err
+        if providers[0] == CPU:
+            self.batcher.compute_short_batches_inline(INLINE_BATCH_S)
         await self._load_models(providers)
         # Front ends connect once the served set is known: they size their limits from it.
         await self._listener.start()
