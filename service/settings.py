@@ -162,8 +162,7 @@ class Settings:
         "(4x that with weights) for the next ones and gives back what a larger batch took "
         "once it ends, so resident memory stays near the largest ordinary batch's; on: the "
         "arena keeps the largest batch's memory for good; off: no arena, every batch faults "
-        "its intermediates' pages in again (measured on one core: 8 to 29 percent fewer "
-        "requests/s)",
+        "its intermediates' pages in again (slower)",
         default="bounded",
     )
     provider: str = _doc(
