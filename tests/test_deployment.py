@@ -182,7 +182,7 @@ def test_kubernetes_overlay_has_every_required_object(overlay: str) -> None:
     grace = next(e["value"] for e in container["env"] if e["name"] == "ATTENTION_GRACE_PERIOD_S")
     assert pod["terminationGracePeriodSeconds"] > float(grace)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 8001, "metrics": 8002}
+    assert ports == {"grpc": 8001, "http": 8000, "metrics": 8002}
 
 
 def test_gpu_overlay_asks_for_a_gpu() -> None:
