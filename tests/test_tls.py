@@ -4,8 +4,11 @@ refused at startup with a clear message."""
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+import tritonclient.http as triton_http
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -73,6 +77,16 @@ def tls_server(repository: Path, pki: Pki) -> Iterator[TlsServerProcess]:
 
 
 @pytest.fixture(scope="module")
+def tls_rest_server(repository: Path, pki: Pki) -> Iterator[TlsServerProcess]:
+    server = TlsServerProcess(
+        repository, *pki.server_flags(mutual=False), credentials=pki.credentials(), http=True
+    )
+    with server:
+        yield server
+    assert server.terminate() == 0, server.log
+
+
+@pytest.fixture(scope="module")
 def mtls_server(repository: Path, pki: Pki) -> Iterator[TlsServerProcess]:
     server = TlsServerProcess(
         repository, *pki.server_flags(mutual=True), credentials=pki.credentials(pki.client)
@@ -124,6 +138,35 @@ def test_v2_api_over_tls_with_tritonclient(tls_server: TlsServerProcess, pki: Pk
     with pytest.raises(InferenceServerException):
         plain.is_server_live(client_timeout=3)
     plain.close()
+
+
+def test_rest_over_tls_with_the_same_certificates(
+    tls_rest_server: TlsServerProcess, pki: Pki
+) -> None:
+    url = tls_rest_server.http_url
+    client = triton_http.InferenceServerClient(
+        url,
+        ssl=True,
+        ssl_context_factory=lambda: ssl.create_default_context(cafile=str(pki.ca_file)),
+    )
+    assert client.is_server_live()
+    x = _embeddings()[None]
+    tensor = triton_http.InferInput("embeddings", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x, binary_data=True)
+    reply = client.infer("mha", [tensor])
+    grpc_reply = AttentionClient(tls_rest_server.target, **tls_options(pki.ca_file))
+    np.testing.assert_allclose(
+        reply.as_numpy("output"), grpc_reply.attend(x, timeout_s=10).output, atol=1e-6, rtol=0
+    )
+    grpc_reply.close()
+    client.close()
+    # Plain HTTP on the TLS port gets no answer, and a client that does not trust the CA
+    # is refused in the handshake.
+    with pytest.raises((ConnectionError, urllib.error.URLError)):  # closed, or reset
+        urllib.request.urlopen(f"http://{url}/v2/health/live", timeout=5)
+    with pytest.raises(urllib.error.URLError) as untrusted:
+        urllib.request.urlopen(f"https://{url}/v2/health/live", timeout=5)
+    assert isinstance(untrusted.value.reason, ssl.SSLCertVerificationError)
 
 
 def test_health_over_tls_and_the_healthcheck_command(

@@ -135,9 +135,13 @@ class TlsServerProcess(ServerProcess):
     credentials (a client certificate too, under mutual TLS)."""
 
     def __init__(
-        self, model_repository: Path, *flags: str, credentials: grpc.ChannelCredentials
+        self,
+        model_repository: Path,
+        *flags: str,
+        credentials: grpc.ChannelCredentials,
+        http: bool = False,
     ) -> None:
-        super().__init__(model_repository, *flags)
+        super().__init__(model_repository, *flags, http=http)
         self.credentials = credentials
 
     def wait_serving(self, timeout_s: float = 60) -> None:
