@@ -10,10 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import aiohttp
 import grpc
 
 from bench.payloads import (
     METHODS,
+    Payload,
     StreamReply,
     Timing,
     attend_stream_reply,
@@ -42,7 +44,7 @@ class Outcome:
 
 
 class Caller(Protocol):
-    async def call(self, body: bytes) -> Outcome: ...
+    async def call(self, payload: Payload) -> Outcome: ...
 
     async def close(self) -> None: ...
 
@@ -55,9 +57,9 @@ class UnaryCaller:
         self._timeout_s = timeout_s
         self._timing = family(api) == "attention"
 
-    async def call(self, body: bytes) -> Outcome:
+    async def call(self, payload: Payload) -> Outcome:
         try:
-            reply = await self._rpc(body, timeout=self._timeout_s)
+            reply = await self._rpc(payload.body, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as err:
             return Outcome(err.code().name, None, err.details() or "")
         return Outcome("OK", attend_timing(reply) if self._timing else None)
@@ -100,13 +102,13 @@ class StreamCaller:
             if not future.done():
                 future.set_result(Outcome(code, None, detail))
 
-    async def call(self, body: bytes) -> Outcome:
+    async def call(self, payload: Payload) -> Outcome:
         request_id = str(next(self._ids))
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
             async with self._write_lock:
-                await self._call.write(with_id(body, self._api, request_id.encode()))
+                await self._call.write(with_id(payload.body, self._api, request_id.encode()))
         except STREAM_GONE:
             self._pending.pop(request_id, None)
             return Outcome("STREAM_CLOSED", None)
@@ -119,6 +121,41 @@ class StreamCaller:
             await asyncio.wait_for(self._reader, timeout=10)
         except (TimeoutError, asyncio.CancelledError):
             self._call.cancel()
+
+
+class RestCaller:
+    """V2 inference over HTTP/REST on one keep-alive connection pool, as a REST client
+    calls it (one connection per call in flight)."""
+
+    def __init__(self, session: aiohttp.ClientSession, target: str, model: str,
+                 timeout_s: float) -> None:  # fmt: skip
+        self._session = session
+        self._url = f"http://{target}/v2/models/{model}/infer"
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def call(self, payload: Payload) -> Outcome:
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(payload.header_bytes),
+        }
+        try:
+            async with self._session.post(
+                self._url, data=payload.body, headers=headers, timeout=self._timeout
+            ) as reply:
+                await reply.read()
+                if reply.status == HTTP_OK:
+                    return Outcome("OK", None)
+                return Outcome(f"HTTP_{reply.status}", None, (await reply.text())[:200])
+        except TimeoutError:
+            return Outcome("DEADLINE_EXCEEDED", None)
+        except aiohttp.ClientError as err:
+            return Outcome("UNAVAILABLE", None, str(err))
+
+    async def close(self) -> None:
+        return None
+
+
+HTTP_OK = 200
 
 
 def open_channels(target: str, count: int) -> list[grpc.aio.Channel]:

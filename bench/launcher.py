@@ -20,7 +20,7 @@ import grpc
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 
-LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)")
+LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)(?: http_port=(\d+))?")
 # The supervisor's "started worker (pid N)" / "started frontend-K (pid N)" (a restart repeats it).
 STARTED = re.compile(r"started (worker|frontend-\d+) \(pid (\d+)\)")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -52,13 +52,18 @@ class Pinning:
         return cpu_count(self.server_cpus) if self.server_cpus else 0
 
 
-def cpu_count(cpus: str) -> int:
-    """CPUs in a taskset list such as "1", "0,2" or "2-5"."""
-    total = 0
+def cpu_set(cpus: str) -> set[int]:
+    """The CPUs of a taskset list such as "0,2-3"."""
+    found: set[int] = set()
     for part in cpus.split(","):
         low, _, high = part.partition("-")
-        total += int(high or low) - int(low) + 1
-    return total
+        found.update(range(int(low), int(high or low) + 1))
+    return found
+
+
+def cpu_count(cpus: str) -> int:
+    """CPUs in a taskset list such as "1", "0,2" or "2-5"."""
+    return len(cpu_set(cpus))
 
 
 def choose_pinning(server_cpus: str, client_cpus: str) -> Pinning:
@@ -95,6 +100,7 @@ class Service:
     ) -> None:
         self.name = name
         self.grpc_port, self.metrics_port = grpc_port, metrics_port
+        self.http_port = 0  # our server's HTTP/REST port, from its log (0: none)
         self.lines: list[str] = []
         self._bound = threading.Event()
         self.process = subprocess.Popen(
@@ -116,7 +122,8 @@ class Service:
             self.lines.append(line)
             match = LISTENING.search(line)
             if match and not self.grpc_port:
-                self.grpc_port, self.metrics_port = map(int, match.groups())
+                self.grpc_port, self.metrics_port = int(match[1]), int(match[2])
+                self.http_port = int(match[3] or 0)
                 self._bound.set()
         self._bound.set()  # exited: unblock the waiter
 
@@ -133,6 +140,10 @@ class Service:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_target(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import grpc
 import numpy as np
 
 from bench import cputime, scrape
-from bench.calls import Caller, Outcome, make_callers, open_channels
-from bench.payloads import APIS, Payload, build_payloads
+from bench.calls import Caller, Outcome, RestCaller, make_callers, open_channels
+from bench.payloads import APIS, REST, Payload, build_payloads
 from bench.stats import Lengths, latency_summary_ms, poisson_arrivals
 
 # (completion time, latency s, sequences, outcome); a tuple per request keeps the hot path lean
@@ -95,7 +97,7 @@ async def closed_loop(
     async def caller_loop(caller: Caller) -> None:
         while (started := time.perf_counter()) < stop_at:
             payload = plan.next()
-            outcome = await caller.call(payload.body)
+            outcome = await caller.call(payload)
             done = time.perf_counter()
             samples.append((done, done - started, payload.sequences, outcome))
 
@@ -114,7 +116,7 @@ async def open_loop(
     in_flight: set[asyncio.Task[None]] = set()
 
     async def one(caller: Caller, payload: Payload, due: float) -> None:
-        outcome = await caller.call(payload.body)
+        outcome = await caller.call(payload)
         done = time.perf_counter()
         samples.append((done, done - due, payload.sequences, outcome))
 
@@ -221,12 +223,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     plan = Plan(payloads, lengths, args.weights_fraction, args.seed)
-    channels = open_channels(args.target, args.channels)
-    # Connect first: a connection still being set up would read as latency of the first calls.
-    await asyncio.wait_for(
-        asyncio.gather(*(channel.channel_ready() for channel in channels)), args.timeout_s
-    )
-    callers = make_callers(channels, args.api, args.timeout_s, args.streams_per_channel)
+    channels: list[grpc.aio.Channel] = []
+    session = None
+    if args.api == REST:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        callers: list[Caller] = [RestCaller(session, args.target, args.model, args.timeout_s)]
+    else:
+        channels = open_channels(args.target, args.channels)
+        # Connect first: a connection still being set up would read as latency of the first
+        # calls.
+        await asyncio.wait_for(
+            asyncio.gather(*(channel.channel_ready() for channel in channels)), args.timeout_s
+        )
+        callers = make_callers(channels, args.api, args.timeout_s, args.streams_per_channel)
     samples: list[Sample] = []
     rejected: list[float] = []
     started = time.perf_counter()
@@ -254,6 +263,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await caller.close()
     for channel in channels:
         await channel.close()
+    if session is not None:
+        await session.close()
     roles = dict(args.cpu_process)
     return {
         "config": config_of(args),

@@ -3,6 +3,7 @@ response fields the load generator needs without parsing (copying) the tensors."
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import grpc
@@ -12,7 +13,9 @@ from bench.stats import Lengths
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2
 
-APIS = ("attention", "v2", "attention_stream", "v2_stream")
+# v2_rest: the same V2 inference over HTTP/REST (Triton's binary tensor extension).
+APIS = ("attention", "v2", "attention_stream", "v2_stream", "v2_rest")
+REST = "v2_rest"
 METHODS = {
     "attention": "/attention.v1.AttentionService/Attend",
     "v2": "/inference.GRPCInferenceService/ModelInfer",
@@ -35,6 +38,12 @@ class Payload:
     sequences: int
     length: int
     weights: bool
+    header_bytes: int = 0  # REST: the JSON header's length (Inference-Header-Content-Length)
+
+    @classmethod
+    def of(cls, body: bytes) -> Payload:
+        """A gRPC request's bytes, for callers that count nothing else."""
+        return cls(body, 1, 0, False)
 
 
 def attend_body(x: np.ndarray, weights: bool, model: str) -> bytes:
@@ -53,6 +62,20 @@ def v2_body(x: np.ndarray, weights: bool, model: str) -> bytes:
         request.outputs.add(name="output")
         request.outputs.add(name="attention_weights")
     return request.SerializeToString()
+
+
+def rest_body(x: np.ndarray, weights: bool) -> tuple[bytes, int]:
+    """A V2 REST request with Triton's binary tensor extension: the JSON header, then the
+    tensor's bytes; outputs come back binary too. Returns (body, header length)."""
+    outputs = ["output", "attention_weights"] if weights else ["output"]
+    header = json.dumps({
+        "inputs": [{
+            "name": "embeddings", "shape": list(x.shape), "datatype": "FP32",
+            "parameters": {"binary_data_size": x.nbytes},
+        }],
+        "outputs": [{"name": name, "parameters": {"binary_data": True}} for name in outputs],
+    }).encode()  # fmt: skip
+    return header + x.tobytes(), len(header)
 
 
 def build_payloads(
@@ -75,7 +98,11 @@ def build_payloads(
     for length in lengths.values():
         x = rng.standard_normal((sequences, length, embed_dim), dtype=np.float32)
         for flag in flags:
-            payloads[length, flag] = Payload(encode(x, flag, model), sequences, length, flag)
+            if api == REST:
+                body, header = rest_body(x, flag)
+                payloads[length, flag] = Payload(body, sequences, length, flag, header)
+            else:
+                payloads[length, flag] = Payload(encode(x, flag, model), sequences, length, flag)
     return payloads
 
 

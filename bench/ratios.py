@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from bench.payloads import REST, family
 from bench.report import (
     FRONTENDS,
     GROUPING_OFF,
@@ -12,9 +13,11 @@ from bench.report import (
     GROUPING_ON,
     MIXED,
     SEQS,
+    TRACING_ON,
     Row,
     failed,
     find,
+    process_cpu_us,
     seq_per_s,
     unpinned_name,
 )
@@ -282,11 +285,38 @@ def open_loop(rows: list[Row], pinned: bool = True) -> list[Row]:
     return out
 
 
+def frontend_us(row: Row | None) -> float | None:
+    """The front ends' CPU per request of a row (None where it has none)."""
+    return process_cpu_us(row)[0] if row else None
+
+
+def protocols(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
+    """HTTP/REST beside gRPC (throughput, front-end CPU per request), and what tracing every
+    request costs."""
+
+    def server(api: str, seq: str, name: str = "server") -> Row | None:
+        return measured(find(rows, group="headline", target="server", name=name, api=api,
+                             seq=seq, load="c=64", pinned=pinned))  # fmt: skip
+
+    out = []
+    if family(unary) == "v2":
+        for seq in SEQS:
+            rest, grpc_row = server(REST, seq), server(unary, seq)
+            out.append(entry(f"seq {seq}: REST / gRPC (seq/s)",
+                             ratio(seq_per_s(rest), seq_per_s(grpc_row))))  # fmt: skip
+            out.append(entry(f"seq {seq}: REST / gRPC front-end CPU per request",
+                             ratio(frontend_us(rest), frontend_us(grpc_row))))  # fmt: skip
+    traced, plain = server(unary, SEQS[0], TRACING_ON), server(unary, SEQS[0])
+    out.append(entry(f"seq {SEQS[0]}: tracing on / off (seq/s)",
+                     ratio(seq_per_s(traced), seq_per_s(plain))))  # fmt: skip
+    return out
+
+
 def all_ratios(rows: list[Row], unary: str, groups: set[str], pinned: bool = True) -> list[Row]:
     """Every section the groups asked for, from rows of the run's pinning mode (pinned=False
     for a run that was unpinned, by --no-pin or for want of taskset)."""
     sections: dict[str, Any] = {
-        "headline": lambda: headline(rows, unary, pinned),
+        "headline": lambda: headline(rows, unary, pinned) + protocols(rows, unary, pinned),
         "batching": lambda: batching(rows, unary, pinned),
         "mixed": lambda: mixed(rows, pinned),
         "weights": lambda: weights(rows, unary, pinned),

@@ -16,6 +16,7 @@ from typing import Any
 
 from bench import echo_model
 from bench.launcher import REPO_ROOT, Pinning, Service
+from bench.payloads import REST
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,14 +132,20 @@ class Runner:
             self.notes.append(message)
 
     @contextmanager
-    def server(self, name: str, flags: Sequence[str], pinning: Pinning) -> Iterator[Service]:
+    def server(
+        self,
+        name: str,
+        flags: Sequence[str],
+        pinning: Pinning,
+        env: dict[str, str] | None = None,
+    ) -> Iterator[Service]:
         """Our server with the passthrough flags, then this scenario's, ready to take load."""
         for flag in overridden_flags(self.config.server_flags, flags):
             self.note(
                 f"{name}: the scenario's own {flag} ({' '.join(flags)}) overrides "
                 f"--server-flag {flag} for this server"
             )
-        with Service(name, self.server_command(flags, pinning)) as service:
+        with Service(name, self.server_command(flags, pinning), env=env) as service:
             service.wait_ready(self.config.ready_timeout_s)
             log(f"{name}: pid {service.pid} on {service.target} {' '.join(flags)}")
             yield service
@@ -187,7 +194,8 @@ class Runner:
         out = self.scratch / f"load-{len(self.rows)}.json"
         command = [
             *pinning.prefix(pinning.client_cpus), sys.executable, "-m", "bench.loadgen",
-            "--target", service.target, "--api", api, "--seq", seq,
+            "--target", service.http_target if api == REST else service.target,
+            "--api", api, "--seq", seq,
             "--model", model or c.model, "--embed-dim", str(embed_dim or c.embed_dim),
             "--concurrency", str(concurrency or c.concurrency), "--rate", str(rate),
             "--max-outstanding", str(c.max_outstanding), "--weights-fraction", str(weights),

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from bench.launcher import REPO_ROOT, UNPINNED
+from bench.launcher import REPO_ROOT, UNPINNED, cpu_set, free_port
+from bench.otlp_sink import OtlpSink
+from bench.payloads import REST, family
 from bench.report import (
     FRONTENDS,
     GROUPING_OFF,
@@ -15,6 +17,7 @@ from bench.report import (
     GROUPING_ON,
     MIXED,
     SEQS,
+    TRACING_ON,
     Row,
     unpinned_name,
 )
@@ -73,14 +76,24 @@ def limits(r: Runner, groups: set[str]) -> None:
         r.inprocess(group="mixed", seq=MIXED, pinning=pinning)
 
 
+def headline_apis(unary: str) -> tuple[str, ...]:
+    """The headline's APIs: unary and streaming gRPC, and REST beside the V2 ones."""
+    return (unary, f"{unary}_stream", *((REST,) if family(unary) == "v2" else ()))
+
+
+def with_rest(flags: list[str]) -> list[str]:
+    """A free HTTP/REST port for a server the REST rows call (the bench's default is none)."""
+    return [*flags, "--http-port", str(free_port())]
+
+
 def echo(r: Runner, groups: set[str]) -> None:
     """The protocol floor for each API the headline measures."""
     if "headline" not in groups:
         return
     unary = r.config.api
-    with r.echo(r.config.pinning) as service:
+    with r.echo(r.config.pinning, with_rest([])) as service:
         for seq in SEQS:
-            for api in (unary, f"{unary}_stream"):
+            for api in headline_apis(unary):
                 r.load(
                     service,
                     group="headline",
@@ -97,7 +110,8 @@ def default_server(r: Runner, groups: set[str]) -> None:
     if not groups & {"headline", "batching", "mixed", "weights", "open", "peers"}:
         return
     pinning, unary = r.config.pinning, r.config.api
-    with r.server("batching on", [], pinning) as service:
+    flags = with_rest([]) if "headline" in groups else []
+    with r.server("batching on", flags, pinning) as service:
         load = functools.partial(r.load, service, target="server", pinning=pinning, api=unary)
         capacity = fixed_lengths(load, groups, unary)
         if groups & {"mixed", "peers"}:  # the peers compare mixed lengths too
@@ -117,7 +131,8 @@ def fixed_lengths(load: Callable[..., Row], groups: set[str], unary: str) -> flo
             row = load(group="headline", name="server", seq=seq)
             capacity = capacity or capacity_of(row)  # seq 16 comes first
         if "headline" in groups:
-            load(group="headline", name="server", seq=seq, api=f"{unary}_stream")
+            for api in headline_apis(unary)[1:]:
+                load(group="headline", name="server", seq=seq, api=api)
         if "batching" in groups:
             for concurrency in BATCHING_CONCURRENCY:
                 load(group="batching", name="batching on", seq=seq, concurrency=concurrency)
@@ -139,6 +154,26 @@ def open_loop(load: Callable[..., object], capacity_per_s: float) -> None:
             seq=SEQS[0],
             rate=fraction * capacity_per_s,
         )
+
+
+def tracing_on(r: Runner, groups: set[str]) -> None:
+    """The default server with every request traced and exported (to a sink on the load
+    generator's CPUs), at seq 16 where a request's own work weighs most."""
+    if "headline" not in groups:
+        return
+    pinning = r.config.pinning
+    cpus = cpu_set(pinning.client_cpus) if pinning.client_cpus else None
+    with OtlpSink(cpus) as sink:
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_TRACES_SAMPLER": "always_on",
+        }
+        with r.server(TRACING_ON, ["--tracing", "on"], pinning, env) as service:
+            r.load(service, group="headline", target="server", name=TRACING_ON,
+                   api=r.config.api, seq=SEQS[0], pinning=pinning)  # fmt: skip
+        if not sink.exports:
+            r.note(f"{TRACING_ON}: the server exported no spans")
 
 
 def other_servers(r: Runner, groups: set[str]) -> None:
@@ -209,6 +244,7 @@ def run(r: Runner, groups: set[str]) -> None:
     limits(r, groups)
     echo(r, groups)
     default_server(r, groups)
+    tracing_on(r, groups)
     other_servers(r, groups)
     if "peers" in groups:
         peers(r)

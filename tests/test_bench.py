@@ -259,6 +259,21 @@ def test_prebuilt_v2_request_lists_outputs_only_for_weights() -> None:
     assert not v2.ModelInferRequest.FromString(plain[3, False].body).outputs
 
 
+def test_prebuilt_rest_request_is_a_json_header_then_the_tensor() -> None:
+    payloads = build_payloads("v2_rest", Lengths.parse("3"), embed_dim=4, sequences=2,
+                              weights_fraction=1.0, model="m")  # fmt: skip
+    payload = payloads[3, True]
+    header = json.loads(payload.body[: payload.header_bytes])
+    (tensor,) = header["inputs"]
+    assert (tensor["name"], tensor["shape"], tensor["datatype"]) == (
+        "embeddings",
+        [2, 3, 4],
+        "FP32",
+    )
+    assert tensor["parameters"]["binary_data_size"] == len(payload.body) - payload.header_bytes
+    assert [o["name"] for o in header["outputs"]] == ["output", "attention_weights"]
+
+
 def test_wire_walker_reads_timing_without_the_tensor() -> None:
     response = pb.AttendResponse(
         output=pb.Tensor(shape=[300, 512], data=bytes(300 * 512 * 4)),
@@ -415,7 +430,9 @@ class FakeRunner(Runner):
         self.channels: list[int] = []
 
     @contextmanager
-    def server(self, name: str, flags: Sequence[str], pinning: Pinning) -> Iterator[Any]:
+    def server(
+        self, name: str, flags: Sequence[str], pinning: Pinning, env: Any = None
+    ) -> Iterator[Any]:
         self.servers.append((name, list(flags)))
         yield None
 
@@ -451,6 +468,7 @@ def test_failed_rows_go_through_scenarios_ratios_and_table(
     scenarios.limits(runner, groups)
     scenarios.echo(runner, groups)
     scenarios.default_server(runner, groups)  # the capacity run failed: no crash
+    scenarios.tracing_on(runner, groups)
     scenarios.other_servers(runner, groups)
     assert not any(row["group"] == "open" for row in runner.rows)  # no capacity, no open loop
     assert all(row["failed"] for row in runner.rows)
@@ -563,7 +581,7 @@ def test_scenario_flags_come_last_and_overrides_are_noted(monkeypatch: pytest.Mo
     assert overridden_flags(config.server_flags, ["--length-grouping=off"]) == []
 
     class NoProcess:
-        def __init__(self, name: str, command: list[str]) -> None:
+        def __init__(self, name: str, command: list[str], env: object = None) -> None:
             self.pid, self.target = 0, "-"
 
         def __enter__(self) -> NoProcess:

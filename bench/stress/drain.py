@@ -15,7 +15,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2_grpc
 
 from bench.calls import UnaryCaller, open_channels
-from bench.payloads import attend_body, v2_body
+from bench.payloads import Payload, attend_body, v2_body
 from bench.stress.common import Figures, ServerSpec, health_status
 
 # The one answer that means "refused before it was accepted" (service/worker/batching/batcher.py);
@@ -54,7 +54,7 @@ async def _caller(caller: UnaryCaller, body: bytes, calls: list[Call]) -> None:
     """Call until the first answer that is not OK, as a client with other replicas would."""
     while True:
         issued = time.perf_counter()
-        outcome = await caller.call(body)
+        outcome = await caller.call(Payload.of(body))
         calls.append(Call(issued, time.perf_counter(), outcome.code, outcome.detail))
         if outcome.code != "OK":
             return

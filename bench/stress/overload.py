@@ -14,7 +14,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2_grpc
 
 from bench.calls import UnaryCaller, open_channels
-from bench.payloads import attend_body, v2_body
+from bench.payloads import Payload, attend_body, v2_body
 from bench.stats import poisson_arrivals
 from bench.stress.common import (
     Figures,
@@ -65,7 +65,7 @@ async def _closed_loop(
 
     async def loop(caller: UnaryCaller) -> None:
         while (started := time.perf_counter()) < stop_at:
-            outcome = await caller.call(body)
+            outcome = await caller.call(Payload.of(body))
             samples.append((time.perf_counter() - started, outcome.code))
 
     await asyncio.gather(*(loop(callers[i % len(callers)]) for i in range(concurrency)))
@@ -83,7 +83,7 @@ async def _open_loop(
 
     async def one(caller: UnaryCaller) -> None:
         started = time.perf_counter()
-        outcome = await caller.call(body)
+        outcome = await caller.call(Payload.of(body))
         samples.append((time.perf_counter() - started, outcome.code))
 
     start = time.perf_counter()
@@ -144,7 +144,7 @@ async def _scenario(config: OverloadConfig, pid: int, target: str, url: str) -> 
             )
             await asyncio.sleep(config.settle_s)
         after = await health_status(health)
-        final = await callers[0].call(body)
+        final = await callers[0].call(Payload.of(body))
     finally:
         for channel in channels:
             await channel.close()

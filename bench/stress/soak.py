@@ -15,7 +15,7 @@ import numpy as np
 
 from bench.calls import UnaryCaller, open_channels
 from bench.launcher import Service
-from bench.payloads import attend_body, v2_body
+from bench.payloads import Payload, attend_body, v2_body
 from bench.stats import Lengths
 from bench.stress.common import Figures, ServerSpec, metric, ms, rss_mib, slope_per
 from service.generated.attention.v1 import attention_pb2 as pb
@@ -108,7 +108,7 @@ async def _scenario(config: SoakConfig, service: Service) -> Figures:
         while (index := next(indexes)) < config.requests:
             item = items[index % len(items)]
             started = time.perf_counter()
-            outcome = await caller[item.api].call(item.body)
+            outcome = await caller[item.api].call(Payload.of(item.body))
             if item.expected == "OK":
                 latencies.append(time.perf_counter() - started)
             codes[f"{item.api} {outcome.code}"] += 1
