@@ -158,11 +158,11 @@ class Settings:
         default="off",
     )
     cpu_arena: str = _doc(
-        "bounded: ONNX Runtime's CPU arena keeps the memory of batches below 8 MiB of input "
-        "(4x that with weights) for the next ones and gives back what a larger batch took "
-        "once it ends, so resident memory stays near the largest ordinary batch's; on: the "
-        "arena keeps the largest batch's memory for good; off: no arena, every batch faults "
-        "its intermediates' pages in again (slower)",
+        "bounded: ONNX Runtime's CPU arena keeps the memory of ordinary batches for the next "
+        "ones and gives back what a large batch took (8 MiB of input or more, 2 MiB with "
+        "the weights, or 32 MiB of attention scores) once it ends; on: the arena keeps the "
+        "largest batch's memory for good; off: no arena, every batch faults its "
+        "intermediates' pages in again (slower)",
         default="bounded",
     )
     provider: str = _doc(

@@ -78,7 +78,7 @@ def test_weights_come_back_only_when_asked(
 
 
 @pytest.mark.parametrize("weights", [False, True])
-def test_a_large_batch_is_exact_while_its_memory_goes_back(
+def test_a_large_batch_is_exact_on_the_path_that_gives_its_memory_back(
     client: AttentionClient, reference, weights: bool
 ) -> None:
     """Batches this large run with their outputs bound to arrays of the worker's own, so the
@@ -100,11 +100,11 @@ def test_calls_cancelled_at_any_moment_leave_the_others_exact(
     """The worker writes answers straight into the front end's shared memory; a call
     cancelled while its batch computes must not have its regions reused before the batch
     is done, or another call's answer would be overwritten."""
-    calls = 240
-    callers = 16
+    calls = 600
+    callers = 32
     rng = np.random.default_rng(21)
     inputs = [rng.standard_normal((2, 16 + i % 5, D), dtype=np.float32) for i in range(calls)]
-    delays = rng.uniform(0.0, 0.03, calls)
+    delays = rng.uniform(0.0, 0.02, calls)
 
     async def run() -> list[pb.AttendResponse | None]:
         # Callers one after another on few connections, so a cancelled call's freed regions

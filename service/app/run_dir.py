@@ -19,27 +19,39 @@ def create() -> Path:
     """A fresh run directory, marked with this process's pid, after sweeping dead ones."""
     sweep(Path(tempfile.gettempdir()))
     run_dir = Path(tempfile.mkdtemp(prefix=PREFIX))
-    (run_dir / OWNER_FILE).write_text(str(os.getpid()))
+    (run_dir / OWNER_FILE).write_text(f"{os.getpid()} {_pid_namespace()}")
     return run_dir
 
 
 def sweep(parent: Path) -> list[Path]:
-    """Remove this user's run directories whose supervisor is gone; the ones removed."""
+    """Remove this user's run directories whose supervisor is gone; the ones removed. Only
+    those of supervisors in this pid namespace: a pid from another (a container sharing
+    this temporary directory) says nothing here."""
     removed = []
+    namespace = _pid_namespace()
     for candidate in parent.glob(PREFIX + "*"):
         try:
             if candidate.stat().st_uid != os.getuid():
                 continue
-            owner = int((candidate / OWNER_FILE).read_text())
+            pid, owner_namespace = (candidate / OWNER_FILE).read_text().split()
+            owner = int(pid)
         except (OSError, ValueError):
             continue  # not ours, or being created right now
-        if _alive(owner):
+        if owner_namespace != namespace or _alive(owner):
             continue
         shutil.rmtree(candidate, ignore_errors=True)
         removed.append(candidate)
     if removed:
         log.info("removed %d run directories of supervisors that died", len(removed))
     return removed
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace ("" where /proc does not say)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
 
 
 def _alive(pid: int) -> bool:

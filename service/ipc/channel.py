@@ -63,15 +63,23 @@ class Reader:
             self._buffer += chunk
 
     def _split(self) -> list[Message]:
-        buffer, messages, start = self._buffer, [], 0
+        buffer, start = self._buffer, 0
+        messages: list[Message] = []
         while len(buffer) - start >= HEADER.size:
             (length,) = HEADER.unpack_from(buffer, start)
             if length > MAX_MESSAGE_BYTES:
+                if messages:
+                    break  # the good ones before it first; the next read raises
                 raise ValueError(f"control message of {length} bytes (max {MAX_MESSAGE_BYTES})")
             end = start + HEADER.size + length
             if end > len(buffer):
                 break
-            messages.append(decode(buffer[start + HEADER.size : end]))
+            try:
+                messages.append(decode(buffer[start + HEADER.size : end]))
+            except ValueError:
+                if not messages:
+                    raise
+                break  # the good ones before it first; the next read raises
             start = end
         if start:
             del buffer[:start]

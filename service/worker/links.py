@@ -83,8 +83,10 @@ class FrontendLink:
         except ValueError as err:
             log.error("front end %s sent a malformed control message: %s", self.name, err)
         finally:
-            for submitted in self._submitted.values():
-                submitted.cancel()
+            for submitted in list(self._submitted.values()):
+                # Queued ones are dropped; a computing batch still writes into the slab,
+                # whose mapping outlives the descriptor (the views hold it).
+                self._batcher.withdraw(submitted)
             for waiter in self._syncs.values():
                 if not waiter.done():
                     waiter.set_result(None)  # nothing more can arrive from it
@@ -113,7 +115,7 @@ class FrontendLink:
 
     def _submit(self, message: channel.Message) -> None:
         """Queue one request now, in the turn that read it: a CANCEL read in the same turn
-        then finds it (and drops it before it is computed). The compute thread writes the
+        then finds it (and drops it before it is computed). The batch writes the
         answer straight into the front end's regions; the DONE that follows tells it so."""
         request_id = int(message["id"])
         try:

@@ -141,7 +141,7 @@ def _run_dirs_of(supervisor_pid: int) -> list[Path]:
     return [
         marker.parent
         for marker in parent.glob(run_dir.PREFIX + "*/" + run_dir.OWNER_FILE)
-        if marker.read_text() == str(supervisor_pid)
+        if marker.read_text().split()[0] == str(supervisor_pid)
     ]
 
 

@@ -56,7 +56,7 @@ class SchedulerFailed(ShuttingDown):
 
 
 # Arrays a request's answer is written into ([n, seq, d] output, [n, h, seq, seq] weights or
-# None): the caller's shared memory, so the answer is copied once, on the compute thread.
+# None): the caller's shared memory, so the answer is copied once, where the batch computes.
 Targets = tuple[np.ndarray, np.ndarray | None]
 
 
@@ -65,7 +65,9 @@ class _Queue:
     runner: Runner
     with_weights: bool
     items: deque[_Pending] = field(default_factory=deque)
-    seconds_per_sequence: float | None = None  # of its latest batch: predicts the next one's
+    # Its latest batch's cost per sequence and longest sequence: predicts the next one's.
+    seconds_per_sequence: float | None = None
+    measured_length: int = 0
 
     def sequences(self) -> int:
         return sum(item.embeddings.shape[0] for item in self.items)
@@ -81,7 +83,7 @@ class _Pending:
     queued: bool = True
     timer: asyncio.TimerHandle | None = None
     tag: object = None  # the caller's, handed back to every request of its batch
-    into: Targets | None = None  # where the compute thread writes its output (and weights)
+    into: Targets | None = None  # where its output (and weights) are written once computed
 
 
 @dataclass(frozen=True)
@@ -106,14 +108,14 @@ def _compute(
     with_weights: bool,
     targets: Sequence[Targets | None],
 ) -> _Computed:
-    """Runs on the executor thread: merge, ONNX Runtime, split (into the targets given),
-    finiteness of each part."""
+    """Merge, ONNX Runtime, split (into the targets given), finiteness of each part: on a
+    compute thread, or on the event loop's for a short CPU batch (compute_short_batches_inline)."""
     started = time.monotonic()
     embeddings, mask = merge(arrays)
     output, weights = runner.run(embeddings, mask, with_weights)
     shapes = [(a.shape[0], a.shape[1]) for a in arrays]
-    # Copied here, on the compute thread: the padded slices would otherwise be copied while
-    # encoding (or into shared memory), on the event loop that every other call waits for.
+    # Copied here, with the batch: the padded slices would otherwise be copied while encoding
+    # (or into shared memory), on an event loop that every other call waits for.
     parts = []
     for (out, w), into in zip(split(output, weights, shapes), targets, strict=True):
         out_into, w_into = into if into is not None else (None, None)
@@ -132,6 +134,10 @@ def _compute(
 
 def _sequences(batch: Sequence[_Pending]) -> int:
     return sum(item.embeddings.shape[0] for item in batch)
+
+
+def _longest(batch: Sequence[_Pending]) -> int:
+    return max(item.embeddings.shape[1] for item in batch)
 
 
 class Batcher:
@@ -177,10 +183,11 @@ class Batcher:
 
     def compute_short_batches_inline(self, up_to_s: float) -> None:
         """Compute a batch predicted to take at most up_to_s on the event loop's own thread
-        (0: never). On CPU the hand-off to a compute thread and back costs more than a short
-        batch saves by leaving the loop free: measured on one core, seq 16 1083 -> 1287
-        requests/s, seq 128 266 -> 292. Longer batches, and every batch on a GPU (whose
-        work overlaps the loop's), still run on a compute thread."""
+        (0: never), when no other batch is computing. On CPU the hand-off to a compute thread
+        and back costs more than a short batch saves by leaving the loop free: measured on
+        one core at seq 16, 1083 -> 1176-1287 requests/s (seq 128 within run-to-run noise).
+        Longer batches, and every batch on a GPU (whose work overlaps the loop's), run on a
+        compute thread."""
         self._inline_up_to_s = up_to_s
 
     async def start(self) -> None:
@@ -208,8 +215,8 @@ class Batcher:
         deadline is on the time.monotonic() clock; past it the request is never computed.
         tag (small, plain data; e.g. a trace's span ids) comes back in Result.batch_tags of
         every request computed with this one. into: arrays of the answer's shapes that the
-        compute thread writes the answer into (the Result then holds them); the caller keeps
-        them valid until the future is done, and after withdraw() returned False.
+        answer is written into (the Result then holds them); the caller keeps them valid until
+        the future is done, also after withdraw() returned False.
         """
         self._admit(embeddings.nbytes)
         loop = asyncio.get_running_loop()
@@ -246,9 +253,9 @@ class Batcher:
 
     def withdraw(self, future: asyncio.Future[Result]) -> bool:
         """The caller is gone: drop its request if it is still queued (its future is then
-        cancelled) and say True; False when its batch is computing, which will still write
-        into its targets and then resolve the future."""
-        if any(item.future is future for item in self._computing):
+        cancelled) and say True; False when it is already answered, or its batch is
+        computing, which will still write into its targets and then resolve the future."""
+        if future.done() or any(item.future is future for item in self._computing):
             return False
         future.cancel()
         return True
@@ -444,11 +451,12 @@ class Batcher:
         )
 
     async def _let_arrivals_in(self) -> None:
-        """Before starting a batch below its cap, give the CPU away once and take in what
-        arrived meanwhile. Where the front ends share this worker's core they run only when
-        it yields; without this, each request arrived alone and became a batch of one
-        (measured on one core at seq 16: 1.3 sequences per batch, 3.4 with it, and +30%
-        throughput). Where nothing else wants the core, it costs a few loop turns."""
+        """Before starting a batch below its cap, give the CPU away and take in what arrived
+        meanwhile (again, up to MAX_YIELDS times, while each yield brought requests in).
+        Where the front ends share this worker's core they run only when it yields; without
+        this, each request arrived alone and became a batch of one (measured on one core at
+        seq 16: 1.3 sequences per batch, 6.0 with it, and 40% more requests/s). Where nothing
+        else wants the core, it costs a few loop turns."""
         for _ in range(MAX_YIELDS):
             arrived = self._arrivals
             os.sched_yield()
@@ -547,7 +555,6 @@ class Batcher:
         started = time.monotonic()
         runner = queue.runner
         loop = asyncio.get_running_loop()
-        self._computing.update(batch)
         work = functools.partial(
             _compute,
             runner,
@@ -561,6 +568,7 @@ class Batcher:
             else:
                 computed = await loop.run_in_executor(self._executor, work)
             queue.seconds_per_sequence = computed.compute_s / _sequences(batch)
+            queue.measured_length = _longest(batch)
         except Exception as err:
             log.exception("batch of %d requests on %s failed", len(batch), runner.key)
             metrics.BATCH_FAILURES.labels(runner.label).inc()
@@ -580,10 +588,16 @@ class Batcher:
             self._wakeup.set()
 
     def _is_short(self, queue: _Queue, batch: list[_Pending]) -> bool:
+        """Whether the batch may compute on the loop: it is the only batch computing, and
+        its predicted time is within the bound. The prediction scales the queue's latest cost
+        per sequence by length: with the square of it for a longer batch (attention's scores
+        grow so), linearly for a shorter one, so it errs long, towards a compute thread."""
         per_sequence = queue.seconds_per_sequence
-        return per_sequence is not None and (
-            per_sequence * _sequences(batch) <= self._inline_up_to_s
-        )
+        if per_sequence is None or self._running > 1 or not self._inline_up_to_s:
+            return False
+        stretch = _longest(batch) / max(1, queue.measured_length)
+        predicted = per_sequence * _sequences(batch) * (stretch**2 if stretch > 1 else stretch)
+        return predicted <= self._inline_up_to_s
 
     def _deliver(
         self, queue: _Queue, batch: list[_Pending], computed: _Computed, started: float

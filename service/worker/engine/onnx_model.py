@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 INPUTS = ("embeddings", "key_padding_mask")
 SHRINK_DEVICES = "cpu:0"  # arenas a large batch's run gives back (CUDA's is sized apart)
+# Attention scores of this size or more (all heads) make a batch give its arena memory back
+# (--cpu-arena bounded): below it the arena keeps a few times this much for the next batches.
+ARENA_KEEP_BYTES = 32 << 20
 
 
 NUMPY_OF_ORT: dict[str, np.dtype] = {
@@ -54,7 +57,7 @@ class BrokenModel(ValueError):
 def warm_up_shapes(provider: str, max_batch_size: int, max_seq_len: int) -> list[tuple[int, int]]:
     """(batch, seq) to run before serving. On CUDA the largest batch the server accepts comes
     first, so the arena, cuBLAS and cuDNN are sized and tuned before a request needs them; on
-    CPU a few small shapes (the CPU arena is off: a large run would only cost start-up time)."""
+    CPU a few small shapes (a large run would only cost start-up time, and its arena memory)."""
     if provider == CUDA:
         shapes = [(max_batch_size, max_seq_len), (1, min(16, max_seq_len))]
     else:
@@ -249,11 +252,19 @@ class OnnxModel:
         else:
             session = self._fused if self._use_fused and self._fused is not None else self._plain
             names = ["output"]
-        if self._shrink_after_large and is_large_batch(embeddings, with_weights):
+        if self._shrink_after_large and self._gives_memory_back(embeddings, with_weights):
             outputs = self._run_giving_back(session, names, embeddings, key_padding_mask)
         else:
             outputs = session.run(names, feeds)
         return outputs[0], outputs[1] if with_weights else None
+
+    def _gives_memory_back(self, embeddings: np.ndarray, with_weights: bool) -> bool:
+        """A batch whose input is large, or whose attention scores ([b, h, t, t] float32,
+        the largest intermediates; with a small d they dwarf the input) reach
+        ARENA_KEEP_BYTES, gives its arena memory back when it ends."""
+        b, t, _ = embeddings.shape
+        scores = b * self.spec.num_heads * t * t * 4
+        return is_large_batch(embeddings, with_weights) or scores >= ARENA_KEEP_BYTES
 
     def _run_giving_back(
         self, session: ort.InferenceSession, names: list[str], embeddings: np.ndarray,
