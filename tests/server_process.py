@@ -143,7 +143,8 @@ class ServerProcess:
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Current samples: (name, sorted labels) -> value."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as reply:
+        # Generous: a scrape waits for a core while the worker computes batches of 32 MiB.
+        with urllib.request.urlopen(url, timeout=30) as reply:
             text = reply.read().decode()
         return {
             (sample.name, tuple(sorted(sample.labels.items()))): sample.value

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -59,6 +61,18 @@ BAD_REQUESTS = {
     "output overflow": (pb.AttendRequest(embeddings=_tensor([4, D], data=np.full((4, D), 1e30, np.float32).tobytes())), INVALID, "holds NaN or inf: their values are too large"),
     "many dims": (pb.AttendRequest(embeddings=_tensor([1] * 5000, data=b"")), INVALID, "has 5000 dimensions"),
 }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(model_repository: Path) -> Iterator[ServerProcess]:
+    """conftest's server, without ONNX Runtime's arena: the leak check below measures what
+    requests leave behind, and the arena's plateau (--cpu-arena bounded keeps the largest
+    ordinary batch's intermediates, reached whenever a round forms its largest batch yet)
+    would read as growth."""
+    flags = ("--max-queue-delay-ms", "5", "--batch-cap-budget-s", "3", "--cpu-arena", "off")
+    with ServerProcess(model_repository, *flags) as process:
+        yield process
+    assert process.process.returncode == 0, process.log
 
 
 @pytest.fixture(scope="module")
