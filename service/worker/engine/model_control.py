@@ -24,6 +24,7 @@ from service.errors import (
     ModelNotFound,
     ShuttingDown,
 )
+from service.memory.budget import release_free_memory
 from service.text import shown
 from service.worker.engine.onnx_model import BrokenModel, OnnxModel
 from service.worker.engine.registry import ModelRegistry
@@ -319,6 +320,7 @@ class ModelController:
                  reason)  # fmt: skip
         await self._hooks.settle(model)
         del model  # the last reference: ONNX Runtime frees the sessions
+        release_free_memory()  # their arenas' memory, left in malloc's free lists
         self._states[key] = (UNAVAILABLE, reason)
         self._hooks.event(name, "unload", "success")
         log.info("unloaded %s version %d", name, version)
