@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cputime import family_cpu_s
-from bench.launcher import Pinning, Service
+from bench.launcher import Pinning, Service, cpu_set
 from bench.stats import percentile
 
 MIB = 1 << 20
@@ -67,11 +67,7 @@ class ServerSpec:
 def pin_self(pinning: Pinning) -> None:
     """Run this process (the load generator) on the client CPUs, as bench/ does."""
     if pinning.client_cpus:
-        cpus = set()
-        for part in pinning.client_cpus.split(","):
-            low, _, high = part.partition("-")
-            cpus.update(range(int(low), int(high or low) + 1))
-        os.sched_setaffinity(0, cpus)
+        os.sched_setaffinity(0, cpu_set(pinning.client_cpus))
 
 
 def _status_kib(pid: int) -> dict[str, int]:
