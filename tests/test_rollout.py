@@ -242,29 +242,36 @@ def test_a_broken_version_leaves_the_served_one_serving(
 
 @pytest.mark.slow  # a d=1024 export (~15 s of torch), so the memory it frees stands out
 def test_unloading_frees_the_sessions_memory(tmp_path: Path) -> None:
-    """A large version's ONNX Runtime sessions: resident memory grows when it loads and falls
-    back when it is removed."""
+    """A large version's ONNX Runtime sessions: resident memory grows when it loads, and
+    rollout after rollout (load a version, remove it) it does not pile up. How much of one
+    version's memory the first removal hands back depends on malloc's caching (fully here,
+    ~15 % on another machine), so only the accumulation is asserted."""
     run_export(ExportRequest(name="big", embed_dim=1024, num_heads=8, version=1, out=tmp_path,
                              fused=False))  # fmt: skip
-    hidden = tmp_path / "big" / ".2.staging"
+    weights = sum(f.stat().st_size for f in (tmp_path / "big" / "1").glob("*.onnx"))
     with ServerProcess(tmp_path, *POLL) as server:
         pid = worker_pid(server)  # the process that holds the sessions
         before = rss_bytes(pid)
-        shutil.copytree(tmp_path / "big" / "1", hidden)
-        hidden.rename(tmp_path / "big" / "2")
-        server.wait_metric("attention_model_ready", 1, model="big", version="2")
-        loaded = rss_bytes(pid)
-        retire_big = tmp_path / "big" / ".2.retired"
-        (tmp_path / "big" / "2").rename(retire_big)
-        shutil.rmtree(retire_big)
-        server.wait_metric("attention_model_load_events_total", 1, model="big", action="unload")
-        after = rss_bytes(pid)
-    grown = loaded - before
-    weights = sum(f.stat().st_size for f in (tmp_path / "big" / "1").glob("*.onnx"))
-    print(f"\nROLLOUT memory: RSS {before >> 20} MiB, +v2 {loaded >> 20} MiB, "
-          f"-v2 {after >> 20} MiB (graphs {weights >> 20} MiB)")  # fmt: skip
+        loaded, after = [], []
+        for rollout, version in enumerate((2, 3, 4), start=1):
+            hidden = tmp_path / "big" / f".{version}.staging"
+            shutil.copytree(tmp_path / "big" / "1", hidden)
+            hidden.rename(tmp_path / "big" / str(version))
+            server.wait_metric("attention_model_ready", 1, model="big", version=str(version))
+            loaded.append(rss_bytes(pid))
+            retired = tmp_path / "big" / f".{version}.retired"
+            (tmp_path / "big" / str(version)).rename(retired)
+            shutil.rmtree(retired)
+            server.wait_metric("attention_model_load_events_total", rollout, model="big",
+                               action="unload")  # fmt: skip
+            after.append(rss_bytes(pid))
+    grown = loaded[0] - before
+    print(f"\nROLLOUT memory: RSS {before >> 20} MiB; three rollouts, loaded / removed: "
+          + ", ".join(f"{a >> 20} / {b >> 20}" for a, b in zip(loaded, after, strict=True))
+          + f" MiB (graphs {weights >> 20} MiB)")  # fmt: skip
     assert grown > weights / 2, "loading the version should cost about its weights"
-    assert after - before < grown / 2, f"RSS did not fall back: {before=} {loaded=} {after=}"
+    piled_up = after[-1] - after[0]
+    assert piled_up < grown / 2, f"each rollout left memory behind: {before=} {loaded=} {after=}"
 
 
 def test_tritonclient_drives_explicit_mode(tmp_path: Path, staging: Path) -> None:
