@@ -48,6 +48,8 @@ def test_a_burst_of_maximum_requests_is_refused_by_bytes(small_only: Path) -> No
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
         calls = [stub.Attend.future(request, timeout=60) for _ in range(10)]
         server.wait_metric("attention_requests_total", 8, code="RESOURCE_EXHAUSTED")
+        # The front end admits and refuses; the two admitted reach the worker's queue after.
+        server.wait_metric("attention_queue_depth_requests", 2)
         assert server.metric("attention_queue_depth_requests") == 2
         assert server.metric("attention_queue_bytes") == 8 * MIB
         server.process.send_signal(signal.SIGTERM)  # the drain computes the two that wait
