@@ -24,8 +24,15 @@ import grpc
 import numpy as np
 
 from bench import cputime, scrape
-from bench.calls import Caller, Outcome, RestCaller, make_callers, open_channels
-from bench.payloads import APIS, REST, Payload, build_payloads
+from bench.calls import (
+    Caller,
+    Outcome,
+    RestCaller,
+    SharedMemoryCaller,
+    make_callers,
+    open_channels,
+)
+from bench.payloads import APIS, REST, SHM, Payload, build_payloads
 from bench.stats import Lengths, latency_summary_ms, poisson_arrivals
 
 # (completion time, latency s, sequences, outcome); a tuple per request keeps the hot path lean
@@ -235,7 +242,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.wait_for(
             asyncio.gather(*(channel.channel_ready() for channel in channels)), args.timeout_s
         )
-        callers = make_callers(channels, args.api, args.timeout_s, args.streams_per_channel)
+        if args.api == SHM:  # one region per caller: a closed loop's caller has one call out
+            shapes = {n: [args.sequences_per_request, n, args.embed_dim] for n in lengths.values()}
+            callers = [
+                await SharedMemoryCaller.open(
+                    channels[i % len(channels)], i, shapes, args.model, args.timeout_s
+                )
+                for i in range(args.concurrency)
+            ]
+        else:
+            callers = make_callers(channels, args.api, args.timeout_s, args.streams_per_channel)
     samples: list[Sample] = []
     rejected: list[float] = []
     started = time.perf_counter()
@@ -337,6 +353,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--concurrency, --channels and --max-outstanding must be >= 1")
     if not 0.0 <= args.weights_fraction <= 1.0:
         parser.error("--weights-fraction must be in 0..1")
+    if args.api == SHM and (args.rate or args.weights_fraction):
+        parser.error(f"--api {SHM} runs a closed loop (no --rate) of output-only requests "
+                     "(no --weights-fraction)")  # fmt: skip
     try:
         Lengths.parse(args.seq)
     except ValueError as err:

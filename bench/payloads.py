@@ -13,12 +13,16 @@ from bench.stats import Lengths
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2
 
-# v2_rest: the same V2 inference over HTTP/REST (Triton's binary tensor extension).
-APIS = ("attention", "v2", "attention_stream", "v2_stream", "v2_rest")
+# v2_rest: the same V2 inference over HTTP/REST (Triton's binary tensor extension); v2_shm:
+# V2 ModelInfer over gRPC with the input and the output in client shared memory (Triton's
+# system shared-memory extension).
+APIS = ("attention", "v2", "attention_stream", "v2_stream", "v2_rest", "v2_shm")
 REST = "v2_rest"
+SHM = "v2_shm"
 METHODS = {
     "attention": "/attention.v1.AttentionService/Attend",
     "v2": "/inference.GRPCInferenceService/ModelInfer",
+    SHM: "/inference.GRPCInferenceService/ModelInfer",
     "attention_stream": "/attention.v1.AttentionService/AttendStream",
     "v2_stream": "/inference.GRPCInferenceService/ModelStreamInfer",
 }
@@ -29,7 +33,7 @@ ID_TAG = {"attention": b"\x2a", "v2": b"\x1a"}  # AttendRequest.request_id=5, Mo
 
 def family(api: str) -> str:
     """'attention' or 'v2': the message family an API speaks."""
-    return api.removesuffix("_stream")
+    return "v2" if api == SHM else api.removesuffix("_stream")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,23 @@ def rest_body(x: np.ndarray, weights: bool) -> tuple[bytes, int]:
     return header + x.tobytes(), len(header)
 
 
+def shm_body(shape: list[int], model: str, region: str, output_offset: int) -> bytes:
+    """A V2 request whose input is bytes [0, n) of region and whose output goes to bytes
+    [output_offset, output_offset + n): a message of a few hundred bytes."""
+    nbytes = 4 * int(np.prod(shape))
+
+    def refer(parameters: object, offset: int) -> None:
+        parameters["shared_memory_region"].string_param = region  # type: ignore[index]
+        parameters["shared_memory_offset"].int64_param = offset  # type: ignore[index]
+        parameters["shared_memory_byte_size"].int64_param = nbytes  # type: ignore[index]
+
+    request = v2.ModelInferRequest(model_name=model)
+    tensor = request.inputs.add(name="embeddings", datatype="FP32", shape=shape)
+    refer(tensor.parameters, 0)
+    refer(request.outputs.add(name="output").parameters, output_offset)
+    return request.SerializeToString()
+
+
 def build_payloads(
     api: str,
     lengths: Lengths,
@@ -98,7 +119,9 @@ def build_payloads(
     for length in lengths.values():
         x = rng.standard_normal((sequences, length, embed_dim), dtype=np.float32)
         for flag in flags:
-            if api == REST:
+            if api == SHM:  # the tensor's bytes, which the caller puts in its region
+                payloads[length, flag] = Payload(x.tobytes(), sequences, length, flag)
+            elif api == REST:
                 body, header = rest_body(x, flag)
                 payloads[length, flag] = Payload(body, sequences, length, flag, header)
             else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.payloads import REST, family
+from bench.payloads import REST, SHM, family
 from bench.report import (
     FRONTENDS,
     GROUPING_OFF,
@@ -312,6 +312,34 @@ def protocols(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
     return out
 
 
+def shared_memory(rows: list[Row], pinned: bool = True) -> list[Row]:
+    """Client shared memory: against in-process ONNX Runtime and against the same server with
+    the tensors in the message; Triton's shared-memory path beside it."""
+    out = []
+    for seq in SEQS:
+        limit = measured(find(rows, group="headline", target="in-process", seq=seq, pinned=pinned))
+
+        def row(target: str, api: str, seq: str = seq) -> Row | None:
+            found = [r for r in rows if r["group"] == "shm" and r["target"] == target
+                     and r["api"] == api and r["seq"] == seq and r.get("pinned") == pinned
+                     and measured(r)]  # fmt: skip
+            return max(found, key=lambda r: r.get("sequences_per_s") or 0, default=None)
+
+        shm, wire, triton = row("server", SHM), row("server", "v2"), row("triton", SHM)
+        value = ratio(seq_per_s(shm), seq_per_s(limit))
+        out.append(entry(f"seq {seq} shm: server / in-process", value, ">= 0.9",
+                         at_least(value, 0.9)))  # fmt: skip
+        out.append(entry(f"seq {seq}: shm / message (seq/s)",
+                         ratio(seq_per_s(shm), seq_per_s(wire))))  # fmt: skip
+        for label, each in (("shm", shm), ("message", wire), ("triton shm", triton)):
+            cpu = (each or {}).get("server_cpu_ms_per_request")
+            out.append(entry(f"seq {seq} {label}: server CPU us per request",
+                             None if cpu is None else cpu * 1000))  # fmt: skip
+        out.append(entry(f"seq {seq} shm: server / {triton['name'] if triton else 'triton'}",
+                         ratio(seq_per_s(shm), seq_per_s(triton))))  # fmt: skip
+    return out
+
+
 def all_ratios(rows: list[Row], unary: str, groups: set[str], pinned: bool = True) -> list[Row]:
     """Every section the groups asked for, from rows of the run's pinning mode (pinned=False
     for a run that was unpinned, by --no-pin or for want of taskset)."""
@@ -321,6 +349,7 @@ def all_ratios(rows: list[Row], unary: str, groups: set[str], pinned: bool = Tru
         "mixed": lambda: mixed(rows, pinned),
         "weights": lambda: weights(rows, unary, pinned),
         "open": lambda: open_loop(rows, pinned),
+        "shm": lambda: shared_memory(rows, pinned),
         "unpinned": lambda: unpinned(rows),
         "peers": lambda: peers(rows, unary, pinned),
     }

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from bench.launcher import REPO_ROOT, UNPINNED, cpu_set, free_port
 from bench.otlp_sink import OtlpSink
-from bench.payloads import REST, family
+from bench.payloads import REST, SHM, family
 from bench.report import (
     FRONTENDS,
     GROUPING_OFF,
@@ -23,7 +23,7 @@ from bench.report import (
 )
 from bench.runner import Runner, log
 
-GROUPS = ("headline", "batching", "mixed", "weights", "open", "unpinned", "peers")
+GROUPS = ("headline", "batching", "mixed", "weights", "open", "shm", "unpinned", "peers")
 STANDARD = tuple(g for g in GROUPS if g != "peers")
 OPEN_FRACTIONS = (0.5, 0.8, 1.0, 1.2)
 UNPINNED_CHANNELS = 8  # connections of the --frontends runs: 2 front ends both get some
@@ -67,7 +67,7 @@ def grouping_off(has_flag: bool) -> tuple[str, list[str], str]:
 def limits(r: Runner, groups: set[str]) -> None:
     """In-process limits, pinned as the server is."""
     pinning = r.config.pinning
-    if groups & {"headline", "batching", "weights", "open", "peers"}:
+    if groups & {"headline", "batching", "weights", "open", "shm", "peers"}:
         for seq in SEQS:
             r.inprocess(group="headline", seq=seq, pinning=pinning)
     if "weights" in groups:
@@ -176,6 +176,19 @@ def tracing_on(r: Runner, groups: set[str]) -> None:
             r.note(f"{TRACING_ON}: the server exported no spans")
 
 
+def client_shared_memory(r: Runner, groups: set[str]) -> None:
+    """A server with --client-shared-memory on: V2 ModelInfer with the tensors in the message
+    and in client shared memory, side by side on the same server."""
+    if "shm" not in groups:
+        return
+    pinning = r.config.pinning
+    with r.server("client shared memory", ["--client-shared-memory", "on"], pinning) as service:
+        for seq in SEQS:
+            for api in ("v2", SHM):
+                r.load(service, group="shm", target="server", name="client shm on", api=api,
+                       seq=seq, pinning=pinning)  # fmt: skip
+
+
 def other_servers(r: Runner, groups: set[str]) -> None:
     """Batching off, length grouping off, and the unpinned server."""
     pinning, unary = r.config.pinning, r.config.api
@@ -245,12 +258,13 @@ def run(r: Runner, groups: set[str]) -> None:
     echo(r, groups)
     default_server(r, groups)
     tracing_on(r, groups)
+    client_shared_memory(r, groups)
     other_servers(r, groups)
     if "peers" in groups:
-        peers(r)
+        peers(r, shm="shm" in groups)
 
 
-def peers(r: Runner) -> None:
+def peers(r: Runner, *, shm: bool = False) -> None:
     """MLServer and Triton, each in its own virtualenv (imported only when asked). A peer that
     cannot be set up costs its rows (FAILED, with the reason), not the run."""
     from bench.peers import mlserver, triton
@@ -260,4 +274,4 @@ def peers(r: Runner) -> None:
     except (subprocess.SubprocessError, OSError, RuntimeError) as err:
         reason = " | ".join(str(err).strip().splitlines()[-3:])[:400]
         r.keep_failed(group="peers", target="mlserver", name="mlserver", seqs=SEQS, reason=reason)
-    triton.run(r)
+    triton.run(r, shm=shm)

@@ -387,6 +387,30 @@ def test_ceiling_and_ratios_come_from_rows_of_the_run() -> None:
     assert found["seq 128 v2: server / stack ceiling"]["value"] is None  # not measured
 
 
+def test_shared_memory_ratios_compare_the_same_server_and_triton() -> None:
+    rows = _rows()
+
+    def shm(target: str, name: str, api: str, value: float, cpu_ms: float) -> dict:
+        return {**rows[1], "group": "shm", "target": target, "name": name, "api": api,
+                "sequences_per_s": value, "server_cpu_ms_per_request": cpu_ms}  # fmt: skip
+
+    rows += [
+        shm("server", "client shm on", "v2", 1800.0, 0.6),
+        shm("server", "client shm on", "v2_shm", 2850.0, 0.4),
+        shm("triton", "triton b=32 delay=0us", "v2_shm", 1000.0, 1.0),
+        shm("triton", "triton b=32 delay=1000us", "v2_shm", 1425.0, 0.7),
+    ]
+    found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"shm"})}
+    assert found["seq 16 shm: server / in-process"]["value"] == pytest.approx(0.95)
+    assert found["seq 16 shm: server / in-process"]["met"] is True
+    assert found["seq 16: shm / message (seq/s)"]["value"] == pytest.approx(2850 / 1800)
+    assert found["seq 16 shm: server CPU us per request"]["value"] == pytest.approx(400.0)
+    assert found["seq 16 message: server CPU us per request"]["value"] == pytest.approx(600.0)
+    assert found["seq 16 triton shm: server CPU us per request"]["value"] == pytest.approx(700.0)
+    assert found["seq 16 shm: server / triton b=32 delay=1000us"]["value"] == pytest.approx(2.0)
+    assert found["seq 128 shm: server / in-process"]["value"] is None  # not measured
+
+
 def test_table_has_a_line_per_row_and_dashes_for_gaps() -> None:
     rows = _rows()
     table = report.format_table(rows + report.ceiling_rows(rows))
@@ -469,6 +493,7 @@ def test_failed_rows_go_through_scenarios_ratios_and_table(
     scenarios.echo(runner, groups)
     scenarios.default_server(runner, groups)  # the capacity run failed: no crash
     scenarios.tracing_on(runner, groups)
+    scenarios.client_shared_memory(runner, groups)
     scenarios.other_servers(runner, groups)
     assert not any(row["group"] == "open" for row in runner.rows)  # no capacity, no open loop
     assert all(row["failed"] for row in runner.rows)
@@ -485,7 +510,7 @@ def test_failed_rows_go_through_scenarios_ratios_and_table(
         assert "MISSED" not in ratios.format_ratios(found)
     for section in (ratios.headline, ratios.batching, ratios.weights, ratios.peers):
         assert all(item["value"] is None for item in section(rows, "v2"))
-    for simple in (ratios.mixed, ratios.unpinned, ratios.open_loop):
+    for simple in (ratios.mixed, ratios.unpinned, ratios.open_loop, ratios.shared_memory):
         assert all(item["value"] is None for item in simple(rows))
     table = report.format_table(rows)
     assert table.count("FAIL") >= len(rows) - len(report.ceiling_rows(runner.rows))
@@ -668,7 +693,7 @@ def test_a_peer_that_fails_to_set_up_costs_its_rows_not_the_run(
 
     ran: list[Runner] = []
     monkeypatch.setattr(mlserver, "run", broken)
-    monkeypatch.setattr(triton, "run", ran.append)
+    monkeypatch.setattr(triton, "run", lambda r, shm: ran.append(r))
     runner = FakeRunner(_config())
     scenarios.peers(runner)
     assert ran == [runner]  # Triton still ran
@@ -757,7 +782,7 @@ def echo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     echo_model.write_repository(repository, "mha", 16, 2)
     # A small stream bound, so the streaming runs below (4 callers) meet the back-pressure.
     with ServerProcess(repository, "--max-stream-inflight-requests", "2",
-                       "--intra-op-threads", "1") as server:  # fmt: skip
+                       "--intra-op-threads", "1", "--client-shared-memory", "on") as server:  # fmt: skip
         yield server
 
 
@@ -788,13 +813,14 @@ def test_real_server_serves_the_echo_model_exactly(echo_server: ServerProcess) -
     ("api", "extra"),
     [("attention", ["--weights-fraction", "0.5"]), ("v2_stream", ["--seq", "uniform:2:9"]),
      ("attention_stream", ["--weights-fraction", "0.5"]),
-     ("v2", ["--rate", "200", "--max-outstanding", "4"])],
+     ("v2", ["--rate", "200", "--max-outstanding", "4"]), ("v2_shm", ["--seq", "uniform:2:9"])],
 )  # fmt: skip
 def test_loadgen_against_echo_server_writes_json(
     echo_server: ServerProcess, tmp_path: Path, api: str, extra: list[str]
 ) -> None:
     out = tmp_path / "result.json"
     roles = [f"--cpu-process={role}={pid}" for role, pid in child_pids(echo_server).items()]
+    objects_before = set(os.listdir("/dev/shm"))
     subprocess.run(
         [sys.executable, "-m", "bench.loadgen", "--target", echo_server.target, "--api", api,
          "--embed-dim", "16", "--concurrency", "4", "--duration-s", "0.8", "--warmup-s", "0.2",
@@ -803,6 +829,7 @@ def test_loadgen_against_echo_server_writes_json(
     )  # fmt: skip
     result = json.loads(out.read_text())
     assert result["config"]["api"] == api
+    assert set(os.listdir("/dev/shm")) <= objects_before  # v2_shm: its regions removed
     assert result["requests"] > 0
     assert result["errors"] == {}
     assert result["sequences_per_s"] == pytest.approx(result["requests_per_s"])

@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 from bench.launcher import REPO_ROOT, Service, free_port
+from bench.payloads import SHM
 from bench.report import MIXED, SEQS
 from bench.runner import Runner, log
 
@@ -90,7 +91,10 @@ def failed_rows(r: Runner, name: str, reason: str) -> None:
     r.keep_failed(group="peers", target="triton", name=name, seqs=LENGTHS, reason=reason)
 
 
-def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER) -> None:
+def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER, *,
+        shm: bool = False) -> None:  # fmt: skip
+    """Each queue delay's server at every length; with shm, also V2 with the tensors in client
+    shared memory (Triton's system shared-memory extension, on in Triton by default)."""
     try:
         python = ensure_venv(venv, interpreter)
     except PeerUnavailable as err:
@@ -106,6 +110,9 @@ def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER) -> None:
                 log(f"{name}: pid {service.pid} on {service.target}")
                 for seq in LENGTHS:
                     r.load(service, group="peers", target="triton", name=name, api="v2",
+                           seq=seq, pinning=pinning)  # fmt: skip
+                for seq in SEQS if shm else ():
+                    r.load(service, group="shm", target="triton", name=name, api=SHM,
                            seq=seq, pinning=pinning)  # fmt: skip
         except (RuntimeError, OSError) as err:
             failed_rows(r, name, short(str(err)))
