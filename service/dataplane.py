@@ -5,7 +5,7 @@ and the one rule for calls that ended at their deadline."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,6 +16,42 @@ from service.catalog import ModelRegistry, ServedModel
 
 def _nothing() -> None:
     return None
+
+
+@dataclass(frozen=True)
+class RegionRef:
+    """byte_size bytes at offset inside a client's registered shared-memory region (system
+    shared memory): where the worker reads an input or writes an answer. The front end has
+    checked what it can without the region (sizes against shapes); the worker checks the
+    rest (the region exists, holds the bytes, and the bytes fit the tensor) before it reads
+    or writes a byte."""
+
+    region: str
+    offset: int
+    byte_size: int
+    where: str = ""  # what the client called it, for messages: "input 'embeddings'"
+
+
+@dataclass(frozen=True)
+class RegionTensor:
+    """An input in a client's region: [n, seq, d] values of dtype (as the client wrote
+    them; the worker casts them to the model's dtype and checks them)."""
+
+    ref: RegionRef
+    shape: tuple[int, int, int]
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class RegionTarget:
+    """Where an answer goes instead of the message: the region, and the dtype to write it in."""
+
+    ref: RegionRef
+    dtype: np.dtype
+
+
+# Answers written into client regions, by output name ("output", "attention_weights").
+Targets = Mapping[str, RegionTarget]
 
 
 @dataclass(frozen=True)
@@ -93,14 +129,29 @@ class DataPlane(Protocol):
     async def infer(
         self,
         model: ServedModel,
-        embeddings: np.ndarray,
+        embeddings: np.ndarray | RegionTensor,
         *,
         with_weights: bool,
         deadline: float | None,
         tag: object = None,
+        targets: Targets | None = None,
     ) -> Result:
-        """[n, seq, d] embeddings in the model's dtype; deadline on time.monotonic(); tag
-        (plain data: a trace's span ids) comes back in batch_tags of its batch's results."""
+        """[n, seq, d] embeddings in the model's dtype (or in a client's region); deadline on
+        time.monotonic(); tag (plain data: a trace's span ids) comes back in batch_tags of its
+        batch's results. An answer named in targets is written into its region: its array in
+        the Result then holds no data, only the shape and dtype written."""
+        ...
+
+    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Register a client shared-memory region (NotSupported where that is off)."""
+        ...
+
+    async def shm_unregister(self, name: str) -> None:
+        """Unregister one region, or every one (name "")."""
+        ...
+
+    async def shm_status(self, name: str) -> list[tuple[str, str, int, int]]:
+        """(name, key, offset, byte_size) of one region (RegionNotFound) or of every one."""
         ...
 
     async def statistics(self, keys: list[str]) -> dict[str, VersionStats]: ...

@@ -266,7 +266,8 @@ class Settings:
         "on: Triton's system shared-memory extension, for clients on the same host "
         "(SystemSharedMemoryRegister etc., /v2/systemsharedmemory/...; inputs and outputs "
         "referenced by shared_memory_region/offset/byte_size); keys name objects under "
-        "/dev/shm only; needs --frontends 1. off: those calls answer UNIMPLEMENTED",
+        "/dev/shm only; the worker holds the regions, so any front end serves them. off: "
+        "those calls answer UNIMPLEMENTED",
         default="off",
     )
     max_client_shared_memory_regions: int = _doc(
@@ -402,13 +403,6 @@ class Settings:
             ("repository_follow_symlinks", self.repository_follow_symlinks in ON_OFF, "on or off"),
             ("max_connection_idle_s", self.max_connection_idle_s >= 0, ">= 0"),
             ("client_shared_memory", self.client_shared_memory in ON_OFF, "on or off"),
-            (
-                # Each front end keeps its own registry of regions, and a registration reaches
-                # one front end only; --frontends 1 keeps every request where its regions are.
-                "client_shared_memory",
-                self.client_shared_memory == "off" or self.frontends == 1,
-                "off with --frontends above 1 (registrations are kept per front end)",
-            ),
             (
                 "max_client_shared_memory_regions",
                 1 <= self.max_client_shared_memory_regions <= 4096,

@@ -30,7 +30,10 @@ class LocalPlane:
         with_weights: bool,
         deadline: float | None,
         tag: object = None,
+        targets: object = None,
     ) -> Result:
+        if targets:
+            raise NotSupported("no client shared memory in this test")
         return await self._batcher.submit(
             model, embeddings, with_weights=with_weights, deadline=deadline, tag=tag
         )
@@ -46,3 +49,12 @@ class LocalPlane:
 
     async def unload(self, name: str) -> None:
         raise NotSupported("no model repository in this test")
+
+    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        raise NotSupported("no client shared memory in this test")
+
+    async def shm_unregister(self, name: str) -> None:
+        raise NotSupported("no client shared memory in this test")
+
+    async def shm_status(self, name: str) -> list[tuple[str, str, int, int]]:
+        raise NotSupported("no client shared memory in this test")

@@ -19,6 +19,8 @@ from tritonclient.utils import InferenceServerException
 from export.pipeline import ExportRequest, run_export
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from service.generated.inference import grpc_service_pb2 as v2
+from service.generated.inference import grpc_service_pb2_grpc
 from service.settings import load_settings
 from tests.reference import attend_alone, layer_for
 from tests.server_process import ServerProcess
@@ -223,6 +225,11 @@ def test_bad_references_are_refused_with_clear_codes(
         assert f"needs {IN_BYTES} bytes" in small
         unknown_output = _code(infer(outputs=[_shm_output("output", "gone", 16)]))
         assert unknown_output.startswith("StatusCode.NOT_FOUND")
+        shm.set_shared_memory_region(inputs, [np.full_like(x, np.nan)])  # read by the worker
+        not_finite = _code(infer())
+        assert not_finite.startswith("StatusCode.INVALID_ARGUMENT")
+        assert f"{x.size} non-finite values" in not_finite
+        shm.set_shared_memory_region(inputs, [x])
 
         def register(name: str, key: str, size: int = 64, offset: int = 0):
             return lambda: client.register_system_shared_memory(name, key, size, offset)
@@ -313,6 +320,68 @@ def test_off_by_default(repository: Path) -> None:
             rest.close()
 
 
-def test_needs_one_front_end() -> None:
-    with pytest.raises(SystemExit):
-        load_settings(["--client-shared-memory", "on", "--frontends", "2"])
+def _v2_request(region: str, nbytes: int) -> v2.ModelInferRequest:
+    """ModelInfer with the input at the start of region and the output right after it."""
+    request = v2.ModelInferRequest(model_name="small")
+    tensor = request.inputs.add(name="embeddings", datatype="FP32", shape=[N, SEQ, D])
+    output = request.outputs.add(name="output")
+    for parameters, offset in ((tensor.parameters, 0), (output.parameters, nbytes)):
+        parameters["shared_memory_region"].string_param = region
+        parameters["shared_memory_offset"].int64_param = offset
+        parameters["shared_memory_byte_size"].int64_param = nbytes
+    return request
+
+
+def test_every_front_end_serves_a_region_registered_through_one(repository: Path,
+                                                                 reference) -> None:  # fmt: skip
+    """With two front ends, a region registered on one connection is used on sixteen new
+    connections (the kernel spreads them over both front ends); unregistered on one, it is
+    gone on all. A client that shrinks its object fails its own request, not the server."""
+    made = Objects()
+    x = np.random.default_rng(5).standard_normal((N, SEQ, D), dtype=np.float32)
+    flags = ("--default-model", "small", "--client-shared-memory", "on", "--frontends", "2")
+    fresh = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own per channel
+    try:
+        with ServerProcess(repository, *flags) as server:
+            handle, key = made.make("both", 2 * IN_BYTES)
+            shm.set_shared_memory_region(handle, [x])
+            with triton.InferenceServerClient(server.target) as client:
+                client.register_system_shared_memory("both", key, 2 * IN_BYTES)
+            want, _ = attend_alone(reference, x)
+            for _ in range(16):
+                with grpc.insecure_channel(server.target, options=fresh) as channel:
+                    stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                    status = stub.SystemSharedMemoryStatus(
+                        v2.SystemSharedMemoryStatusRequest(name="both"), timeout=30
+                    )
+                    assert status.regions["both"].key == key
+                    shm.set_shared_memory_region(handle, [np.zeros_like(x)], offset=IN_BYTES)
+                    stub.ModelInfer(_v2_request("both", IN_BYTES), timeout=30)
+                    got = shm.get_contents_as_numpy(handle, np.float32, [N, SEQ, D],
+                                                    offset=IN_BYTES)  # fmt: skip
+                    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+                    del got
+            with open(Path("/dev/shm") / key.lstrip("/"), "r+b") as shrunk:
+                shrunk.truncate(IN_BYTES // 2)  # the input's second half is gone
+            with grpc.insecure_channel(server.target, options=fresh) as channel:
+                stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.ModelInfer(_v2_request("both", IN_BYTES), timeout=30)
+                assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+                assert "removed or shrunk" in caught.value.details()
+                stub.SystemSharedMemoryUnregister(
+                    v2.SystemSharedMemoryUnregisterRequest(name="both"), timeout=30
+                )
+            for _ in range(4):
+                with grpc.insecure_channel(server.target, options=fresh) as channel:
+                    stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                    with pytest.raises(grpc.RpcError) as caught:
+                        stub.SystemSharedMemoryStatus(
+                            v2.SystemSharedMemoryStatusRequest(name="both"), timeout=30
+                        )
+                    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            assert server.process.poll() is None
+            assert "exited" not in server.log  # neither a front end nor the worker died
+    finally:
+        for handle in list(made.handles):
+            made.destroy(handle)

@@ -8,10 +8,11 @@ from typing import Protocol
 import numpy as np
 
 from service.catalog import ServedModel
-from service.dataplane import DataPlane, Result
+from service.dataplane import DataPlane, RegionTensor, Result, Targets
 from service.errors import InvalidInput
-from service.frontend.validation import InputLimits, as_sequence_batch
+from service.frontend.validation import InputLimits, as_sequence_batch, sequence_batch_shape
 from service.observability import tracing
+from service.values import in_model_dtype
 
 
 class HasDeadline(Protocol):
@@ -29,52 +30,55 @@ def deadline_of(context: HasDeadline) -> float | None:
 async def admit_and_run(
     plane: DataPlane,
     model: ServedModel,
-    received: np.ndarray,
+    received: np.ndarray | RegionTensor,
     limits: InputLimits,
     *,
     with_weights: bool,
     context: HasDeadline,
+    targets: Targets | None = None,
 ) -> Result:
-    """Validate decoded embeddings against the model, then queue them in the model's dtype."""
-    batch = as_sequence_batch(
-        received, embed_dim=model.spec.embed_dim, limits=limits, model=model.spec.name
-    )
+    """Validate decoded embeddings against the model, then queue them in the model's dtype.
+    Embeddings in a client's region are checked here by shape; their values, the worker
+    checks once it has read them (with the same messages)."""
+    name = model.spec.name
+    embeddings = received
+    if isinstance(received, RegionTensor):
+        sequence_batch_shape(list(received.shape), embed_dim=model.spec.embed_dim,
+                             limits=limits, model=name)  # fmt: skip
+    else:
+        embeddings = as_sequence_batch(
+            received, embed_dim=model.spec.embed_dim, limits=limits, model=name
+        )
     if with_weights and not model.has_weights_graph:
         raise InvalidInput(
             f"model {model.spec.name!r} version {model.spec.version} was exported without "
             "the attention_weights graph; do not ask for the weights"
         )
-    cast = batch.astype(model.spec.dtype, copy=False)
-    if cast is not batch and not np.isfinite(cast).all():
-        # Finite float32 values above float16's range (65504) become inf in the cast.
-        bad = int(np.count_nonzero(~np.isfinite(cast)))
-        raise InvalidInput(
-            f"embeddings holds {bad} values outside {cast.dtype}'s finite range (largest "
-            f"{float(np.finfo(cast.dtype).max):g}), the dtype of model {model.spec.name!r}; "
-            "scale them down"
-        )
+    if isinstance(embeddings, np.ndarray):
+        embeddings = in_model_dtype(embeddings, model.spec.dtype, name)
     result = await plane.infer(
         model,
-        cast,
+        embeddings,
         with_weights=with_weights,
         deadline=deadline_of(context),
         tag=tracing.current_tag(),
+        targets=targets,
     )
     if tracing.enabled():
         try:
-            _record_spans(model, cast, result)
+            _record_spans(model, embeddings.shape, result)
         except BaseException:
             result.release()  # the caller never sees the result, so it cannot release it
             raise
     return result
 
 
-def _record_spans(model: ServedModel, cast: np.ndarray, result: Result) -> None:
+def _record_spans(model: ServedModel, shape: tuple[int, ...], result: Result) -> None:
     tracing.record_batch(
         model=model.spec.name,
         version=model.spec.version,
-        sequences=cast.shape[0],
-        length=cast.shape[1],
+        sequences=shape[0],
+        length=shape[1],
         queue_s=result.queue_s,
         compute_s=result.compute_s,
         started_at=result.started_at,

@@ -9,11 +9,10 @@ import grpc
 import numpy as np
 
 from service.catalog import SERVER_LABEL, ModelRegistry, ServedModel
-from service.dataplane import DataPlane, Result
+from service.dataplane import DataPlane, RegionRef, RegionTarget, RegionTensor, Result
 from service.errors import InvalidInput
 from service.frontend import shm_tensors
 from service.frontend.admission import admit_and_run
-from service.frontend.client_memory import ClientRegions
 from service.frontend.delivery import AnswerBudget
 from service.frontend.rpc import rpc
 from service.frontend.streaming import (
@@ -86,11 +85,11 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         max_stream_pending_bytes: int = DEFAULT_PENDING_BYTES,
         streams: StreamCloser | None = None,
         answers: AnswerBudget | None = None,
-        regions: ClientRegions | None = None,
+        shared_memory: bool = False,
     ) -> None:
         self._plane = plane
         self.answers = answers  # None: answers are not bounded (tests of other parts)
-        self._regions = regions  # client shared memory; None when off
+        self._shared_memory = shared_memory  # client shared memory (the worker holds regions)
         self._limits = limits
         self._max_stream_inflight = max_stream_inflight_requests
         self._max_stream_pending_bytes = max_stream_pending_bytes
@@ -165,7 +164,15 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             raise InvalidInput("embeddings is missing; expected a Tensor [seq, d] or [n, seq, d]")
         refs = self._refs(request)
         received = _embeddings(request, refs["embeddings_region"])
-        _check_room(model, request, received, refs)
+        _check_weights_region(request, refs)
+        # Answers go in the input's dtype, in a region as in the message (weights: float32).
+        dtypes = {"output_region": received.dtype, "attention_weights_region": np.dtype("f4")}
+        targets = {
+            output: RegionTarget(ref, dtypes[field].newbyteorder("<"))
+            for field, output in (("output_region", "output"),
+                                  ("attention_weights_region", "attention_weights"))
+            if (ref := refs[field]) is not None
+        }  # fmt: skip
         result = await admit_and_run(
             self._plane,
             model,
@@ -173,20 +180,23 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             self._limits,
             with_weights=request.return_attention_weights,
             context=context,
+            targets=targets,
         )
         try:
             # Encoded now: the answer's arrays may live in shared memory, freed by release().
-            return await joined(self._response(request, model, received, result, refs))
+            return await joined(self._response(request, model, result, refs))
         finally:
             result.release()
 
-    def _refs(self, request: pb.AttendRequest) -> dict[str, shm_tensors.TensorRef | None]:
-        """The request's client shared-memory references, checked against their regions."""
-        refs: dict[str, shm_tensors.TensorRef | None] = {}
+    def _refs(self, request: pb.AttendRequest) -> dict[str, RegionRef | None]:
+        """The request's client shared-memory references (the worker checks them against
+        their regions)."""
+        refs: dict[str, RegionRef | None] = {}
         for name in REGION_FIELDS:
             ref = getattr(request, name)
+            enabled = self._shared_memory
             refs[name] = (
-                shm_tensors.region_ref(ref.region, ref.offset, ref.byte_size, name, self._regions)
+                shm_tensors.region_ref(ref.region, ref.offset, ref.byte_size, name, enabled)
                 if request.HasField(name)
                 else None
             )
@@ -196,9 +206,8 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         self,
         request: pb.AttendRequest,
         model: ServedModel,
-        received: np.ndarray,
         result: Result,
-        refs: dict[str, shm_tensors.TensorRef | None],
+        refs: dict[str, RegionRef | None],
     ) -> WireMessage:
         header = pb.AttendResponse(
             model=model.spec.name,
@@ -210,16 +219,18 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
                 batch_size=result.batch_size,
             ),
         )
-        output = result.output if received.ndim == 3 else result.output[0]
+        one = len(request.embeddings.shape) == 2  # [seq, d] in, [seq, d] out
+        output = result.output[0] if one else result.output
+        dtype = _sent_dtype(request)
         response = WireMessage.of(header).add_message(
-            RESPONSE_OUTPUT, _tensor(output, received.dtype, refs["output_region"])
+            RESPONSE_OUTPUT, _tensor(output, dtype, refs["output_region"])
         )
         if result.attention_weights is not None:
             weights = result.attention_weights
             response.add_message(
                 RESPONSE_WEIGHTS,
                 _tensor(
-                    weights if received.ndim == 3 else weights[0],
+                    weights[0] if one else weights,
                     np.dtype("float32"),
                     refs["attention_weights_region"],
                 ),
@@ -245,37 +256,33 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         )
 
 
-def _embeddings(request: pb.AttendRequest, ref: shm_tensors.TensorRef | None) -> np.ndarray:
-    """The embeddings: a view of the message's bytes, or of the client's region."""
+def _sent_dtype(request: pb.AttendRequest) -> np.dtype:
+    """The dtype the client sent its embeddings in, which its answer comes back in."""
+    return tensor_layout(request.embeddings, "embeddings")[1]
+
+
+def _embeddings(request: pb.AttendRequest, ref: RegionRef | None) -> np.ndarray | RegionTensor:
+    """The embeddings: a view of the message's bytes, or a reference to the client's region
+    (a [seq, d] tensor as [1, seq, d])."""
     if ref is None:
         return decode_tensor(request.embeddings, "embeddings")
     if request.embeddings.data:
         raise InvalidInput("embeddings has data and embeddings_region names a region; send one")
     shape, dtype = tensor_layout(request.embeddings, "embeddings")
-    return shm_tensors.read_input(ref, shape, dtype, "embeddings_region")
+    if len(shape) not in (2, 3):
+        raise InvalidInput(f"embeddings has shape {shape}; expected [seq, d] or [n, seq, d]")
+    batch_shape = shape if len(shape) == 3 else [1, *shape]
+    return shm_tensors.input_tensor(ref, batch_shape, dtype)
 
 
-def _check_room(
-    model: ServedModel,
-    request: pb.AttendRequest,
-    received: np.ndarray,
-    refs: dict[str, shm_tensors.TensorRef | None],
-) -> None:
-    """Before compute: the answers asked for in client shared memory fit there (a shape of
-    the wrong rank is refused by admission, before compute, too)."""
-    output, weights = refs["output_region"], refs["attention_weights_region"]
-    if output is not None:
-        shm_tensors.check_room(output, received.nbytes, "output")  # answered in the input dtype
-    if weights is not None and not request.return_attention_weights:
+def _check_weights_region(request: pb.AttendRequest, refs: dict[str, RegionRef | None]) -> None:
+    if refs["attention_weights_region"] is not None and not request.return_attention_weights:
         raise InvalidInput("attention_weights_region is set but return_attention_weights is false")
-    if weights is not None and received.ndim in (2, 3):
-        n, seq = (received.shape[0] if received.ndim == 3 else 1), received.shape[-2]
-        shm_tensors.check_room(weights, n * model.spec.num_heads * seq * seq * 4, "weights")
 
 
-def _tensor(array: np.ndarray, dtype: np.dtype, ref: shm_tensors.TensorRef | None) -> WireMessage:
-    """An answer tensor: its bytes in the message, or written into the client's region."""
+def _tensor(array: np.ndarray, dtype: np.dtype, ref: RegionRef | None) -> WireMessage:
+    """An answer tensor: its bytes in the message, or (written into the client's region by
+    the worker) its shape and dtype alone."""
     if ref is None:
         return encode_tensor_wire(array, dtype)
-    shm_tensors.write_output(ref, np.asarray(array, dtype=dtype.newbyteorder("<")))
     return WireMessage.of(pb.Tensor(shape=list(array.shape), dtype=wire_dtype(dtype)))

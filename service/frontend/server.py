@@ -81,7 +81,6 @@ class FrontendServer:
         self._server: grpc.aio.Server | None = None
         self._rest: RestFrontend | None = None
         self._restrictions_in_force = Restrictions()
-        self._v2_plane: V2Plane | None = None
         self.tls: ReloadingCredentials | None = None
         self.port: int | None = None
         self._queue_bytes = queue_bytes
@@ -136,7 +135,7 @@ class FrontendServer:
                 share_port=True,
             ),
         )
-        v2_plane = self._v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
+        v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
         self._add_servicers(server, v2_plane, Unpacker(settings.grpc_compression,
                                                        max_bytes=receive_bytes))  # fmt: skip
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -194,7 +193,7 @@ class FrontendServer:
                 max_stream_pending_bytes=settings.max_stream_pending_bytes,
                 streams=self._streams,
                 answers=answers,
-                regions=v2_plane.regions,  # one registry of client regions for both APIs
+                shared_memory=v2_plane.shared_memory,  # the worker's regions, for both APIs
             ),
             unpack,
         )
@@ -305,7 +304,5 @@ class FrontendServer:
             closing.append(self._rest.stop(remaining()))
         await asyncio.gather(*closing)
         await self.plane.close()
-        if self._v2_plane is not None:
-            self._v2_plane.close()
         tracing.stop(min(TRACING_FLUSH_S, remaining()))
         log.info("front end %s stopped", self.name)

@@ -1,19 +1,16 @@
-"""V2 tensors that live in client shared memory: the shared_memory_region / _offset / _byte_size
-parameters of an input or requested output, checked against the region before any byte is
-read or written."""
+"""Tensors that live in client shared memory: the shared_memory_region / _offset / _byte_size
+parameters of a V2 input or requested output (and the Attention API's region fields), read
+into references that the worker, which holds the regions, checks before any byte moves."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
+from service.dataplane import RegionRef, RegionTensor
 from service.errors import InvalidInput
-from service.frontend.client_memory import ClientRegion, ClientRegions
 from service.generated.inference import grpc_service_pb2 as v2
-from service.text import shown
 
 REGION, OFFSET = "shared_memory_region", "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
@@ -24,21 +21,13 @@ OFF = (
 )
 
 
-@dataclass(frozen=True)
-class TensorRef:
-    """byte_size bytes at offset inside a registered region (bounds checked)."""
-
-    region: ClientRegion
-    offset: int
-    byte_size: int
-
-    def parameters(self) -> dict[str, v2.InferParameter]:
-        """The reference as a response's output parameters (as Triton answers them)."""
-        return {
-            REGION: v2.InferParameter(string_param=self.region.name),
-            OFFSET: v2.InferParameter(int64_param=self.offset),
-            BYTE_SIZE: v2.InferParameter(int64_param=self.byte_size),
-        }
+def response_parameters(ref: RegionRef) -> dict[str, v2.InferParameter]:
+    """A reference as a response's output parameters (as Triton answers them)."""
+    return {
+        REGION: v2.InferParameter(string_param=ref.region),
+        OFFSET: v2.InferParameter(int64_param=ref.offset),
+        BYTE_SIZE: v2.InferParameter(int64_param=ref.byte_size),
+    }
 
 
 def _count(parameters: Mapping[str, v2.InferParameter], name: str, where: str) -> int | None:
@@ -52,13 +41,13 @@ def _count(parameters: Mapping[str, v2.InferParameter], name: str, where: str) -
 
 
 def reference(
-    parameters: Mapping[str, v2.InferParameter], where: str, regions: ClientRegions | None
-) -> TensorRef | None:
-    """The tensor's shared-memory reference, if its parameters name one; RegionNotFound for an
-    unknown region, InvalidInput for a reference outside it."""
+    parameters: Mapping[str, v2.InferParameter], where: str, enabled: bool
+) -> RegionRef | None:
+    """The tensor's shared-memory reference, if its parameters name one. Whether the region
+    exists and holds it, the worker checks (it holds the regions) before any byte moves."""
     if not PARAMETERS.intersection(parameters):
         return None
-    if regions is None:
+    if not enabled:
         raise InvalidInput(f"{where} has parameter {REGION}: {OFF}")
     if REGION not in parameters or parameters[REGION].WhichOneof("parameter_choice") != (
         "string_param"
@@ -68,47 +57,17 @@ def reference(
     if byte_size is None:
         raise InvalidInput(f"{where} names a shared-memory region without {BYTE_SIZE}")
     offset = _count(parameters, OFFSET, where) or 0
-    return region_ref(parameters[REGION].string_param, offset, byte_size, where, regions)
+    return region_ref(parameters[REGION].string_param, offset, byte_size, where, enabled)
 
 
-def region_ref(
-    name: str, offset: int, byte_size: int, where: str, regions: ClientRegions | None
-) -> TensorRef:
-    """A reference to a registered region, checked against its bounds."""
-    if regions is None:
+def region_ref(name: str, offset: int, byte_size: int, where: str, enabled: bool) -> RegionRef:
+    if not enabled:
         raise InvalidInput(f"{where}: {OFF}")
-    region = regions.get(name)
-    if offset + byte_size > region.byte_size:
-        raise InvalidInput(
-            f"{where}: {OFFSET} {offset} + {BYTE_SIZE} {byte_size} is past the end of "
-            f"shared-memory region {shown(region.name)} ({region.byte_size} bytes)"
-        )
-    return TensorRef(region, offset, byte_size)
+    return RegionRef(name, offset, byte_size, where)
 
 
-def read_input(ref: TensorRef, shape: list[int], dtype: np.dtype, where: str) -> np.ndarray:
-    """A view of the input in the client's region (copied into the slab before any await)."""
-    need = math.prod(shape) * dtype.itemsize
-    if ref.byte_size != need:
-        raise InvalidInput(
-            f"{where} has {BYTE_SIZE} {ref.byte_size}; shape {shape} of "
-            f"{np.dtype(dtype).name} needs {need} bytes"
-        )
-    ref.region.check_alive()
-    return np.frombuffer(ref.region.view(ref.offset, need), dtype=dtype).reshape(shape)
-
-
-def check_room(ref: TensorRef, nbytes: int, name: str) -> None:
-    """Before compute: the answer fits where the client asked for it."""
-    if nbytes > ref.byte_size:
-        raise InvalidInput(
-            f"output {shown(name)} needs {nbytes} bytes; its {BYTE_SIZE} is {ref.byte_size}"
-        )
-
-
-def write_output(ref: TensorRef, array: np.ndarray) -> None:
-    """Copy the answer into the client's region; RegionNotFound if it went while computing."""
-    check_room(ref, array.nbytes, "answer")
-    ref.region.check_alive()
-    target = np.frombuffer(ref.region.view(ref.offset, array.nbytes), dtype=array.dtype)
-    np.copyto(target.reshape(array.shape), array)
+def input_tensor(ref: RegionRef, shape: list[int], dtype: np.dtype) -> RegionTensor:
+    """The input in the client's region: [n, seq, d] of dtype (its byte size, the worker
+    checks once it has found the region)."""
+    n, seq, d = shape
+    return RegionTensor(ref, (n, seq, d), np.dtype(dtype))

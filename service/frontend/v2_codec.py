@@ -7,11 +7,9 @@ import math
 import numpy as np
 
 from service.catalog import ServedModel
-from service.dataplane import Result
+from service.dataplane import RegionRef, RegionTensor, Result
 from service.errors import InvalidInput
 from service.frontend import shm_tensors
-from service.frontend.client_memory import ClientRegions
-from service.frontend.shm_tensors import TensorRef
 from service.generated.inference import grpc_service_pb2 as v2
 from service.text import shown, shown_shape
 from service.transport.codec import checked_shape
@@ -75,12 +73,12 @@ def refuse_parameters(request: v2.ModelInferRequest, *, shared_memory: bool = Fa
 
 
 def _shared_input(
-    request: v2.ModelInferRequest, tensor, dtype: np.dtype, ref: TensorRef
-) -> np.ndarray:
+    request: v2.ModelInferRequest, tensor, dtype: np.dtype, ref: RegionRef
+) -> RegionTensor:
     where = f"input '{INPUT_NAME}'"
     if request.raw_input_contents or tensor.HasField("contents"):
         raise InvalidInput(f"{where} names a shared-memory region and carries data; send one")
-    return shm_tensors.read_input(ref, checked_shape(list(tensor.shape), where), dtype, where)
+    return shm_tensors.input_tensor(ref, checked_shape(list(tensor.shape), where), dtype)
 
 
 def _input_array(request: v2.ModelInferRequest, tensor, dtype: np.dtype) -> np.ndarray:
@@ -140,10 +138,10 @@ def accepted_datatypes(model: ServedModel) -> list[str]:
 
 
 def decode_input(
-    request: v2.ModelInferRequest, model: ServedModel, regions: ClientRegions | None = None
-) -> np.ndarray:
-    """The embeddings [n, seq, d] as sent (a view over raw bytes, or over the client's
-    shared-memory region)."""
+    request: v2.ModelInferRequest, model: ServedModel, shared_memory: bool = False
+) -> np.ndarray | RegionTensor:
+    """The embeddings [n, seq, d] as sent: a view over raw bytes, or (shared_memory on) a
+    reference to the client's shared-memory region."""
     tensor = _single_input(request, model)
     accepted = accepted_datatypes(model)
     if tensor.datatype not in accepted:
@@ -158,7 +156,7 @@ def decode_input(
             f" {_model_ref(model)} expects [n, seq, {d}]"
         )
     dtype = V2_DATATYPES[tensor.datatype]
-    ref = shm_tensors.reference(tensor.parameters, f"input '{INPUT_NAME}'", regions)
+    ref = shm_tensors.reference(tensor.parameters, f"input '{INPUT_NAME}'", shared_memory)
     if ref is not None:
         return _shared_input(request, tensor, dtype, ref)
     return _input_array(request, tensor, dtype)
@@ -176,13 +174,12 @@ def requested_outputs(request: v2.ModelInferRequest, model: ServedModel) -> list
     return names
 
 
-def output_refs(
-    request: v2.ModelInferRequest, regions: ClientRegions | None
-) -> dict[str, TensorRef]:
+def output_refs(request: v2.ModelInferRequest, shared_memory: bool) -> dict[str, RegionRef]:
     """The requested outputs to be written into client shared memory, by name."""
     refs = {}
     for output in request.outputs:
-        ref = shm_tensors.reference(output.parameters, f"output {shown(output.name)}", regions)
+        where = f"output {shown(output.name)}"
+        ref = shm_tensors.reference(output.parameters, where, shared_memory)
         if ref is not None:
             refs[output.name] = ref
     return refs
@@ -193,10 +190,10 @@ def encode_response(
     model: ServedModel,
     names: list[str],
     result: Result,
-    refs: dict[str, TensorRef] | None = None,
+    refs: dict[str, RegionRef] | None = None,
 ) -> WireMessage:
-    """The ModelInferResponse, serialized with each output's bytes copied once: into the
-    message, or into the client's shared-memory region (then the message has none)."""
+    """The ModelInferResponse, serialized with each output's bytes copied once into the
+    message; one the worker wrote into the client's shared-memory region has none here."""
     header = v2.ModelInferResponse(
         model_name=model.spec.name, model_version=str(model.spec.version), id=request.id
     )
@@ -212,8 +209,7 @@ def encode_response(
         if ref is None:
             raw.append(array_bytes(array))
             continue
-        shm_tensors.write_output(ref, array)
-        for key, value in ref.parameters().items():
+        for key, value in shm_tensors.response_parameters(ref).items():
             tensor.parameters[key].CopyFrom(value)
         raw.append(b"")  # raw_output_contents pair with outputs by position
     response = WireMessage.of(header)

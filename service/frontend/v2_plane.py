@@ -7,17 +7,24 @@ import importlib.metadata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from service.catalog import (
     ModelRegistry,
     ServedModel,
     VersionPolicy,
     check_repository_name,
 )
-from service.dataplane import DataPlane, Duration, Result, VersionStats
+from service.dataplane import (
+    DataPlane,
+    Duration,
+    RegionRef,
+    RegionTarget,
+    Result,
+    VersionStats,
+)
 from service.errors import InvalidInput, ModelNotFound, NotSupported
 from service.frontend.admission import HasDeadline, admit_and_run
-from service.frontend.client_memory import ClientRegions
-from service.frontend.shm_tensors import TensorRef, check_room
 from service.frontend.v2_codec import (
     INPUT_NAME,
     V2_NAME_OF,
@@ -86,7 +93,7 @@ class Inferred:
     model: ServedModel
     names: list[str]  # outputs asked for, in order
     result: Result
-    refs: dict[str, TensorRef]  # outputs to write into client shared memory, by name
+    refs: dict[str, RegionRef]  # outputs written into client shared memory, by name
 
 
 class V2Plane:
@@ -97,14 +104,8 @@ class V2Plane:
         self._settings = settings
         self.limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
         self.is_ready = is_ready
-        self.regions = (
-            ClientRegions(
-                max_regions=settings.max_client_shared_memory_regions,
-                max_bytes=settings.max_client_shared_memory_bytes,
-            )
-            if settings.client_shared_memory == "on"
-            else None
-        )
+        # Client shared memory: the worker holds the regions; this relays the calls.
+        self.shared_memory = settings.client_shared_memory == "on"
 
     @property
     def registry(self) -> ModelRegistry[ServedModel]:
@@ -118,7 +119,7 @@ class V2Plane:
         return self.is_ready()
 
     def server_metadata(self) -> v2.ServerMetadataResponse:
-        extensions = EXTENSIONS + ([SHARED_MEMORY_EXTENSION] if self.regions else [])
+        extensions = EXTENSIONS + ([SHARED_MEMORY_EXTENSION] if self.shared_memory else [])
         return v2.ServerMetadataResponse(
             name=SERVER_NAME, version=_server_version(), extensions=extensions
         )
@@ -231,11 +232,12 @@ class V2Plane:
     async def infer(self, request: v2.ModelInferRequest, context: HasDeadline) -> Inferred:
         """The one ModelInfer path: gRPC unary, gRPC streamed, and HTTP/REST."""
         model = self.registry.resolve(request.model_name, request.model_version)
-        refuse_parameters(request, shared_memory=self.regions is not None)
+        refuse_parameters(request, shared_memory=self.shared_memory)
         names = requested_outputs(request, model)
-        refs = output_refs(request, self.regions)
-        received = decode_input(request, model, self.regions)
-        _check_output_room(model, received.shape, refs)
+        refs = output_refs(request, self.shared_memory)
+        received = decode_input(request, model, self.shared_memory)
+        # V2 answers in the model's dtype (the weights in float32), in the region as here.
+        dtypes = {"output": model.spec.dtype, "attention_weights": np.dtype("<f4")}
         result = await admit_and_run(
             self._plane,
             model,
@@ -243,48 +245,37 @@ class V2Plane:
             self.limits,
             with_weights="attention_weights" in names,
             context=context,
+            targets={
+                name: RegionTarget(ref, dtypes[name].newbyteorder("<"))
+                for name, ref in refs.items()
+                if name in names
+            },
         )
         return Inferred(model, names, result, refs)
 
     # -- the system shared-memory extension (the shared-memory group of --restricted-api) --
 
-    def _regions(self) -> ClientRegions:
-        if self.regions is None:
+    def _check_shared_memory(self) -> None:
+        if not self.shared_memory:
             raise NotSupported(SHARED_MEMORY_OFF)
-        return self.regions
 
-    def shm_status(self, name: str) -> v2.SystemSharedMemoryStatusResponse:
+    async def shm_status(self, name: str) -> v2.SystemSharedMemoryStatusResponse:
+        self._check_shared_memory()
         status = v2.SystemSharedMemoryStatusResponse.RegionStatus
         return v2.SystemSharedMemoryStatusResponse(
             regions={
-                r.name: status(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size)
-                for r in self._regions().status(name)
+                region: status(name=region, key=key, offset=offset, byte_size=byte_size)
+                for region, key, offset, byte_size in await self._plane.shm_status(name)
             }
         )
 
-    def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        self._regions().register(name, key, offset, byte_size)
+    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._check_shared_memory()
+        await self._plane.shm_register(name, key, offset, byte_size)
 
-    def shm_unregister(self, name: str) -> None:
-        self._regions().unregister(name)
-
-    def close(self) -> None:
-        """Unmap the client regions (the front end is stopping)."""
-        if self.regions is not None:
-            self.regions.close()
-
-
-def _check_output_room(
-    model: ServedModel, shape: tuple[int, ...], refs: dict[str, TensorRef]
-) -> None:
-    """Before compute: every output asked for in shared memory fits its reference."""
-    n, seq, d = shape
-    sizes = {
-        "output": n * seq * d * model.spec.dtype.itemsize,
-        "attention_weights": n * model.spec.num_heads * seq * seq * 4,
-    }
-    for name, ref in refs.items():
-        check_room(ref, sizes[name], name)
+    async def shm_unregister(self, name: str) -> None:
+        self._check_shared_memory()
+        await self._plane.shm_unregister(name)
 
 
 def _names(keys: Iterable[str]) -> str:

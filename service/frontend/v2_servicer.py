@@ -164,20 +164,20 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryStatus(
         self, request: v2.SystemSharedMemoryStatusRequest, context: grpc.aio.ServicerContext
     ) -> v2.SystemSharedMemoryStatusResponse:
-        return self.plane.shm_status(request.name)
+        return await self.plane.shm_status(request.name)
 
     @rpc(API)
     async def SystemSharedMemoryRegister(
         self, request: v2.SystemSharedMemoryRegisterRequest, context: grpc.aio.ServicerContext
     ) -> v2.SystemSharedMemoryRegisterResponse:
-        self.plane.shm_register(request.name, request.key, request.offset, request.byte_size)
+        await self.plane.shm_register(request.name, request.key, request.offset, request.byte_size)
         return v2.SystemSharedMemoryRegisterResponse()
 
     @rpc(API)
     async def SystemSharedMemoryUnregister(
         self, request: v2.SystemSharedMemoryUnregisterRequest, context: grpc.aio.ServicerContext
     ) -> v2.SystemSharedMemoryUnregisterResponse:
-        self.plane.shm_unregister(request.name)
+        await self.plane.shm_unregister(request.name)
         return v2.SystemSharedMemoryUnregisterResponse()
 
     @rpc(API, holds_answer=True)

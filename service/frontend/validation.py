@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.errors import InvalidInput
+from service.values import check_finite
 
 
 @dataclass(frozen=True)
@@ -15,16 +16,14 @@ class InputLimits:
     max_batch_size: int
 
 
-def as_sequence_batch(
-    embeddings: np.ndarray, *, embed_dim: int, limits: InputLimits, model: str
-) -> np.ndarray:
-    """[seq, d] or [n, seq, d] -> [n, seq, d], or InvalidInput saying what was expected."""
-    shape = list(embeddings.shape)
+def sequence_batch_shape(
+    shape: list[int], *, embed_dim: int, limits: InputLimits, model: str
+) -> tuple[int, int, int]:
+    """[seq, d] or [n, seq, d] -> (n, seq, d), or InvalidInput saying what was expected."""
     expected = f"[seq, {embed_dim}] or [n, seq, {embed_dim}]"
-    if embeddings.ndim not in (2, 3):
+    if len(shape) not in (2, 3):
         raise InvalidInput(f"embeddings has shape {shape}; model {model!r} expects {expected}")
-    batch = embeddings if embeddings.ndim == 3 else embeddings[None]
-    count, seq, dim = batch.shape
+    count, seq, dim = shape if len(shape) == 3 else [1, *shape]
     if count == 0 or seq == 0:
         raise InvalidInput(
             f"embeddings is empty (shape {shape}); expected at least one position: {expected}"
@@ -42,9 +41,17 @@ def as_sequence_batch(
             f"request holds {count} sequences; at most max_batch_size={limits.max_batch_size} "
             "per request (send more requests: the server batches them)"
         )
-    if not np.isfinite(batch).all():
-        bad = int(np.count_nonzero(~np.isfinite(batch)))
-        raise InvalidInput(
-            f"embeddings holds {bad} non-finite values (NaN or inf); expected finite"
-        )
+    return count, seq, dim
+
+
+def as_sequence_batch(
+    embeddings: np.ndarray, *, embed_dim: int, limits: InputLimits, model: str
+) -> np.ndarray:
+    """[seq, d] or [n, seq, d] -> [n, seq, d] of finite values, or InvalidInput saying what
+    was expected."""
+    shape = sequence_batch_shape(
+        list(embeddings.shape), embed_dim=embed_dim, limits=limits, model=model
+    )
+    batch = embeddings.reshape(shape)
+    check_finite(batch)
     return batch

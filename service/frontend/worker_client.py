@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from service.catalog import ModelRegistry, ServedModel
-from service.dataplane import IndexEntry, Result, VersionStats
+from service.dataplane import IndexEntry, RegionRef, RegionTensor, Result, Targets, VersionStats
 from service.errors import ShuttingDown
 from service.ipc import channel, messages
 from service.ipc.slab import Region, RegionAllocator, Slab
@@ -78,6 +79,39 @@ class _Link:
             self.slab.release_pages(Region(0, self.slab.size))
             release_free_memory()
             self.high_water = 0
+
+
+def _infer_message(
+    model: ServedModel,
+    embeddings: np.ndarray | RegionTensor,
+    with_weights: bool,
+    targets: Targets,
+    at: dict[str, int],
+) -> channel.Message:
+    """An INFER without its id, deadline and tag: the tensors by slab offset (at) or, for
+    those in a client's region, by reference."""
+    message: channel.Message = {
+        "t": messages.INFER, "model": model.key, "w": with_weights,
+        "shape": list(embeddings.shape), "dtype": model.spec.dtype.name, **at,
+    }  # fmt: skip
+    if isinstance(embeddings, RegionTensor):
+        # As the client wrote it: the worker checks and casts it once read.
+        message["iref"] = [*_ref_json(embeddings.ref), embeddings.dtype.str]
+    for key, name in (("oref", "output"), ("wref", "attention_weights")):
+        target = targets.get(name)
+        if target is not None and (name == "output" or with_weights):
+            message[key] = [*_ref_json(target.ref), target.dtype.str]
+    return message
+
+
+def _ref_json(ref: RegionRef) -> list[Any]:
+    return [ref.region, ref.offset, ref.byte_size, ref.where]
+
+
+def _placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A read-only array of shape and dtype that takes no memory: what an answer written into
+    a client's region leaves in its Result."""
+    return np.broadcast_to(np.zeros((), dtype), shape)
 
 
 RELEASE_BYTES = 1 << 20
@@ -236,29 +270,37 @@ class WorkerClient:
     async def infer(
         self,
         model: ServedModel,
-        embeddings: np.ndarray,
+        embeddings: np.ndarray | RegionTensor,
         *,
         with_weights: bool,
         deadline: float | None,
         tag: object = None,
+        targets: Targets | None = None,
     ) -> Result:
         link = self._usable_link()
         n, seq, d = embeddings.shape
-        sizes = [embeddings.nbytes, embeddings.nbytes]
-        if with_weights:
-            sizes.append(n * model.spec.num_heads * seq * seq * 4)
-        call = _Call(asyncio.get_running_loop().create_future(), link.reserve(sizes))
+        targets = targets or {}
+        output_target, weights_target = targets.get("output"), targets.get("attention_weights")
+        weights_shape = (n, model.spec.num_heads, seq, seq)
+        # Room in the slab for what travels through it: the input from the message, and
+        # each answer that goes back in the message.
+        sizes = {
+            "in": embeddings.nbytes if isinstance(embeddings, np.ndarray) else 0,
+            "out": n * seq * d * model.spec.dtype.itemsize if output_target is None else 0,
+            "wout": 4 * math.prod(weights_shape) if with_weights and not weights_target else 0,
+        }
+        wanted = [key for key, nbytes in sizes.items() if nbytes]
+        call = _Call(asyncio.get_running_loop().create_future(),
+                     link.reserve([sizes[key] for key in wanted]))  # fmt: skip
         regions = call.regions
-        np.copyto(link.slab.array(regions[0].offset, embeddings.shape, embeddings.dtype),
-                  embeddings)  # fmt: skip
-        request_id = next(self._ids)
+        at = {key: region.offset for key, region in zip(wanted, regions, strict=True)}
+        if isinstance(embeddings, np.ndarray):
+            np.copyto(link.slab.array(at["in"], embeddings.shape, embeddings.dtype), embeddings)
+        message = _infer_message(model, embeddings, with_weights, targets, at)
+        message.update(deadline=deadline, tag=tracing.tag_to_json(tag))
+        request_id = message["id"] = next(self._ids)
         link.calls[request_id] = call
-        link.writer.send({
-            "t": messages.INFER, "id": request_id, "model": model.key, "w": with_weights,
-            "in": regions[0].offset, "shape": [n, seq, d], "dtype": embeddings.dtype.name,
-            "out": regions[1].offset, "wout": regions[2].offset if with_weights else None,
-            "deadline": deadline, "tag": tracing.tag_to_json(tag),
-        })  # fmt: skip
+        link.writer.send(message)
         self._enter()
         try:
             answer = await call.future
@@ -276,11 +318,20 @@ class WorkerClient:
         if answer["t"] == messages.FAIL:
             link.free(regions)
             raise messages.rebuild_error(answer["kind"], answer["msg"])
-        output = link.slab.array(regions[1].offset, embeddings.shape, embeddings.dtype)
+        # The worker answered in the model's dtype; an answer in a client's region is not
+        # here at all: its array stands for the shape and dtype written (no memory).
+        output = (
+            link.slab.array(at["out"], (n, seq, d), model.spec.dtype)
+            if output_target is None
+            else _placeholder((n, seq, d), output_target.dtype)
+        )
         weights = None
         if with_weights:
-            weights_shape = (n, model.spec.num_heads, seq, seq)
-            weights = link.slab.array(regions[2].offset, weights_shape, np.dtype("float32"))
+            weights = (
+                link.slab.array(at["wout"], weights_shape, np.dtype("float32"))
+                if weights_target is None
+                else _placeholder(weights_shape, weights_target.dtype)
+            )
         released = False
 
         def release() -> None:
@@ -374,3 +425,16 @@ class WorkerClient:
 
     async def unload(self, name: str, peer: str = "") -> None:
         await self._call("unload", {"name": name, "peer": peer})
+
+    # Client shared memory: the regions live in the worker, one registry for every front end.
+
+    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        args = {"name": name, "key": key, "offset": offset, "byte_size": byte_size}
+        await self._call("shm_register", args)
+
+    async def shm_unregister(self, name: str) -> None:
+        await self._call("shm_unregister", {"name": name})
+
+    async def shm_status(self, name: str) -> list[tuple[str, str, int, int]]:
+        rows = await self._call("shm_status", {"name": name})
+        return [(str(r[0]), str(r[1]), int(r[2]), int(r[3])) for r in rows]

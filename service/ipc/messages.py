@@ -32,6 +32,9 @@ ERRORS: dict[str, type[errors.ServingError]] = {
         errors.NotSupported,
         errors.ModelLoadFailed,
         errors.ModelControlDisabled,
+        errors.RegionNotFound,
+        errors.RegionExists,
+        errors.RegionsExhausted,
     )
 }
 

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import socket
 from collections.abc import Awaitable, Callable
@@ -16,10 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import ServingError
+from service.dataplane import RegionRef
+from service.errors import InvalidInput, ServingError
 from service.ipc import channel, messages
 from service.ipc.slab import Slab
-from service.worker.batching.batcher import Batcher, Result
+from service.values import check_finite, in_model_dtype
+from service.worker.batching.batcher import Batcher, Result, Target
+from service.worker.client_regions import ClientRegions, RegionWriter
 from service.worker.engine.onnx_model import OnnxModel
 
 log = logging.getLogger(__name__)
@@ -41,8 +45,10 @@ class FrontendLink:
         resolve: Callable[[str], OnnxModel],
         batcher: Batcher,
         call: Call,
+        regions: ClientRegions | None = None,
     ) -> None:
         self.name = name
+        self._client_regions = regions  # client shared memory; None when off
         self._slab = slab
         self._reader = reader
         self._writer = channel.Writer(writer)
@@ -116,25 +122,36 @@ class FrontendLink:
     def _submit(self, message: channel.Message) -> None:
         """Queue one request now, in the turn that read it: a CANCEL read in the same turn
         then finds it (and drops it before it is computed). The batch writes the
-        answer straight into the front end's regions; the DONE that follows tells it so."""
+        answer straight into the front end's regions (or the client's); the DONE that
+        follows tells it so."""
         request_id = int(message["id"])
+        writers: list[RegionWriter] = []
         try:
             model = self._resolve(str(message["model"]))
             dtype = np.dtype(message["dtype"])
-            n, seq, d = (int(size) for size in message["shape"])
+            shape = n, seq, _ = tuple(int(size) for size in message["shape"])
             with_weights = bool(message["w"])
-            embeddings = self._slab.array(int(message["in"]), (n, seq, d), dtype)
-            output = self._slab.array(int(message["out"]), (n, seq, d), dtype)
             weights_shape = (n, model.spec.num_heads, seq, seq)
-            weights = (
-                self._slab.array(int(message["wout"]), weights_shape, np.dtype("float32"))
-                if with_weights
-                else None
+            if message.get("iref") is not None:
+                embeddings = self._client_input(message["iref"], shape, model)
+            else:
+                embeddings = self._slab.array(int(message["in"]), shape, dtype)
+            output: Target = (
+                self._writer_for(message["oref"], shape, writers)
+                if message.get("oref") is not None
+                else self._slab.array(int(message["out"]), shape, dtype)
             )
+            weights: Target | None = None
+            if with_weights and message.get("wref") is not None:
+                weights = self._writer_for(message["wref"], weights_shape, writers)
+            elif with_weights:
+                weights = self._slab.array(int(message["wout"]), weights_shape, np.dtype("f4"))
         except ServingError as err:
+            self._close(writers)
             self._fail(request_id, err)
             return
         except (KeyError, TypeError, ValueError) as err:
+            self._close(writers)
             log.error("front end %s sent a malformed request %d: %s", self.name, request_id, err)
             self._fail(request_id, err)
             return
@@ -145,10 +162,53 @@ class FrontendLink:
                 into=(output, weights),
             )  # fmt: skip
         except ServingError as err:  # queue full, shutting down
+            self._close(writers)
             self._fail(request_id, err)
             return
         self._submitted[request_id] = submitted
-        submitted.add_done_callback(functools.partial(self._answer, request_id))
+        submitted.add_done_callback(functools.partial(self._answer, request_id, writers))
+
+    def _regions(self) -> ClientRegions:
+        if self._client_regions is None:
+            raise InvalidInput("client shared memory is off on this server")
+        return self._client_regions
+
+    def _client_input(self, ref: list[Any], shape: tuple[int, ...], model: OnnxModel) -> np.ndarray:
+        """An input in a client's region: read (one copy), checked, in the model's dtype."""
+        region_ref = _region_ref(ref)
+        dtype = np.dtype(ref[4])  # as the client wrote it
+        region = self._regions().checked(region_ref)
+        need = math.prod(shape) * dtype.itemsize
+        if region_ref.byte_size != need:
+            raise InvalidInput(
+                f"{region_ref.where} has shared_memory_byte_size {region_ref.byte_size}; shape "
+                f"{list(shape)} of {dtype.name} needs {need} bytes"
+            )
+        batch = region.read(region_ref.offset, need).view(dtype).reshape(shape)
+        check_finite(batch)
+        return in_model_dtype(batch, model.spec.dtype, model.spec.name)
+
+    def _writer_for(
+        self, ref: list[Any], shape: tuple[int, ...], writers: list[RegionWriter]
+    ) -> RegionWriter:
+        """A writer of one answer of shape into a client's region, checked against the
+        region's bounds and the answer's size now, before compute."""
+        region_ref, dtype = _region_ref(ref), np.dtype(ref[4])
+        region = self._regions().checked(region_ref)
+        need = math.prod(shape) * dtype.itemsize
+        if need > region_ref.byte_size:
+            raise InvalidInput(
+                f"{region_ref.where} needs {need} bytes; its shared_memory_byte_size is "
+                f"{region_ref.byte_size}"
+            )
+        writer = RegionWriter(region, region_ref.offset, need, dtype)
+        writers.append(writer)
+        return writer
+
+    @staticmethod
+    def _close(writers: list[RegionWriter]) -> None:
+        for writer in writers:
+            writer.close()
 
     def _withdraw(self, request_id: int) -> None:
         """The front end cancelled: a queued request is dropped (and answered CANCELLED); one
@@ -157,10 +217,17 @@ class FrontendLink:
         if submitted is not None:
             self._batcher.withdraw(submitted)
 
-    def _answer(self, request_id: int, submitted: asyncio.Future[Result]) -> None:
+    def _answer(
+        self, request_id: int, writers: list[RegionWriter], submitted: asyncio.Future[Result]
+    ) -> None:
         """Exactly one DONE or FAIL answers each request, sent only after the compute thread
         wrote its last byte into the request's regions (the front end frees them on it)."""
         self._submitted.pop(request_id, None)
+        self._close(writers)
+        failed_write = next((w.error for w in writers if w.error is not None), None)
+        if failed_write is not None and not submitted.cancelled() and not submitted.exception():
+            self._fail(request_id, failed_write)
+            return
         if submitted.cancelled():
             self.send({"t": messages.FAIL, "id": request_id, "kind": messages.CANCELLED,
                        "msg": "cancelled by the front end"})  # fmt: skip
@@ -196,6 +263,11 @@ class FrontendLink:
             self.send({"t": messages.REPLY, "id": call_id, "kind": kind, "msg": text})
             return
         self.send({"t": messages.REPLY, "id": call_id, "ok": result})
+
+
+def _region_ref(ref: list[Any]) -> RegionRef:
+    """A reference as INFER carries it: [region, offset, byte_size, where, ...]."""
+    return RegionRef(str(ref[0]), int(ref[1]), int(ref[2]), str(ref[3]))
 
 
 class LinkListener:

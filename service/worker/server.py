@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from service.catalog import BatchCaps
-from service.errors import ModelNotFound, ShuttingDown
+from service.errors import ModelNotFound, NotSupported, ShuttingDown
 from service.ipc import messages
 from service.ipc.slab import Slab
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
@@ -21,6 +21,7 @@ from service.observability import metrics
 from service.settings import Settings
 from service.worker.batching.batcher import Batcher
 from service.worker.batching.protocol import BatchLimits
+from service.worker.client_regions import ClientRegions
 from service.worker.controller import build_controller
 from service.worker.engine.model_control import ModelController
 from service.worker.engine.onnx_model import CPU, CUDA, OnnxModel, choose_providers, warm_up_shapes
@@ -91,6 +92,16 @@ class WorkerServer:
             on_caps=self._caps_changed,
         )
         self.models: ModelController | None = None
+        # Client shared memory (Triton's system shared-memory extension): one registry for
+        # every front end, so a region registered through one is usable through all.
+        self.regions = (
+            ClientRegions(
+                max_regions=settings.max_client_shared_memory_regions,
+                max_bytes=settings.max_client_shared_memory_bytes,
+            )
+            if settings.client_shared_memory == "on"
+            else None
+        )
         self._listener = LinkListener(self.socket_path, self._serve_link, self._make_link)
 
     async def start(self) -> None:
@@ -190,7 +201,8 @@ class WorkerServer:
 
     def _make_link(self, name: str, slab: Slab, reader: Any, writer: Any) -> FrontendLink:
         return FrontendLink(name, slab, reader, writer, resolve=self.resolve,
-                            batcher=self.batcher, call=self._control)  # fmt: skip
+                            batcher=self.batcher, call=self._control,
+                            regions=self.regions)  # fmt: skip
 
     async def _serve_link(self, link: FrontendLink) -> None:
         self._links.add(link)
@@ -240,6 +252,8 @@ class WorkerServer:
         if op == "statistics":
             return {key: messages.stats_to_json(self.batcher.statistics.snapshot(key))
                     for key in args["keys"]}  # fmt: skip
+        if op.startswith("shm_"):
+            return self._shm_call(op, args)
         controller = self.models
         assert controller is not None
         if op == "index":
@@ -252,6 +266,23 @@ class WorkerServer:
             change = controller.load if op == "load" else controller.unload
             await change(str(args["name"]))
             return None
+        raise ValueError(f"unknown control call {op!r}")
+
+    def _shm_call(self, op: str, args: dict[str, Any]) -> Any:
+        if self.regions is None:  # the front ends refuse first; a mismatch is not served
+            raise NotSupported("client shared memory is off on this server")
+        name = str(args["name"])
+        if op == "shm_register":
+            self.regions.register(name, str(args["key"]), int(args["offset"]),
+                                  int(args["byte_size"]))  # fmt: skip
+            log.info("client shared-memory region %r registered (key %r, %d bytes)", name,
+                     args["key"], int(args["byte_size"]))  # fmt: skip
+            return None
+        if op == "shm_unregister":
+            self.regions.unregister(name)
+            return None
+        if op == "shm_status":
+            return [[r.name, r.key, r.offset, r.byte_size] for r in self.regions.status(name)]
         raise ValueError(f"unknown control call {op!r}")
 
     # -- shutdown -----------------------------------------------------------------------------
@@ -274,4 +305,6 @@ class WorkerServer:
         self.batcher.refuse_new()
         self.batcher.fail_queued(ShuttingDown("the server stopped before computing it; retry"))
         await self.batcher.stop(timeout_s=max(0.0, deadline - time.monotonic()))
+        if self.regions is not None:
+            self.regions.close()
         log.info("worker stopped")

@@ -19,10 +19,9 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from service.dataplane import Result
+from service.dataplane import RegionRef, Result
 from service.errors import InvalidInput
 from service.frontend import shm_tensors
-from service.frontend.shm_tensors import TensorRef
 from service.frontend.v2_codec import V2_DATATYPES
 from service.generated.inference import grpc_service_pb2 as v2
 from service.text import shown
@@ -199,10 +198,10 @@ def encode_infer(
     version: int,
     names: list[str],
     result: Result,
-    refs: dict[str, TensorRef] | None = None,
+    refs: dict[str, RegionRef] | None = None,
 ) -> tuple[list[bytes | memoryview], int | None]:
     """The answer's body parts, and its JSON's length when binary tensors follow it; outputs
-    asked for in client shared memory are written there and carry no data."""
+    asked for in client shared memory (written there by the worker) carry no data."""
     arrays = {"output": result.output, "attention_weights": result.attention_weights}
     outputs: list[dict[str, Any]] = []
     binary: list[bytes | memoryview] = []
@@ -213,9 +212,8 @@ def encode_infer(
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         ref = (refs or {}).get(name)
         if ref is not None:
-            shm_tensors.write_output(ref, array)
             entry["parameters"] = {
-                shm_tensors.REGION: ref.region.name,
+                shm_tensors.REGION: ref.region,
                 shm_tensors.OFFSET: ref.offset,
                 shm_tensors.BYTE_SIZE: ref.byte_size,
             }

@@ -129,7 +129,7 @@ class _Endpoints:
 
     # The system shared-memory extension: the shared-memory group of --restricted-api.
     async def shm_status(self, request: web.Request) -> web.Response:
-        status = self.plane.shm_status(request.match_info.get("region", ""))
+        status = await self.plane.shm_status(request.match_info.get("region", ""))
         regions = sorted(status.regions.values(), key=lambda region: region.name)
         return web.json_response([message_json(region) for region in regions])
 
@@ -144,11 +144,11 @@ class _Endpoints:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidInput(f"the register request needs {what}, an integer >= 0")
             counts.append(value)
-        self.plane.shm_register(request.match_info["region"], key, counts[0], counts[1])
+        await self.plane.shm_register(request.match_info["region"], key, counts[0], counts[1])
         return web.json_response({})
 
     async def shm_unregister(self, request: web.Request) -> web.Response:
-        self.plane.shm_unregister(request.match_info.get("region", ""))
+        await self.plane.shm_unregister(request.match_info.get("region", ""))
         return web.json_response({})
 
 

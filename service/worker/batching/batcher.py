@@ -34,6 +34,7 @@ from service.observability import metrics
 from service.worker.batching.live_caps import LiveCaps
 from service.worker.batching.policy import choose_batch, merge, padding_ratio, split
 from service.worker.batching.protocol import (
+    AnswerWriter,
     BatchFailed,
     BatchLimits,
     Result,
@@ -55,9 +56,11 @@ class SchedulerFailed(ShuttingDown):
     on another one)."""
 
 
-# Arrays a request's answer is written into ([n, seq, d] output, [n, h, seq, seq] weights or
-# None): the caller's shared memory, so the answer is copied once, where the batch computes.
-Targets = tuple[np.ndarray, np.ndarray | None]
+# Where a request's answer is written ([n, seq, d] output, [n, h, seq, seq] weights or None):
+# arrays in the front end's shared memory, or writers into a client's region, so the answer
+# is copied once, where the batch computes.
+Target = np.ndarray | AnswerWriter
+Targets = tuple[Target, Target | None]
 
 
 @dataclass(eq=False)
@@ -94,12 +97,15 @@ class _Computed:
     padding: float
 
 
-def _place(part: np.ndarray, target: np.ndarray | None) -> np.ndarray:
+def _place(part: np.ndarray, target: Target | None) -> np.ndarray:
     """The part, contiguous: copied into its target when there is one."""
     if target is None:
         return np.ascontiguousarray(part)
-    np.copyto(target, part)
-    return target
+    if isinstance(target, np.ndarray):
+        np.copyto(target, part)
+        return target
+    target.write(part)
+    return part
 
 
 def _compute(

@@ -12,6 +12,7 @@ from service.dataplane import DEADLINE_SLACK_S, Result, ended_at_deadline
 
 __all__ = [
     "DEADLINE_SLACK_S",
+    "AnswerWriter",
     "BatchFailed",
     "BatchLimits",
     "Result",
@@ -34,6 +35,14 @@ class Runner(Protocol):
     def run(
         self, embeddings: np.ndarray, key_padding_mask: np.ndarray, with_weights: bool
     ) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+
+class AnswerWriter(Protocol):
+    """Takes one request's part of a batch's answer on the compute thread (a client's
+    shared-memory region). Must not raise: a failure is the writer's to report, so that it
+    fails that request and not the batch."""
+
+    def write(self, part: np.ndarray) -> None: ...
 
 
 class BatchFailed(RuntimeError):

@@ -1,9 +1,12 @@
-"""Client shared-memory regions (Triton's system shared-memory extension), in one front end.
+"""Client shared-memory regions (Triton's system shared-memory extension), held by the worker.
 
 A client on the same host puts a tensor in a POSIX shared-memory object (/dev/shm/<key>),
-registers a region of it by name, and sends references (region, offset, byte size) instead of
-bytes. The region is mapped here, in the front end, and only its own bytes: a request's input
-is copied once from it into the slab the worker reads, and an answer from the slab into it.
+registers a region of it by name (through any front end: they relay the call here), and
+sends references (region, offset, byte size) instead of bytes. The worker reads an input
+with one pread() into its own memory and writes an answer with one pwrite() where the batch
+computes it. Nothing is mapped: a client that shrinks or removes its object while a request
+uses it makes that request fail (a short read, a check before the write), where a mapping
+would have killed the process with SIGBUS.
 
 Keys name objects directly under /dev/shm and nothing else: one name component (with the
 optional leading "/" of shm_open's names), opened with O_NOFOLLOW|O_NONBLOCK, refused unless a
@@ -12,14 +15,15 @@ regular file that holds the whole region. Regions are bounded in number and tota
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from service.dataplane import RegionRef
 from service.errors import InvalidInput, RegionExists, RegionNotFound, RegionsExhausted
 from service.text import shown
 
@@ -42,42 +46,71 @@ def object_path(key: str) -> Path:
 
 @dataclass(eq=False)
 class ClientRegion:
-    """One registered region, mapped: bytes [offset, offset + byte_size) of its object."""
+    """One registered region: bytes [offset, offset + byte_size) of its object."""
 
     name: str
     key: str
     offset: int
     byte_size: int
     fd: int
-    _map: mmap.mmap
-    _start: int  # where the region begins inside the mapping (mmap offsets are page-aligned)
     closed: bool = field(default=False)
 
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        """Bytes [offset, offset + nbytes) of the region; the caller has checked the bounds
-        and that the object still holds them (check_alive)."""
-        start = self._start + offset
-        return memoryview(self._map)[start : start + nbytes]
-
-    def check_alive(self) -> None:
-        """RegionNotFound if the region was unregistered or its object removed or shrunk
-        (reading a truncated mapping would kill the process with SIGBUS)."""
+    def check_alive(self, fd: int | None = None) -> None:
+        """RegionNotFound if the region was unregistered or its object removed or shrunk."""
         if self.closed:
             raise RegionNotFound(f"shared-memory region {shown(self.name)} was unregistered")
-        info = os.fstat(self.fd)
+        info = os.fstat(self.fd if fd is None else fd)
         if info.st_nlink == 0 or info.st_size < self.offset + self.byte_size:
             raise RegionNotFound(
                 f"the object of shared-memory region {shown(self.name)} (key {shown(self.key)}) "
                 "was removed or shrunk; register the region again"
             )
 
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        """Bytes [offset, offset + nbytes) of the region (bounds checked by the caller), copied
+        into this process's memory."""
+        self.check_alive()
+        data = np.empty(nbytes, np.uint8)
+        if os.preadv(self.fd, [data.data], self.offset + offset) != nbytes:
+            raise RegionNotFound(
+                f"the object of shared-memory region {shown(self.name)} shrank while it was "
+                "read; register the region again"
+            )
+        return data
+
     def close(self) -> None:
         self.closed = True
-        # A request that read its input from here may still hold a view of it until it returns;
-        # then the mapping goes with the last reference.
-        with contextlib.suppress(BufferError):
-            self._map.close()
         os.close(self.fd)
+
+
+class RegionWriter:
+    """Writes one answer into a client's region, on the compute thread. It holds a descriptor
+    of its own, so an unregister on the event loop meanwhile cannot close it under the write
+    (or let a reused descriptor number point the write at another file). Never raises: a
+    region gone or shrunk is kept in error and fails that request alone."""
+
+    def __init__(self, region: ClientRegion, offset: int, nbytes: int, dtype: np.dtype) -> None:
+        self._region = region
+        self._at = region.offset + offset
+        self._nbytes = nbytes
+        self._dtype = dtype
+        self._fd = os.dup(region.fd)
+        self.error: Exception | None = None
+
+    def write(self, part: np.ndarray) -> None:
+        try:
+            data = np.ascontiguousarray(part, dtype=self._dtype)
+            if data.nbytes > self._nbytes:  # the front end checked; never past the reference
+                raise InvalidInput(
+                    f"the answer needs {data.nbytes} bytes; the reference holds {self._nbytes}"
+                )
+            self._region.check_alive(self._fd)
+            os.pwritev(self._fd, [data.reshape(-1).view(np.uint8).data], self._at)
+        except (InvalidInput, RegionNotFound, OSError) as err:
+            self.error = err
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _open(name: str, key: str, offset: int, byte_size: int) -> ClientRegion:
@@ -103,16 +136,14 @@ def _open(name: str, key: str, offset: int, byte_size: int) -> ClientRegion:
                 f"shared-memory region {shown(name)}: offset {offset} + byte_size {byte_size} "
                 f"is past the end of object {shown(key)} ({info.st_size} bytes)"
             )
-        start = offset % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
     except BaseException:
         os.close(fd)
         raise
-    return ClientRegion(name, key, offset, byte_size, fd, mapping, start)
+    return ClientRegion(name, key, offset, byte_size, fd)
 
 
 class ClientRegions:
-    """The front end's registered regions, used on its event loop only (no lock)."""
+    """The server's registered regions, used on the worker's event loop only (no lock)."""
 
     def __init__(self, *, max_regions: int, max_bytes: int) -> None:
         self._regions: dict[str, ClientRegion] = {}
@@ -130,6 +161,8 @@ class ClientRegions:
             )
         if byte_size <= 0:
             raise InvalidInput(f"shared-memory region {shown(name)}: byte_size must be > 0")
+        if offset < 0:
+            raise InvalidInput(f"shared-memory region {shown(name)}: offset must be >= 0")
         if len(self._regions) >= self._max_regions:
             raise RegionsExhausted(
                 f"{len(self._regions)} shared-memory regions are registered, this server's "
@@ -157,6 +190,17 @@ class ClientRegions:
         if region is None:
             raise RegionNotFound(
                 f"no shared-memory region {shown(name)} is registered; register it first"
+            )
+        return region
+
+    def checked(self, ref: RegionRef) -> ClientRegion:
+        """The region a reference names, once the reference lies inside it."""
+        region = self.get(ref.region)
+        if ref.offset + ref.byte_size > region.byte_size:
+            raise InvalidInput(
+                f"{ref.where}: shared_memory_offset {ref.offset} + shared_memory_byte_size "
+                f"{ref.byte_size} is past the end of shared-memory region {shown(region.name)} "
+                f"({region.byte_size} bytes)"
             )
         return region
 
