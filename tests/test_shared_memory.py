@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
-from service.settings import load_settings
+from service.settings import Settings, load_settings
+from tests.h2_raw import RawGrpc
 from tests.reference import attend_alone, layer_for
 from tests.server_process import ServerProcess
 
@@ -385,3 +387,52 @@ def test_every_front_end_serves_a_region_registered_through_one(repository: Path
     finally:
         for handle in list(made.handles):
             made.destroy(handle)
+
+
+def test_an_input_in_shared_memory_still_counts_its_answer_against_the_budget(
+    shm_server: ServerProcess, objects: Objects
+) -> None:
+    """A request of a few dozen bytes (its input in a region) can ask for megabytes of answer
+    in the message. Twelve such calls on one connection that reads nothing: the answers are
+    reserved in --max-undelivered-bytes-per-connection before they are computed, so those
+    past it are refused at once instead of computed, and what is held stays within it."""
+    sequences, seq = 8, 512
+    nbytes = sequences * seq * D * 4
+    answer = nbytes + sequences * H * seq * seq * 4  # output and weights, in the message
+    calls = 12  # 12 x 2 x 33 MiB > the 512 MiB per connection
+    memory, key = objects.make("big", nbytes)
+    shm.set_shared_memory_region(memory, [np.ones((sequences, seq, D), np.float32)])
+    with triton.InferenceServerClient(shm_server.target) as client:
+        client.register_system_shared_memory("big", key, nbytes)
+    request = pb.AttendRequest(
+        embeddings=pb.Tensor(shape=[sequences, seq, D], dtype=pb.FLOAT32),
+        embeddings_region=pb.SharedMemoryRef(region="big", byte_size=nbytes),
+        return_attention_weights=True,
+    ).SerializeToString()
+    assert len(request) < 100
+    computed = shm_server.metric("attention_batch_size_sequences_sum")
+    refused = shm_server.metric("attention_requests_total", code="RESOURCE_EXHAUSTED")
+
+    def settled() -> tuple[float, float]:
+        held = (shm_server.metric("attention_batch_size_sequences_sum") - computed) / sequences
+        gone = shm_server.metric("attention_requests_total", code="RESOURCE_EXHAUSTED") - refused
+        return held, gone
+
+    slow = RawGrpc(shm_server.grpc_port, window=1)  # reads nothing of the answers
+    try:
+        for _ in range(calls):
+            slow.call("/attention.v1.AttentionService/Attend", request)
+        give_up = time.monotonic() + 120
+        while sum(settled()) < calls:
+            assert time.monotonic() < give_up, f"calls neither computed nor refused: {settled()}"
+            time.sleep(0.05)
+        _, gone = settled()
+        assert gone > 0, "every call was computed: their answers were not counted"
+        per_connection = Settings.max_undelivered_bytes_per_connection
+        assert answer <= shm_server.metric("attention_undelivered_answer_bytes") <= per_connection
+    finally:
+        slow.close()
+    give_up = time.monotonic() + 30
+    while shm_server.metric("attention_undelivered_answer_bytes") > 0:
+        assert time.monotonic() < give_up, "the budget was not given back"
+        time.sleep(0.05)

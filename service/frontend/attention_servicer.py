@@ -21,7 +21,7 @@ from service.frontend.streaming import (
     StreamCloser,
     serve_stream,
 )
-from service.frontend.validation import InputLimits
+from service.frontend.validation import InputLimits, bounded_positions
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.settings import Settings
@@ -109,16 +109,23 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         return self._plane.models  # the served set changes: look it up at each call
 
     def answer_bytes(self, request: pb.AttendRequest) -> int:
-        """The answer's size, estimated before computing it: the output is as large as the
-        input; the weights add h * seq float32 values per position."""
-        payload = len(request.embeddings.data)
-        if not request.return_attention_weights:
-            return payload
-        spec = self._registry.resolve(request.model, request.model_version).spec
+        """The answer's size in the message, estimated before computing it: the output is as
+        large as the input; the weights add h * seq float32 values per position; an answer
+        asked for in client shared memory adds nothing. An input in client shared memory
+        counts by its declared shape (within the limits)."""
         itemsize = 2 if request.embeddings.dtype == pb.FLOAT16 else 4
+        shape = list(request.embeddings.shape)
+        spec = self._registry.resolve(request.model, request.model_version).spec
+        if request.HasField("embeddings_region"):
+            payload = bounded_positions(shape, self._limits) * spec.embed_dim * itemsize
+        else:
+            payload = len(request.embeddings.data)
+        answer = 0 if request.HasField("output_region") else payload
+        if not request.return_attention_weights or request.HasField("attention_weights_region"):
+            return answer
         positions = payload // (spec.embed_dim * itemsize)
-        seq = min(list(request.embeddings.shape)[-2:][0], self._limits.max_seq_len)
-        return payload + positions * spec.num_heads * seq * 4
+        seq = min(shape[-2:][0], self._limits.max_seq_len)
+        return answer + positions * spec.num_heads * seq * 4
 
     def model_label(self, request: Any) -> str:
         if not hasattr(request, "model"):

@@ -16,6 +16,15 @@ class InputLimits:
     max_batch_size: int
 
 
+def bounded_positions(shape: list[int], limits: InputLimits) -> int:
+    """n * seq of a declared [seq, d] or [n, seq, d] shape, within the limits: an estimate
+    (of an answer's size) that a shape refused later cannot inflate."""
+    if len(shape) not in (2, 3):
+        return 0
+    n, seq = (shape[0] if len(shape) == 3 else 1), shape[-2]
+    return max(0, min(n, limits.max_batch_size)) * max(0, min(seq, limits.max_seq_len))
+
+
 def sequence_batch_shape(
     shape: list[int], *, embed_dim: int, limits: InputLimits, model: str
 ) -> tuple[int, int, int]:

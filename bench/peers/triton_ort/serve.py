@@ -8,7 +8,7 @@ Triton's C++ gRPC front end and dynamic batcher; the graph runs in this process'
 callable with one ONNX Runtime session. The input is declared [-1, d] under max_batch_size, so
 a request is [n, seq, d] with any seq, and the batcher merges only requests of equal shape
 (no ragged batching: that would need the callable to pad and mask, which is our server's
-job, not the peer's)."""
+job, not the peer's). Triton's system shared memory is open to clients, as in Triton itself."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 from pytriton.decorators import batch
 from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-from pytriton.triton import Triton, TritonConfig
+from pytriton.triton import DEFAULT_PROTECTED_ENDPOINTS, Triton, TritonConfig, TritonSecurityConfig
 
 
 def session(model: str, threads: int) -> ort.InferenceSession:
@@ -70,8 +70,14 @@ def main() -> int:
         allow_gpu_metrics=False,
         exit_on_error=True,
     )
+    # PyTriton restricts Triton's shared-memory protocol to callers holding a token it makes
+    # up; Triton itself allows it by default. Lifted here (the server listens on loopback
+    # only) so the bench's shared-memory clients can register regions as with Triton.
+    security = TritonSecurityConfig(
+        restricted_endpoints=[e for e in DEFAULT_PROTECTED_ENDPOINTS if e != "shared-memory"]
+    )
     d = args.embed_dim
-    with Triton(config=config) as triton:
+    with Triton(config=config, security_config=security) as triton:
         triton.bind(
             model_name=args.name,
             infer_func=make_infer(session(args.model, args.threads)),
