@@ -275,8 +275,8 @@ class Settings:
         default=64,
     )
     max_client_shared_memory_bytes: int = _doc(
-        "total bytes of the client shared-memory regions registered at once (each is mapped "
-        "into the front end); beyond it registration is RESOURCE_EXHAUSTED",
+        "total bytes of the client shared-memory regions registered at once; beyond it "
+        "registration is RESOURCE_EXHAUSTED",
         default=4 << 30,
     )
 

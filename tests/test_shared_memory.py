@@ -3,7 +3,9 @@ server (gRPC and HTTP/REST): exact against torch, every bad reference refused wi
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -432,6 +434,61 @@ def test_an_input_in_shared_memory_still_counts_its_answer_against_the_budget(
         assert answer <= shm_server.metric("attention_undelivered_answer_bytes") <= per_connection
     finally:
         slow.close()
+    give_up = time.monotonic() + 30
+    while shm_server.metric("attention_undelivered_answer_bytes") > 0:
+        assert time.monotonic() < give_up, "the budget was not given back"
+        time.sleep(0.05)
+
+
+def test_rest_answers_nobody_reads_stay_within_the_budget(
+    shm_server: ServerProcess, objects: Objects
+) -> None:
+    """The same over HTTP/REST: 24 connections each send a 400-byte request for a 33 MiB
+    answer and read nothing. Answers are held in --max-undelivered-bytes until written, so
+    the calls past it are refused at once (429) and what is held stays within it."""
+    sequences, seq = 8, 512
+    nbytes = sequences * seq * D * 4
+    memory, key = objects.make("rest-big", nbytes)
+    shm.set_shared_memory_region(memory, [np.ones((sequences, seq, D), np.float32)])
+    with triton.InferenceServerClient(shm_server.target) as client:
+        client.register_system_shared_memory("rest-big", key, nbytes)
+    body = json.dumps({
+        "inputs": [{"name": "embeddings", "datatype": "FP32", "shape": [sequences, seq, D],
+                    "parameters": {"shared_memory_region": "rest-big",
+                                   "shared_memory_byte_size": nbytes}}],
+        "outputs": [{"name": name, "parameters": {"binary_data": True}}
+                    for name in ("output", "attention_weights")],
+    }).encode()  # fmt: skip
+    http = (f"POST /v2/models/small/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    assert len(http) < 500
+    refusals = shm_server.metric("attention_undelivered_refusals_total")
+    computed = shm_server.metric("attention_batch_size_sequences_sum")
+    sockets = []
+    try:
+        for _ in range(24):
+            connection = socket.create_connection(("127.0.0.1", shm_server.http_port))
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            connection.sendall(http)
+            sockets.append(connection)
+
+        def settled() -> float:
+            held = (shm_server.metric("attention_batch_size_sequences_sum") - computed) / sequences
+            return held + shm_server.metric("attention_undelivered_refusals_total") - refusals
+
+        give_up = time.monotonic() + 120
+        while settled() < len(sockets):
+            assert time.monotonic() < give_up, "calls neither computed nor refused"
+            time.sleep(0.05)
+        assert shm_server.metric("attention_undelivered_refusals_total") > refusals
+        assert (
+            0
+            < shm_server.metric("attention_undelivered_answer_bytes")
+            <= Settings.max_undelivered_bytes
+        )
+    finally:
+        for connection in sockets:
+            connection.close()
     give_up = time.monotonic() + 30
     while shm_server.metric("attention_undelivered_answer_bytes") > 0:
         assert time.monotonic() < give_up, "the budget was not given back"

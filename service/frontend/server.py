@@ -136,6 +136,12 @@ class FrontendServer:
             ),
         )
         v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
+        # This front end's share of the undelivered-answers budget, for gRPC and REST alike:
+        # every front end holds its own answers.
+        self._answers = AnswerBudget(
+            max(1, settings.max_undelivered_bytes // settings.frontends),
+            max(1, settings.max_undelivered_bytes_per_connection // settings.frontends),
+        )
         self._add_servicers(server, v2_plane, Unpacker(settings.grpc_compression,
                                                        max_bytes=receive_bytes))  # fmt: skip
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -167,6 +173,7 @@ class FrontendServer:
             max_body_bytes=receive_bytes,
             grace_period_s=settings.grace_period_s,
             restrictions=self._restrictions_in_force,
+            answers=self._answers,
         )
         context = None if self.tls is None else self.tls.ssl_context()
         try:
@@ -178,11 +185,7 @@ class FrontendServer:
     def _add_servicers(self, server: grpc.aio.Server, v2_plane: V2Plane, unpack: Unpacker) -> None:
         settings = self._settings
         limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
-        # This front end's share of the budget: every front end holds its own answers.
-        answers = AnswerBudget(
-            max(1, settings.max_undelivered_bytes // settings.frontends),
-            max(1, settings.max_undelivered_bytes_per_connection // settings.frontends),
-        )
+        answers = self._answers
         add_servicer(
             server,
             attention_pb2_grpc.add_AttentionServiceServicer_to_server,

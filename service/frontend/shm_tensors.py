@@ -48,7 +48,7 @@ def reference(
     if not PARAMETERS.intersection(parameters):
         return None
     if not enabled:
-        raise InvalidInput(f"{where} has parameter {REGION}: {OFF}")
+        raise InvalidInput(f"{where} has parameter {REGION}: {OFF}")  # before its form
     if REGION not in parameters or parameters[REGION].WhichOneof("parameter_choice") != (
         "string_param"
     ):

@@ -25,6 +25,7 @@ from service.dataplane import (
 )
 from service.errors import InvalidInput, ModelNotFound, NotSupported
 from service.frontend.admission import HasDeadline, admit_and_run
+from service.frontend.shm_tensors import PARAMETERS
 from service.frontend.v2_codec import (
     INPUT_NAME,
     V2_NAME_OF,
@@ -34,7 +35,7 @@ from service.frontend.v2_codec import (
     refuse_parameters,
     requested_outputs,
 )
-from service.frontend.validation import InputLimits
+from service.frontend.validation import InputLimits, bounded_positions
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import model_config_pb2 as config
 from service.settings import Settings
@@ -252,6 +253,31 @@ class V2Plane:
             },
         )
         return Inferred(model, names, result, refs)
+
+    def answer_bytes(self, request: v2.ModelInferRequest) -> int:
+        """The answer's size in the message, estimated before computing it (the
+        undelivered-answers budget reserves it): the output is as large as the input; the
+        weights, when asked for, add h * seq float32 values per position; an answer asked for
+        in client shared memory adds nothing. An input in client shared memory counts by its
+        declared shape (within the limits)."""
+        tensor = request.inputs[0]
+        itemsize = 2 if tensor.datatype == "FP16" else 4
+        in_region = {o.name for o in request.outputs if PARAMETERS.intersection(o.parameters)}
+        if PARAMETERS.intersection(tensor.parameters):
+            spec = self.registry.resolve(request.model_name, request.model_version).spec
+            positions = bounded_positions(list(tensor.shape), self.limits)
+            payload = positions * spec.embed_dim * itemsize
+        else:
+            payload = sum(len(raw) for raw in request.raw_input_contents)
+            payload += 4 * len(tensor.contents.fp32_contents)
+        answer = 0 if "output" in in_region else payload
+        names = {output.name for output in request.outputs}
+        if "attention_weights" not in names or "attention_weights" in in_region:
+            return answer
+        spec = self.registry.resolve(request.model_name, request.model_version).spec
+        positions = payload // (spec.embed_dim * itemsize)
+        seq = min(list(tensor.shape)[-2:][0], self.limits.max_seq_len)
+        return answer + positions * spec.num_heads * seq * 4
 
     # -- the system shared-memory extension (the shared-memory group of --restricted-api) --
 

@@ -16,11 +16,9 @@ from service.dataplane import DataPlane
 from service.frontend.caller import caller
 from service.frontend.delivery import AnswerBudget
 from service.frontend.rpc import rpc
-from service.frontend.shm_tensors import PARAMETERS
 from service.frontend.streaming import StreamCalls, StreamCloser, serve_stream
 from service.frontend.v2_codec import encode_response
 from service.frontend.v2_plane import V2Plane
-from service.frontend.validation import bounded_positions
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
 from service.settings import Settings
@@ -73,28 +71,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return self.plane.registry
 
     def answer_bytes(self, request: v2.ModelInferRequest) -> int:
-        """The answer's size in the message, estimated before computing it: the output is as
-        large as the input; the weights, when asked for, add h * seq float32 values per
-        position; an answer asked for in client shared memory adds nothing. An input in
-        client shared memory counts by its declared shape (within the limits)."""
-        tensor = request.inputs[0]
-        itemsize = 2 if tensor.datatype == "FP16" else 4
-        in_region = {o.name for o in request.outputs if PARAMETERS.intersection(o.parameters)}
-        if PARAMETERS.intersection(tensor.parameters):
-            spec = self._registry.resolve(request.model_name, request.model_version).spec
-            positions = bounded_positions(list(tensor.shape), self._limits)
-            payload = positions * spec.embed_dim * itemsize
-        else:
-            payload = sum(len(raw) for raw in request.raw_input_contents)
-            payload += 4 * len(tensor.contents.fp32_contents)
-        answer = 0 if "output" in in_region else payload
-        names = {output.name for output in request.outputs}
-        if "attention_weights" not in names or "attention_weights" in in_region:
-            return answer
-        spec = self._registry.resolve(request.model_name, request.model_version).spec
-        positions = payload // (spec.embed_dim * itemsize)
-        seq = min(list(tensor.shape)[-2:][0], self._limits.max_seq_len)
-        return answer + positions * spec.num_heads * seq * 4
+        return self.plane.answer_bytes(request)
 
     def model_label(self, request: Any) -> str:
         if isinstance(request, REGION_REQUESTS) or (

@@ -15,9 +15,13 @@ regular file that holds the whole region. Regions are bounded in number and tota
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import logging
 import os
 import re
 import stat
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from service.dataplane import RegionRef
 from service.errors import InvalidInput, RegionExists, RegionNotFound, RegionsExhausted
 from service.text import shown
 
+log = logging.getLogger(__name__)
 SHM_ROOT = Path("/dev/shm")
 MAX_NAME_CHARS = 255  # NAME_MAX, for keys and region names alike
 KEY = re.compile(r"/?([A-Za-z0-9_.+-]{1,255})")
@@ -44,22 +49,32 @@ def object_path(key: str) -> Path:
     return SHM_ROOT / match[1]
 
 
+NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
 @dataclass(eq=False)
 class ClientRegion:
-    """One registered region: bytes [offset, offset + byte_size) of its object."""
+    """One registered region: bytes [offset, offset + byte_size) of its object.
+
+    The descriptor stays open while a request that will write here holds the region (users),
+    also after an unregister, so a descriptor number is never reused under a write. Writes
+    run on the compute thread under write_lock; unregister takes it too, so once it returns
+    nothing more is written here."""
 
     name: str
     key: str
     offset: int
     byte_size: int
     fd: int
-    closed: bool = field(default=False)
+    closed: bool = False
+    users: int = 0
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def check_alive(self, fd: int | None = None) -> None:
+    def check_alive(self) -> None:
         """RegionNotFound if the region was unregistered or its object removed or shrunk."""
         if self.closed:
             raise RegionNotFound(f"shared-memory region {shown(self.name)} was unregistered")
-        info = os.fstat(self.fd if fd is None else fd)
+        info = os.fstat(self.fd)
         if info.st_nlink == 0 or info.st_size < self.offset + self.byte_size:
             raise RegionNotFound(
                 f"the object of shared-memory region {shown(self.name)} (key {shown(self.key)}) "
@@ -78,39 +93,81 @@ class ClientRegion:
             )
         return data
 
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """data's bytes at offset in the region (bounds checked by the caller), all of them:
+        RegionsExhausted where /dev/shm has no room left for them."""
+        view = data.reshape(-1).view(np.uint8).data
+        with self.write_lock:
+            self.check_alive()
+            at, done = self.offset + offset, 0
+            try:
+                while done < len(view):
+                    written = os.pwritev(self.fd, [view[done:]], at + done)
+                    if written == 0:
+                        raise OSError(errno.ENOSPC, "no progress")
+                    done += written
+            except OSError as err:
+                if err.errno not in NO_SPACE:
+                    raise
+                raise RegionsExhausted(
+                    f"no space left in /dev/shm for the answer in shared-memory region "
+                    f"{shown(self.name)} ({done} of {len(view)} bytes written): the object's "
+                    "pages are taken when first written; make /dev/shm larger, or write the "
+                    "region's pages once before registering it"
+                ) from None
+
+    def retain(self) -> None:
+        self.users += 1
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.closed and self.users == 0:
+            os.close(self.fd)
+
+    def stop_writes(self) -> None:
+        """Refuse every later write, once one under way has ended (blocks until then: called
+        on a thread)."""
+        with self.write_lock:
+            self.closed = True
+
     def close(self) -> None:
+        """Unregistered (after stop_writes): the descriptor closes once no request holds the
+        region."""
         self.closed = True
-        os.close(self.fd)
+        if self.users == 0:
+            os.close(self.fd)
 
 
 class RegionWriter:
-    """Writes one answer into a client's region, on the compute thread. It holds a descriptor
-    of its own, so an unregister on the event loop meanwhile cannot close it under the write
-    (or let a reused descriptor number point the write at another file). Never raises: a
-    region gone or shrunk is kept in error and fails that request alone."""
+    """Writes one answer into a client's region, on the compute thread. Never raises: a region
+    gone, shrunk or out of room is kept in error and fails that request alone."""
 
     def __init__(self, region: ClientRegion, offset: int, nbytes: int, dtype: np.dtype) -> None:
         self._region = region
-        self._at = region.offset + offset
+        self._offset = offset
         self._nbytes = nbytes
         self._dtype = dtype
-        self._fd = os.dup(region.fd)
         self.error: Exception | None = None
+        region.retain()
 
     def write(self, part: np.ndarray) -> None:
         try:
             data = np.ascontiguousarray(part, dtype=self._dtype)
-            if data.nbytes > self._nbytes:  # the front end checked; never past the reference
+            if data.nbytes > self._nbytes:  # checked before compute; never past the reference
                 raise InvalidInput(
                     f"the answer needs {data.nbytes} bytes; the reference holds {self._nbytes}"
                 )
-            self._region.check_alive(self._fd)
-            os.pwritev(self._fd, [data.reshape(-1).view(np.uint8).data], self._at)
-        except (InvalidInput, RegionNotFound, OSError) as err:
+            self._region.write(self._offset, data)
+        except (InvalidInput, RegionNotFound, RegionsExhausted) as err:
+            self.error = err
+        except OSError as err:
+            log.error("writing an answer into shared-memory region %r failed: %s",
+                      self._region.name, err)  # fmt: skip
             self.error = err
 
     def close(self) -> None:
-        os.close(self._fd)
+        """On the event loop, once the request is answered."""
+        self._region.release()
 
 
 def _open(name: str, key: str, offset: int, byte_size: int) -> ClientRegion:
@@ -163,27 +220,31 @@ class ClientRegions:
             raise InvalidInput(f"shared-memory region {shown(name)}: byte_size must be > 0")
         if offset < 0:
             raise InvalidInput(f"shared-memory region {shown(name)}: offset must be >= 0")
+        region = _open(name, key, offset, byte_size)  # the object must hold the region
+        used = sum(each.byte_size for each in self._regions.values())
         if len(self._regions) >= self._max_regions:
+            region.close()
             raise RegionsExhausted(
                 f"{len(self._regions)} shared-memory regions are registered, this server's "
                 f"limit (--max-client-shared-memory-regions); unregister one first"
             )
-        used = sum(region.byte_size for region in self._regions.values())
         if used + byte_size > self._max_bytes:
+            region.close()
             raise RegionsExhausted(
                 f"registering {byte_size} bytes would make {used + byte_size} bytes of "
                 f"shared-memory regions, above this server's {self._max_bytes} "
                 "(--max-client-shared-memory-bytes); unregister some first"
             )
-        self._regions[name] = _open(name, key, offset, byte_size)
+        self._regions[name] = region
 
-    def unregister(self, name: str) -> None:
-        """Unregister one region (none of that name: nothing to do), or every one ("")."""
+    async def unregister(self, name: str) -> None:
+        """Unregister one region (none of that name: nothing to do), or every one (""). Once
+        this returns, nothing more is written into them."""
         names = [name] if name else list(self._regions)
-        for each in names:
-            region = self._regions.pop(each, None)
-            if region is not None:
-                region.close()
+        gone = [region for each in names if (region := self._regions.pop(each, None))]
+        for region in gone:
+            await asyncio.to_thread(region.stop_writes)  # a write may be under way
+            region.close()
 
     def get(self, name: str) -> ClientRegion:
         region = self._regions.get(name)
@@ -209,4 +270,7 @@ class ClientRegions:
         return [self.get(name)] if name else list(self._regions.values())
 
     def close(self) -> None:
-        self.unregister("")
+        """The worker stops (nothing computes any more)."""
+        for region in self._regions.values():
+            region.close()
+        self._regions.clear()

@@ -12,13 +12,14 @@ import math
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from service.dataplane import RegionRef
-from service.errors import InvalidInput, ServingError
+from service.errors import InvalidInput, ServingError, ShuttingDown
 from service.ipc import channel, messages
 from service.ipc.slab import Slab
 from service.values import check_finite, in_model_dtype
@@ -46,9 +47,12 @@ class FrontendLink:
         batcher: Batcher,
         call: Call,
         regions: ClientRegions | None = None,
+        region_reader: Executor | None = None,
     ) -> None:
         self.name = name
         self._client_regions = regions  # client shared memory; None when off
+        self._region_reader = region_reader  # reads client regions' inputs (None: the default)
+        self._reading: dict[int, asyncio.Future[np.ndarray]] = {}  # id -> its input's read
         self._slab = slab
         self._reader = reader
         self._writer = channel.Writer(writer)
@@ -89,6 +93,7 @@ class FrontendLink:
         except ValueError as err:
             log.error("front end %s sent a malformed control message: %s", self.name, err)
         finally:
+            self._reading.clear()  # read ones are dropped, unanswered: nobody is listening
             for submitted in list(self._submitted.values()):
                 # Queued ones are dropped; a computing batch still writes into the slab,
                 # whose mapping outlives the descriptor (the views hold it).
@@ -123,19 +128,65 @@ class FrontendLink:
         """Queue one request now, in the turn that read it: a CANCEL read in the same turn
         then finds it (and drops it before it is computed). The batch writes the
         answer straight into the front end's regions (or the client's); the DONE that
-        follows tells it so."""
+        follows tells it so. An input in a client's region is read on the reader thread
+        first (a large one would hold this loop, and every front end's requests, for
+        milliseconds); a CANCEL meanwhile drops it once read."""
         request_id = int(message["id"])
-        writers: list[RegionWriter] = []
         try:
             model = self._resolve(str(message["model"]))
             dtype = np.dtype(message["dtype"])
-            shape = n, seq, _ = tuple(int(size) for size in message["shape"])
-            with_weights = bool(message["w"])
-            weights_shape = (n, model.spec.num_heads, seq, seq)
+            shape = tuple(int(size) for size in message["shape"])
+            if len(shape) != 3:
+                raise ValueError(f"shape {shape} is not [n, seq, d]")
             if message.get("iref") is not None:
-                embeddings = self._client_input(message["iref"], shape, model)
+                read = self._client_input(message["iref"], shape, model)
             else:
                 embeddings = self._slab.array(int(message["in"]), shape, dtype)
+        except ServingError as err:
+            self._fail(request_id, err)
+            return
+        except (KeyError, TypeError, ValueError) as err:
+            log.error("front end %s sent a malformed request %d: %s", self.name, request_id, err)
+            self._fail(request_id, err)
+            return
+        if message.get("iref") is None:
+            self._queue(request_id, message, model, embeddings)
+            return
+        reading = asyncio.get_running_loop().run_in_executor(self._region_reader, read)
+        self._reading[request_id] = reading
+        reading.add_done_callback(functools.partial(self._read, request_id, message, model))
+
+    def _read(
+        self,
+        request_id: int,
+        message: channel.Message,
+        model: OnnxModel,
+        reading: asyncio.Future[np.ndarray],
+    ) -> None:
+        if self._reading.pop(request_id, None) is None:
+            return  # cancelled (and answered) while it was read, or the front end went
+        if reading.cancelled():  # the worker is stopping
+            self._fail(request_id, ShuttingDown("the server stopped before computing it"))
+            return
+        error = reading.exception()
+        if error is None:
+            self._queue(request_id, message, model, reading.result())
+            return
+        if not isinstance(error, ServingError):
+            log.error("reading request %d's input from client shared memory failed: %r",
+                      request_id, error)  # fmt: skip
+        self._fail(request_id, error)
+
+    def _queue(
+        self, request_id: int, message: channel.Message, model: OnnxModel, embeddings: np.ndarray
+    ) -> None:
+        """Enqueue with the answer's targets: the front end's slab, or a client's region."""
+        writers: list[RegionWriter] = []
+        n, seq, _ = shape = embeddings.shape
+        dtype = np.dtype(message["dtype"])
+        with_weights = bool(message["w"])
+        weights_shape = (n, model.spec.num_heads, seq, seq)
+        try:
             output: Target = (
                 self._writer_for(message["oref"], shape, writers)
                 if message.get("oref") is not None
@@ -146,23 +197,16 @@ class FrontendLink:
                 weights = self._writer_for(message["wref"], weights_shape, writers)
             elif with_weights:
                 weights = self._slab.array(int(message["wout"]), weights_shape, np.dtype("f4"))
-        except ServingError as err:
-            self._close(writers)
-            self._fail(request_id, err)
-            return
-        except (KeyError, TypeError, ValueError) as err:
-            self._close(writers)
-            log.error("front end %s sent a malformed request %d: %s", self.name, request_id, err)
-            self._fail(request_id, err)
-            return
-        try:
             submitted = self._batcher.enqueue(
                 model, embeddings, with_weights=with_weights,
                 deadline=message.get("deadline"), tag=message.get("tag"),
                 into=(output, weights),
             )  # fmt: skip
-        except ServingError as err:  # queue full, shutting down
+        except (ServingError, KeyError, TypeError, ValueError) as err:  # queue full, ...
             self._close(writers)
+            if not isinstance(err, ServingError):
+                log.error("front end %s sent a malformed request %d: %s", self.name,
+                          request_id, err)  # fmt: skip
             self._fail(request_id, err)
             return
         self._submitted[request_id] = submitted
@@ -173,8 +217,12 @@ class FrontendLink:
             raise InvalidInput("client shared memory is off on this server")
         return self._client_regions
 
-    def _client_input(self, ref: list[Any], shape: tuple[int, ...], model: OnnxModel) -> np.ndarray:
-        """An input in a client's region: read (one copy), checked, in the model's dtype."""
+    def _client_input(
+        self, ref: list[Any], shape: tuple[int, ...], model: OnnxModel
+    ) -> Callable[[], np.ndarray]:
+        """Check an input's reference now; what reads it (one copy), checks its values and
+        casts it to the model's dtype, on the reader thread. The region is held until then
+        (an unregister meanwhile cannot close its descriptor under the read)."""
         region_ref = _region_ref(ref)
         dtype = np.dtype(ref[4])  # as the client wrote it
         region = self._regions().checked(region_ref)
@@ -184,9 +232,19 @@ class FrontendLink:
                 f"{region_ref.where} has shared_memory_byte_size {region_ref.byte_size}; shape "
                 f"{list(shape)} of {dtype.name} needs {need} bytes"
             )
-        batch = region.read(region_ref.offset, need).view(dtype).reshape(shape)
-        check_finite(batch)
-        return in_model_dtype(batch, model.spec.dtype, model.spec.name)
+        region.retain()
+        loop = asyncio.get_running_loop()
+
+        def read() -> np.ndarray:
+            try:
+                batch = region.read(region_ref.offset, need).view(dtype).reshape(shape)
+                check_finite(batch)
+                return in_model_dtype(batch, model.spec.dtype, model.spec.name)
+            finally:
+                with contextlib.suppress(RuntimeError):  # a loop already closed: exiting
+                    loop.call_soon_threadsafe(region.release)
+
+        return read
 
     def _writer_for(
         self, ref: list[Any], shape: tuple[int, ...], writers: list[RegionWriter]
@@ -212,7 +270,11 @@ class FrontendLink:
 
     def _withdraw(self, request_id: int) -> None:
         """The front end cancelled: a queued request is dropped (and answered CANCELLED); one
-        computing is answered when its batch ends, having written into its regions."""
+        computing is answered when its batch ends, having written into its regions; one whose
+        input is being read is answered now and dropped once read."""
+        if self._reading.pop(request_id, None) is not None:
+            self._send_cancelled(request_id)
+            return
         submitted = self._submitted.get(request_id)
         if submitted is not None:
             self._batcher.withdraw(submitted)
@@ -229,8 +291,7 @@ class FrontendLink:
             self._fail(request_id, failed_write)
             return
         if submitted.cancelled():
-            self.send({"t": messages.FAIL, "id": request_id, "kind": messages.CANCELLED,
-                       "msg": "cancelled by the front end"})  # fmt: skip
+            self._send_cancelled(request_id)
             return
         error = submitted.exception()
         if error is not None:
@@ -244,6 +305,10 @@ class FrontendLink:
                    "c": result.compute_s, "b": result.batch_size, "s": result.started_at,
                    "p": result.padding, "i": result.batch_id,
                    "tags": list(result.batch_tags)})  # fmt: skip
+
+    def _send_cancelled(self, request_id: int) -> None:
+        self.send({"t": messages.FAIL, "id": request_id, "kind": messages.CANCELLED,
+                   "msg": "cancelled by the front end"})  # fmt: skip
 
     def _fail(self, request_id: int, error: BaseException) -> None:
         kind = messages.error_kind(error)

@@ -9,6 +9,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,9 @@ class WorkerServer:
             if settings.client_shared_memory == "on"
             else None
         )
+        # One thread reads inputs from client regions, for every front end: the loop stays
+        # free, and reads queue there rather than in memory.
+        self._region_reader = ThreadPoolExecutor(1, thread_name_prefix="region-read")
         self._listener = LinkListener(self.socket_path, self._serve_link, self._make_link)
 
     async def start(self) -> None:
@@ -202,7 +206,7 @@ class WorkerServer:
     def _make_link(self, name: str, slab: Slab, reader: Any, writer: Any) -> FrontendLink:
         return FrontendLink(name, slab, reader, writer, resolve=self.resolve,
                             batcher=self.batcher, call=self._control,
-                            regions=self.regions)  # fmt: skip
+                            regions=self.regions, region_reader=self._region_reader)  # fmt: skip
 
     async def _serve_link(self, link: FrontendLink) -> None:
         self._links.add(link)
@@ -253,7 +257,7 @@ class WorkerServer:
             return {key: messages.stats_to_json(self.batcher.statistics.snapshot(key))
                     for key in args["keys"]}  # fmt: skip
         if op.startswith("shm_"):
-            return self._shm_call(op, args)
+            return await self._shm_call(op, args)
         controller = self.models
         assert controller is not None
         if op == "index":
@@ -268,18 +272,18 @@ class WorkerServer:
             return None
         raise ValueError(f"unknown control call {op!r}")
 
-    def _shm_call(self, op: str, args: dict[str, Any]) -> Any:
+    async def _shm_call(self, op: str, args: dict[str, Any]) -> Any:
         if self.regions is None:  # the front ends refuse first; a mismatch is not served
             raise NotSupported("client shared memory is off on this server")
         name = str(args["name"])
         if op == "shm_register":
             self.regions.register(name, str(args["key"]), int(args["offset"]),
                                   int(args["byte_size"]))  # fmt: skip
-            log.info("client shared-memory region %r registered (key %r, %d bytes)", name,
-                     args["key"], int(args["byte_size"]))  # fmt: skip
+            log.debug("client shared-memory region %r registered (key %r, %d bytes)", name,
+                      args["key"], int(args["byte_size"]))  # fmt: skip
             return None
         if op == "shm_unregister":
-            self.regions.unregister(name)
+            await self.regions.unregister(name)
             return None
         if op == "shm_status":
             return [[r.name, r.key, r.offset, r.byte_size] for r in self.regions.status(name)]
@@ -305,6 +309,7 @@ class WorkerServer:
         self.batcher.refuse_new()
         self.batcher.fail_queued(ShuttingDown("the server stopped before computing it; retry"))
         await self.batcher.stop(timeout_s=max(0.0, deadline - time.monotonic()))
+        self._region_reader.shutdown(wait=False, cancel_futures=True)
         if self.regions is not None:
             self.regions.close()
         log.info("worker stopped")

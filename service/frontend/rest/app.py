@@ -23,6 +23,7 @@ from aiohttp import web
 
 from service.catalog import SERVER_LABEL
 from service.errors import ServingError
+from service.frontend.delivery import AnswerBudget
 from service.frontend.rest import routes
 from service.frontend.restricted import Restrictions
 from service.frontend.status import SERVER_FAULTS, code_for, http_status
@@ -69,8 +70,10 @@ class RestFrontend:
         max_body_bytes: int,
         grace_period_s: float,
         restrictions: Restrictions | None = None,
+        answers: AnswerBudget | None = None,
     ) -> None:
         self._plane = plane
+        self.answers = answers  # None: answers are not bounded (tests of other parts)
         self._restrictions = restrictions or Restrictions()
         self.max_body_bytes = max_body_bytes
         self._grace_period_s = grace_period_s
@@ -158,6 +161,9 @@ class RestFrontend:
             return error_response(status, _refusal_message(request, err))
         except asyncio.CancelledError:
             code, status = grpc.StatusCode.CANCELLED, 499  # the client went away
+            raise
+        except ConnectionError:  # gone while its answer was written: never delivered
+            code, status = grpc.StatusCode.CANCELLED, 499
             raise
         except Exception:
             code, status = grpc.StatusCode.INTERNAL, 500

@@ -82,12 +82,19 @@ def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def _set_parameters(target: Any, parameters: Any, where: str) -> None:
     """JSON parameters into an InferParameter map (v2_codec then refuses unknown names)."""
     for key, value in _typed(parameters, dict, f"{where} parameters", "an object").items():
         if isinstance(value, bool):
             target[key].bool_param = value
         elif isinstance(value, int):
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise InvalidInput(
+                    f"{where} parameter {shown(key)} is {value}; expected a 64-bit integer"
+                )
             target[key].int64_param = value
         else:
             target[key].string_param = value if isinstance(value, str) else json.dumps(value)

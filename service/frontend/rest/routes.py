@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from service.errors import InvalidInput, ShuttingDown
+from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, Reservation
 from service.frontend.rest.codec import (
     BINARY_TYPE,
     HEADER_LENGTH,
@@ -17,6 +18,7 @@ from service.frontend.rest.codec import (
     message_json,
 )
 from service.frontend.v2_plane import V2Plane
+from service.generated.inference import grpc_service_pb2 as v2
 
 if TYPE_CHECKING:
     from service.frontend.rest.app import RestFrontend
@@ -84,28 +86,54 @@ class _Endpoints:
     async def all_stats(self, request: web.Request) -> web.Response:
         return web.json_response(message_json(await self.plane.statistics("", "")))
 
-    async def infer(self, request: web.Request) -> web.Response:
+    async def infer(self, request: web.Request) -> web.StreamResponse:
         name, version = _model(request)
         self.plane.registry.resolve(name, version)  # an unknown model is a 404 whatever the body
         body = decode_infer(
             await self.frontend.body(request), request.headers.get(HEADER_LENGTH), name, version
         )
-        inferred = await self.plane.infer(body.request, NO_DEADLINE)
-        spec = inferred.model.spec
+        held = self._reserve(request, body.request)
         try:
-            parts, header_length = encode_infer(
-                body, spec.name, spec.version, inferred.names, inferred.result, inferred.refs
+            inferred = await self.plane.infer(body.request, NO_DEADLINE)
+            spec = inferred.model.spec
+            try:
+                parts, header_length = encode_infer(
+                    body, spec.name, spec.version, inferred.names, inferred.result, inferred.refs
+                )
+                # Joined now: the answer's arrays may live in shared memory, freed by release().
+                payload = b"".join(parts)
+            finally:
+                inferred.result.release()
+            if held is not None:
+                held.resize(MEMORY_PER_ANSWER_BYTE * len(payload))
+            response = web.StreamResponse(
+                headers={"Content-Type": JSON_TYPE if header_length is None else BINARY_TYPE}
             )
-            # Joined now: the answer's arrays may live in shared memory, freed by release().
-            payload = b"".join(parts)
+            if header_length is not None:
+                response.headers[HEADER_LENGTH] = str(header_length)
+            response.content_length = len(payload)
+            await response.prepare(request)
+            # Returns once the transport has taken all but its high-water mark: a client that
+            # does not read holds the answer in the budget until it does, or goes.
+            await response.write(payload)
+            await response.write_eof()
+            return response
         finally:
-            inferred.result.release()
-        response = web.Response(
-            body=payload, content_type=JSON_TYPE if header_length is None else BINARY_TYPE
-        )
-        if header_length is not None:
-            response.headers[HEADER_LENGTH] = str(header_length)
-        return response
+            if held is not None:
+                held.release()
+
+    def _reserve(self, request: web.Request, infer: v2.ModelInferRequest) -> Reservation | None:
+        """The answer's estimated memory in the undelivered-answers budget, or
+        AnswersBacklogged (429) now, before computing it."""
+        answers = self.frontend.answers
+        if answers is None:
+            return None
+        try:
+            estimate = self.plane.answer_bytes(infer)
+        except Exception:  # a malformed request: the plane says what is wrong with it
+            estimate = 0
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        return answers.reserve(f"rest:{peer}", MEMORY_PER_ANSWER_BYTE * estimate)
 
     async def repository_index(self, request: web.Request) -> web.Response:
         body = json_object(await self.frontend.body(request), "the index request", empty_ok=True)
