@@ -49,7 +49,7 @@ bench: export
 # created on first use; Triton's from /usr/bin/python3.11), every target of issue 16 printed, the
 # output written to docs/bench-latest.md (date, commit, command).
 bench-peers: export
-	$(BIN)/python -m bench --model-repository $(MODELS) --groups headline,mixed,unpinned --peers \
+	$(BIN)/python -m bench --model-repository $(MODELS) --groups headline,mixed,shm,unpinned --peers \
 		--markdown docs/bench-latest.md $(BENCH_ARGS)
 
 # Layer 0 of all-MiniLM-L6-v2 exported, served, called with a real sentence, checked against
