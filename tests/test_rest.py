@@ -237,3 +237,33 @@ def test_tritonclient_http_sees_the_error_message(http: triton_http.InferenceSer
     with pytest.raises(InferenceServerException, match="expects d=64") as refused:
         http.infer("small", [tensor])
     assert refused.value.status() == "400"
+
+
+def test_a_json_answer_is_reserved_at_its_json_size() -> None:
+    """The undelivered-answers budget takes a REST answer at the size it will be written in:
+    binary outputs at 4 bytes a value, JSON ones at up to 26 characters a value (reserved
+    before computing, so the bound cannot be overshot by answers that grow in the encoding)."""
+    from types import SimpleNamespace
+
+    from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget
+    from service.frontend.rest.codec import InferBody
+    from service.frontend.rest.routes import JSON_BYTES_PER_VALUE, _Endpoints
+    from service.generated.inference import grpc_service_pb2 as v2
+
+    sizes = {"output": (4000, 4), "attention_weights": (8000, 4)}
+    plane = SimpleNamespace(answer_sizes=lambda request: sizes)
+    budget = AnswerBudget(1 << 30, 1 << 30)
+    endpoints = _Endpoints(plane, SimpleNamespace(answers=budget))  # type: ignore[arg-type]
+    request = SimpleNamespace(transport=None)
+    body = InferBody(v2.ModelInferRequest(), {"output": True}, binary_default=False)
+    held = endpoints._reserve(request, body)  # type: ignore[arg-type]
+    want = 4000 + 8000 // 4 * JSON_BYTES_PER_VALUE
+    assert held is not None
+    assert held.nbytes == MEMORY_PER_ANSWER_BYTE * want
+    held.release()
+    binary = InferBody(v2.ModelInferRequest(), {}, binary_default=True)
+    held = endpoints._reserve(request, binary)  # type: ignore[arg-type]
+    assert held is not None
+    assert held.nbytes == MEMORY_PER_ANSWER_BYTE * 12000
+    held.release()
+    assert budget.total == 0

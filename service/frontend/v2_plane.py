@@ -256,9 +256,14 @@ class V2Plane:
 
     def answer_bytes(self, request: v2.ModelInferRequest) -> int:
         """The answer's size in the message, estimated before computing it (the
-        undelivered-answers budget reserves it): the output is as large as the input; the
-        weights, when asked for, add h * seq float32 values per position; an answer asked for
-        in client shared memory adds nothing. An input in client shared memory counts by its
+        undelivered-answers budget reserves it)."""
+        return sum(nbytes for nbytes, _ in self.answer_sizes(request).values())
+
+    def answer_sizes(self, request: v2.ModelInferRequest) -> dict[str, tuple[int, int]]:
+        """(bytes, bytes per value) of each output the answer carries in the message,
+        estimated before computing it: the output is as large as the input; the weights,
+        when asked for, add h * seq float32 values per position; an output asked for in
+        client shared memory carries nothing. An input in client shared memory counts by its
         declared shape (within the limits)."""
         tensor = request.inputs[0]
         itemsize = 2 if tensor.datatype == "FP16" else 4
@@ -270,14 +275,15 @@ class V2Plane:
         else:
             payload = sum(len(raw) for raw in request.raw_input_contents)
             payload += 4 * len(tensor.contents.fp32_contents)
-        answer = 0 if "output" in in_region else payload
+        sizes = {} if "output" in in_region else {"output": (payload, itemsize)}
         names = {output.name for output in request.outputs}
         if "attention_weights" not in names or "attention_weights" in in_region:
-            return answer
+            return sizes
         spec = self.registry.resolve(request.model_name, request.model_version).spec
         positions = payload // (spec.embed_dim * itemsize)
         seq = min(list(tensor.shape)[-2:][0], self.limits.max_seq_len)
-        return answer + positions * spec.num_heads * seq * 4
+        sizes["attention_weights"] = (positions * spec.num_heads * seq * 4, 4)
+        return sizes
 
     # -- the system shared-memory extension (the shared-memory group of --restricted-api) --
 

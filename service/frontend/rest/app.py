@@ -148,6 +148,8 @@ class RestFrontend:
                 self._restrictions.check(group_of_path(request.path), headers)
             response = await handler(request)
             status = response.status
+            if request.get(routes.UNDELIVERED):
+                code, status = grpc.StatusCode.CANCELLED, 499  # the client went away
             return response
         except ServingError as err:
             code = code_for(err)
@@ -161,9 +163,6 @@ class RestFrontend:
             return error_response(status, _refusal_message(request, err))
         except asyncio.CancelledError:
             code, status = grpc.StatusCode.CANCELLED, 499  # the client went away
-            raise
-        except ConnectionError:  # gone while its answer was written: never delivered
-            code, status = grpc.StatusCode.CANCELLED, 499
             raise
         except Exception:
             code, status = grpc.StatusCode.INTERNAL, 500

@@ -12,13 +12,13 @@ from service.frontend.rest.codec import (
     BINARY_TYPE,
     HEADER_LENGTH,
     JSON_TYPE,
+    InferBody,
     decode_infer,
     encode_infer,
     json_object,
     message_json,
 )
 from service.frontend.v2_plane import V2Plane
-from service.generated.inference import grpc_service_pb2 as v2
 
 if TYPE_CHECKING:
     from service.frontend.rest.app import RestFrontend
@@ -32,6 +32,9 @@ class _NoDeadline:
 
 
 NO_DEADLINE = _NoDeadline()
+# A float in a JSON answer: a double's repr (17 significant digits, sign, point, exponent), ",".
+JSON_BYTES_PER_VALUE = 26
+UNDELIVERED = "attention.undelivered"  # request key: the client left while its answer was written
 
 
 def not_ready() -> ShuttingDown:
@@ -92,7 +95,7 @@ class _Endpoints:
         body = decode_infer(
             await self.frontend.body(request), request.headers.get(HEADER_LENGTH), name, version
         )
-        held = self._reserve(request, body.request)
+        held = self._reserve(request, body)
         try:
             inferred = await self.plane.infer(body.request, NO_DEADLINE)
             spec = inferred.model.spec
@@ -113,25 +116,35 @@ class _Endpoints:
                 response.headers[HEADER_LENGTH] = str(header_length)
             response.content_length = len(payload)
             await response.prepare(request)
-            # Returns once the transport has taken all but its high-water mark: a client that
-            # does not read holds the answer in the budget until it does, or goes.
-            await response.write(payload)
-            await response.write_eof()
+            try:
+                # Returns once the transport has taken all but its high-water mark: a client
+                # that does not read holds the answer in the budget until it does, or goes.
+                await response.write(payload)
+                await response.write_eof()
+            except ConnectionError:  # gone while its answer was written: never delivered
+                request[UNDELIVERED] = True
             return response
         finally:
             if held is not None:
                 held.release()
 
-    def _reserve(self, request: web.Request, infer: v2.ModelInferRequest) -> Reservation | None:
+    def _reserve(self, request: web.Request, body: InferBody) -> Reservation | None:
         """The answer's estimated memory in the undelivered-answers budget, or
-        AnswersBacklogged (429) now, before computing it."""
+        AnswersBacklogged (429) now, before computing it. An output answered as JSON takes
+        up to JSON_BYTES_PER_VALUE characters a value."""
         answers = self.frontend.answers
         if answers is None:
             return None
         try:
-            estimate = self.plane.answer_bytes(infer)
+            sizes = self.plane.answer_sizes(body.request)
         except Exception:  # a malformed request: the plane says what is wrong with it
-            estimate = 0
+            sizes = {}
+        estimate = sum(
+            nbytes
+            if body.binary_outputs.get(name, body.binary_default)
+            else nbytes // itemsize * JSON_BYTES_PER_VALUE
+            for name, (nbytes, itemsize) in sizes.items()
+        )
         peer = request.transport.get_extra_info("peername") if request.transport else None
         return answers.reserve(f"rest:{peer}", MEMORY_PER_ANSWER_BYTE * estimate)
 
