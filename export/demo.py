@@ -51,8 +51,10 @@ def bundled_model() -> Path:
 def start_server(repository: Path, timeout_s: float = 120) -> tuple[subprocess.Popen[str], str]:
     """python -m service on free ports; returns the process and its gRPC target."""
     process = subprocess.Popen(
+        # No HTTP/REST port (it defaults to 8000): the demo calls gRPC only, and another
+        # server on this host may hold 8000.
         [sys.executable, "-m", "service", "--host", "127.0.0.1", "--grpc-port", "0",
-         "--metrics-port", "0", "--model-repository", str(repository),
+         "--metrics-port", "0", "--http-port", "0", "--model-repository", str(repository),
          "--default-model", MODEL_NAME, "--batch-cap-budget-s", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
