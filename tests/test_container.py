@@ -124,6 +124,7 @@ class Container:
     name: str
     grpc_port: int
     metrics_port: int
+    http_port: int = 0
 
     @property
     def target(self) -> str:
@@ -162,8 +163,10 @@ def _server_flags(image: str, name: str, *run: str) -> list[str]:
 @pytest.fixture
 def container(image: str) -> Iterator[Container]:
     """The image as users run it: non-root, read-only, ports on 127.0.0.1 only."""
-    box = Container(f"attention-test-{uuid.uuid4().hex[:8]}", _free_port(), _free_port())
-    ports = ("-p", f"127.0.0.1:{box.grpc_port}:8001", "-p", f"127.0.0.1:{box.metrics_port}:8002")
+    box = Container(f"attention-test-{uuid.uuid4().hex[:8]}", _free_port(), _free_port(),
+                    _free_port())  # fmt: skip
+    ports = ("-p", f"127.0.0.1:{box.grpc_port}:8001", "-p", f"127.0.0.1:{box.metrics_port}:8002",
+             "-p", f"127.0.0.1:{box.http_port}:8000")  # fmt: skip
     _podman(*_server_flags(image, box.name, *ports))
     try:
         box.wait_healthy()
@@ -226,9 +229,22 @@ def test_image_runs_non_root_read_only_and_serves_both_apis(
         ours = client.attend(x[0])
     np.testing.assert_allclose(answer.as_numpy("output")[0], ours.output, rtol=1e-4, atol=1e-5)
 
+    import tritonclient.http as triton_http
+
+    rest = triton_http.InferenceServerClient(f"127.0.0.1:{container.http_port}")  # port 8000
+    try:
+        assert rest.is_server_ready()
+        inputs = triton_http.InferInput("embeddings", list(x.shape), "FP32")
+        inputs.set_data_from_numpy(x, binary_data=True)
+        over_rest = rest.infer("mha", [inputs])
+    finally:
+        rest.close()
+    np.testing.assert_allclose(over_rest.as_numpy("output")[0], ours.output, rtol=1e-4, atol=1e-5)
+
     metrics = _scrape(container.metrics_port)
     assert _served(metrics, "attention") >= 4  # the CLI's three and ours
     assert _served(metrics, "v2") >= 1
+    assert _served(metrics, "rest") >= 1
     assert metrics[("attention_model_ready", frozenset({("model", "mha"), ("version", "1")}))] == 1
 
 
