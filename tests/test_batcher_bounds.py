@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull
-from service.observability import metrics
 from service.worker.batching.batcher import Batcher, SchedulerFailed
 from service.worker.batching.protocol import BatchLimits
 from service.worker.engine.caps import BatchCaps
@@ -31,8 +31,13 @@ async def _until(condition, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
+def _sample(name: str, **labels: str) -> float:
+    """A metric's current value, as /metrics would show it (0 before its first sample)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def _depth() -> float:
-    return metrics.QUEUE_DEPTH._value.get()
+    return _sample("attention_queue_depth_requests")
 
 
 def test_cancelled_and_expired_requests_free_the_queue_while_compute_is_busy() -> None:
@@ -61,7 +66,7 @@ def test_cancelled_and_expired_requests_free_the_queue_while_compute_is_busy() -
         hold.set()
         return await busy, await live
 
-    stats_before = metrics.DROPPED.labels("fake", "deadline")._value.get()
+    stats_before = _sample("attention_requests_dropped_total", model="fake", reason="deadline")
     batcher_limits = _limits(max_queue_size=2, max_batch_size=4)
 
     async def run():
@@ -77,7 +82,10 @@ def test_cancelled_and_expired_requests_free_the_queue_while_compute_is_busy() -
     assert (busy.batch_size, live.batch_size) == (4, 1)
     assert runner.batches == [(4, 1, 2), (1, 3, 2)]  # the dead two were never computed
     # One story: each drop is in the dropped counter and in the statistics' failures.
-    assert metrics.DROPPED.labels("fake", "deadline")._value.get() == stats_before + 1
+    assert (
+        _sample("attention_requests_dropped_total", model="fake", reason="deadline")
+        == stats_before + 1
+    )
     assert stats.fail.count == 2
 
 
@@ -97,7 +105,7 @@ def test_queued_bytes_are_bounded_and_an_empty_queue_takes_any_request() -> None
         await _until(lambda: _depth() == 2)
         with pytest.raises(QueueFull, match=f"max_queue_bytes={2 * request.nbytes}"):
             await batcher.submit(runner, _x(1), with_weights=False)
-        assert metrics.QUEUE_BYTES._value.get() == 2 * request.nbytes
+        assert _sample("attention_queue_bytes") == 2 * request.nbytes
         hold.set()
         await asyncio.gather(busy, *queued)
         huge = _x(8, n=4 * 3)  # more than the whole bound, into an empty queue
@@ -190,10 +198,10 @@ def test_a_non_finite_result_fails_its_request_alone() -> None:
         finally:
             await batcher.stop()
 
-    before = metrics.NONFINITE_OUTPUTS.labels("fake")._value.get()
+    before = _sample("attention_nonfinite_outputs_total", model="fake")
     (bad, good), stats = asyncio.run(run())
     assert runner.batches == [(2, 2, 2)]
     assert isinstance(bad, NonFiniteOutput)
     assert np.isfinite(good.output).all()
-    assert metrics.NONFINITE_OUTPUTS.labels("fake")._value.get() == before + 1
+    assert _sample("attention_nonfinite_outputs_total", model="fake") == before + 1
     assert (stats.fail.count, stats.success.count) == (1, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ class OverloadConfig:
     factor: float = 3.0
     deadline_s: float = 10.0
     channels: int = 4
-    settle_s: float = 2.0  # idle time after the queue drained, before the final RSS
+    # How long memory may take to come back once the queue drained (the front end gives its
+    # free pages back after its slab has been idle 0.5 s); polled, not slept.
+    settle_timeout_s: float = 10.0
     rss_tolerance_mib: float = 64.0
     seed: int = 0
 
@@ -153,7 +156,7 @@ async def _scenario(config: OverloadConfig, pid: int, target: str, url: str) -> 
                 ),
                 "the queue did not drain",
             )
-            await asyncio.sleep(config.settle_s)
+            settled_s = await asyncio.to_thread(_settle, pid, rss_before, config)
         after = await health_status(health)
         final = await callers[0].call(Payload.of(body))
     finally:
@@ -192,7 +195,20 @@ async def _scenario(config: OverloadConfig, pid: int, target: str, url: str) -> 
         "rss_before_mib": rss_before,
         "rss_peak_mib": sampler.peak_mib,
         "rss_final_mib": rss_mib(pid),
+        "rss_settled_s": settled_s,
     }
+
+
+def _settle(pid: int, rss_before: float, config: OverloadConfig) -> float:
+    """Seconds until resident memory came back within the tolerance (nan: it did not)."""
+    try:
+        return wait_for(
+            lambda: rss_mib(pid) - rss_before <= config.rss_tolerance_mib,
+            "resident memory did not come back",
+            config.settle_timeout_s,
+        )
+    except TimeoutError:
+        return math.nan
 
 
 REJECT_OR_OK = ("OK", "RESOURCE_EXHAUSTED")

@@ -82,6 +82,21 @@ def serialized(response: Any) -> WireMessage:
     return WireMessage([response.SerializeToString()])
 
 
+async def _end_with(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str, holds_answer: bool
+) -> None:
+    """End the call with code and details. A method that writes its own answer ends by
+    returning with the status set, raising nothing: context.abort's AbortError, chained to the
+    error being handled, took part in a reference cycle with the request's frames (the
+    request, its slab region and future), which only the full garbage collection freed
+    (measured: the front end held 110-170 MiB of refused requests after a 3x overload)."""
+    if holds_answer:
+        context.set_code(code)
+        context.set_details(details)
+        return
+    await context.abort(code, details)
+
+
 def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]:
     """Decorate a servicer method; clients see our messages, never a traceback.
 
@@ -116,7 +131,9 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
             except ServingError as err:
                 code = code_for(err)
                 tally.count(code)
-                await context.abort(code, str(err))
+                details = str(err)
+                del err  # see _end_with
+                await _end_with(context, code, details, holds_answer)
             except asyncio.CancelledError:
                 remaining = context.time_remaining()
                 expired = ended_at_deadline(remaining)
@@ -129,9 +146,8 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
                     "internal error in %s/%s request_id=%s", api, handler.__name__, request_id
                 )
                 tally.count(code)
-                await context.abort(
-                    code, f"internal error; request_id={request_id} is in the server log"
-                )
+                details = f"internal error; request_id={request_id} is in the server log"
+                await _end_with(context, code, details, holds_answer)
             finally:
                 end_span(span, code)
                 in_flight.dec()

@@ -49,6 +49,7 @@ class _Link:
     alive: bool = True
 
     high_water: int = 0  # most bytes in use since the slab last gave its pages back
+    idle_trim: asyncio.TimerHandle | None = None
 
     def alloc(self, nbytes: int) -> Region:
         region = self.allocator.alloc(nbytes)
@@ -71,15 +72,24 @@ class _Link:
             self.allocator.free(region)
             if region.nbytes >= RELEASE_BYTES:
                 self.slab.release_pages(region)
-        if self.allocator.used == 0 and self.high_water >= TRIM_AFTER_BYTES:
-            # Idle after a burst: the pages its small regions took go back to the kernel
-            # (shared memory is charged to the container until then), and so do malloc's
-            # free pages, which the burst's request and response buffers left in its arenas
-            # (measured: the front end kept ~100-250 MiB after a 3x overload at seq 64).
-            self.slab.release_pages(Region(0, self.slab.size))
-            release_free_memory()
-            self.high_water = 0
+        if self.allocator.used == 0 and self.high_water >= TRIM_AFTER_BYTES and not self.idle_trim:
+            # Later, not now: gRPC still holds the last answers' buffers and the refused
+            # requests' until it has written them, and malloc keeps up to its trim threshold
+            # of freed memory in each arena (measured: the front end kept 12-116 MiB after a
+            # 3x overload at seq 64 when it trimmed as the last region came back).
+            loop = asyncio.get_running_loop()
+            self.idle_trim = loop.call_later(IDLE_TRIM_AFTER_S, self._trim_if_idle)
 
+    def _trim_if_idle(self) -> None:
+        """Idle after a burst: the pages its small regions took go back to the kernel (shared
+        memory is charged to the container until then), and so do malloc's free pages, which
+        the burst's request and response buffers left in its arenas."""
+        self.idle_trim = None
+        if self.allocator.used or not self.alive:
+            return  # busy again: the next time the slab empties schedules another look
+        self.slab.release_pages(Region(0, self.slab.size))
+        release_free_memory()
+        self.high_water = 0
 
 def _infer_message(
     model: ServedModel,
@@ -116,6 +126,7 @@ def _placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 RELEASE_BYTES = 1 << 20
 TRIM_AFTER_BYTES = 16 << 20  # a burst that took this much shared memory is given back when idle
+IDLE_TRIM_AFTER_S = 0.5  # ...once the slab has stayed empty this long
 
 
 @dataclass(eq=False)
@@ -220,6 +231,8 @@ class WorkerClient:
 
     def _lost(self, link: _Link) -> None:
         link.alive = False
+        if link.idle_trim is not None:
+            link.idle_trim.cancel()
         link.writer.close()
         if self._link is link:
             self._link = None

@@ -11,16 +11,15 @@ import time
 import pytest
 
 from service.memory.budget import TRIM_AFTER_BATCH_BYTES
-from service.observability import metrics
 from service.worker.batching import batcher as batcher_module
 from service.worker.batching.batcher import Batcher
 from service.worker.batching.protocol import BatchLimits
-from tests.test_batcher_bounds import _depth, _until
+from tests.test_batcher_bounds import _depth, _sample, _until
 from tests.test_batching import RecordingRunner, _x
 
 
 def _dropped(reason: str) -> float:
-    return metrics.DROPPED.labels("fake", reason)._value.get()
+    return _sample("attention_requests_dropped_total", model="fake", reason=reason)
 
 
 def test_memory_is_handed_back_once_a_backlog_drains(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,7 +26,7 @@ def test_overload_refuses_the_excess_quickly_and_recovers(mha_only: Path, figure
     config = overload.OverloadConfig(
         server=ServerSpec(repository=mha_only, flags=flags, measure_caps=False),
         seq=64, warmup_s=0.5, capacity_s=2.0, overload_s=3.0, deadline_s=60.0,
-        rss_tolerance_mib=96.0, settle_s=1.0,
+        rss_tolerance_mib=96.0,
         # Refusals come late when front end and worker share a busy core (p50 ~2.6 s measured
         # in CI), so more calls are outstanding than 4 connections' 1024 streams each allow;
         # HTTP/2 would refuse those (UNAVAILABLE "Stream removed") before the server's own
