@@ -19,9 +19,12 @@ from bench.report import (
     SEQS,
     TRACING_ON,
     Row,
+    find,
+    process_cpu_us,
     unpinned_name,
 )
 from bench.runner import Runner, log
+from bench.tracing_off import CALLS, hooks_cpu_us
 
 GROUPS = ("headline", "batching", "mixed", "weights", "open", "shm", "unpinned", "peers")
 STANDARD = tuple(g for g in GROUPS if g != "peers")
@@ -174,6 +177,21 @@ def tracing_on(r: Runner, groups: set[str]) -> None:
                    api=r.config.api, seq=SEQS[0], pinning=pinning)  # fmt: skip
         if not sink.exports:
             r.note(f"{TRACING_ON}: the server exported no spans")
+    tracing_off_cost(r)
+
+
+def tracing_off_cost(r: Runner) -> None:
+    """Tracing off: the request path's tracing calls, timed here, against the default
+    server's front-end CPU per request at seq 16 (measured in this run)."""
+    hooks_us = hooks_cpu_us()
+    plain = find(r.rows, group="headline", target="server", name="server", api=r.config.api,
+                 seq=SEQS[0], load="c=64")  # fmt: skip
+    frontend_us = process_cpu_us(plain)[0] if plain else None
+    share = ""
+    if frontend_us:
+        share = f", {hooks_us / frontend_us:.2%} of the front end's {frontend_us:.0f} us"
+    r.note(f"tracing off: the request path's tracing calls cost {hooks_us:.2f} us of CPU per "
+           f"request (timed over {CALLS} calls){share}")  # fmt: skip
 
 
 def client_shared_memory(r: Runner, groups: set[str]) -> None:

@@ -69,6 +69,8 @@ def start_span(api: str, method: str, context: grpc.aio.ServicerContext) -> Any:
 
 
 def end_span(span: Any, code: grpc.StatusCode) -> None:
+    if span is None:
+        return  # tracing off (or this call not traced)
     tracing.end_request(
         span, code.name, error=code in SERVER_FAULTS, **{"rpc.grpc.status_code": code.value[0]}
     )

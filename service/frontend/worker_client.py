@@ -91,6 +91,7 @@ class _Link:
         release_free_memory()
         self.high_water = 0
 
+
 def _infer_message(
     model: ServedModel,
     embeddings: np.ndarray | RegionTensor,
