@@ -21,7 +21,7 @@ from service.frontend.streaming import (
     StreamCloser,
     serve_stream,
 )
-from service.frontend.validation import InputLimits, bounded_positions
+from service.frontend.validation import InputLimits, answer_estimate
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.settings import Settings
@@ -113,19 +113,19 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         large as the input; the weights add h * seq float32 values per position; an answer
         asked for in client shared memory adds nothing. An input in client shared memory
         counts by its declared shape (within the limits)."""
-        itemsize = 2 if request.embeddings.dtype == pb.FLOAT16 else 4
-        shape = list(request.embeddings.shape)
         spec = self._registry.resolve(request.model, request.model_version).spec
-        if request.HasField("embeddings_region"):
-            payload = bounded_positions(shape, self._limits) * spec.embed_dim * itemsize
-        else:
-            payload = len(request.embeddings.data)
-        answer = 0 if request.HasField("output_region") else payload
-        if not request.return_attention_weights or request.HasField("attention_weights_region"):
-            return answer
-        positions = payload // (spec.embed_dim * itemsize)
-        seq = min(shape[-2:][0], self._limits.max_seq_len)
-        return answer + positions * spec.num_heads * seq * 4
+        output, weights = answer_estimate(
+            list(request.embeddings.shape),
+            None if request.HasField("embeddings_region") else len(request.embeddings.data),
+            itemsize=2 if request.embeddings.dtype == pb.FLOAT16 else 4,
+            embed_dim=spec.embed_dim,
+            num_heads=spec.num_heads,
+            limits=self._limits,
+            output=not request.HasField("output_region"),
+            weights=request.return_attention_weights
+            and not request.HasField("attention_weights_region"),
+        )
+        return output + weights
 
     def model_label(self, request: Any) -> str:
         if not hasattr(request, "model"):

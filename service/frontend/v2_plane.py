@@ -35,7 +35,7 @@ from service.frontend.v2_codec import (
     refuse_parameters,
     requested_outputs,
 )
-from service.frontend.validation import InputLimits, bounded_positions
+from service.frontend.validation import InputLimits, answer_estimate
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import model_config_pb2 as config
 from service.settings import Settings
@@ -268,21 +268,25 @@ class V2Plane:
         tensor = request.inputs[0]
         itemsize = 2 if tensor.datatype == "FP16" else 4
         in_region = {o.name for o in request.outputs if PARAMETERS.intersection(o.parameters)}
-        if PARAMETERS.intersection(tensor.parameters):
-            spec = self.registry.resolve(request.model_name, request.model_version).spec
-            positions = bounded_positions(list(tensor.shape), self.limits)
-            payload = positions * spec.embed_dim * itemsize
-        else:
+        payload = None
+        if not PARAMETERS.intersection(tensor.parameters):
             payload = sum(len(raw) for raw in request.raw_input_contents)
             payload += 4 * len(tensor.contents.fp32_contents)
-        sizes = {} if "output" in in_region else {"output": (payload, itemsize)}
-        names = {output.name for output in request.outputs}
-        if "attention_weights" not in names or "attention_weights" in in_region:
-            return sizes
+        wants_weights = any(o.name == "attention_weights" for o in request.outputs)
         spec = self.registry.resolve(request.model_name, request.model_version).spec
-        positions = payload // (spec.embed_dim * itemsize)
-        seq = min(list(tensor.shape)[-2:][0], self.limits.max_seq_len)
-        sizes["attention_weights"] = (positions * spec.num_heads * seq * 4, 4)
+        output, weights = answer_estimate(
+            list(tensor.shape),
+            payload,
+            itemsize=itemsize,
+            embed_dim=spec.embed_dim,
+            num_heads=spec.num_heads,
+            limits=self.limits,
+            output="output" not in in_region,
+            weights=wants_weights and "attention_weights" not in in_region,
+        )
+        sizes = {"output": (output, itemsize)} if "output" not in in_region else {}
+        if weights or (wants_weights and "attention_weights" not in in_region):
+            sizes["attention_weights"] = (weights, 4)
         return sizes
 
     # -- the system shared-memory extension (the shared-memory group of --restricted-api) --

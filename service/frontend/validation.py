@@ -25,6 +25,31 @@ def bounded_positions(shape: list[int], limits: InputLimits) -> int:
     return max(0, min(n, limits.max_batch_size)) * max(0, min(seq, limits.max_seq_len))
 
 
+def answer_estimate(
+    shape: list[int],
+    payload: int | None,
+    *,
+    itemsize: int,
+    embed_dim: int,
+    num_heads: int,
+    limits: InputLimits,
+    output: bool,
+    weights: bool,
+) -> tuple[int, int]:
+    """(output, weights) bytes of an answer carried in the message, estimated before
+    computing it: the output is as large as the input's payload bytes, or, for an input in
+    client shared memory (payload None), as its declared shape within the limits; the
+    weights add h * seq float32 values per position. output / weights: whether each is
+    carried in the message (not asked for, or asked for in client shared memory: 0)."""
+    if payload is None:
+        payload = bounded_positions(shape, limits) * embed_dim * itemsize
+    if not weights:
+        return (payload if output else 0), 0
+    positions = payload // (embed_dim * itemsize)
+    seq = max(0, min(shape[-2:][0] if shape else 0, limits.max_seq_len))
+    return (payload if output else 0), positions * num_heads * seq * 4
+
+
 def sequence_batch_shape(
     shape: list[int], *, embed_dim: int, limits: InputLimits, model: str
 ) -> tuple[int, int, int]:
