@@ -187,16 +187,12 @@ class FrontendLink:
         with_weights = bool(message["w"])
         weights_shape = (n, model.spec.num_heads, seq, seq)
         try:
-            output: Target = (
-                self._writer_for(message["oref"], shape, writers)
-                if message.get("oref") is not None
-                else self._slab.array(int(message["out"]), shape, dtype)
+            output = self._target(message, ("oref", "out"), shape, dtype, writers)
+            weights = (
+                self._target(message, ("wref", "wout"), weights_shape, np.dtype("f4"), writers)
+                if with_weights
+                else None
             )
-            weights: Target | None = None
-            if with_weights and message.get("wref") is not None:
-                weights = self._writer_for(message["wref"], weights_shape, writers)
-            elif with_weights:
-                weights = self._slab.array(int(message["wout"]), weights_shape, np.dtype("f4"))
             submitted = self._batcher.enqueue(
                 model, embeddings, with_weights=with_weights,
                 deadline=message.get("deadline"), tag=message.get("tag"),
@@ -211,6 +207,21 @@ class FrontendLink:
             return
         self._submitted[request_id] = submitted
         submitted.add_done_callback(functools.partial(self._answer, request_id, writers))
+
+    def _target(
+        self,
+        message: channel.Message,
+        keys: tuple[str, str],
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        writers: list[RegionWriter],
+    ) -> Target:
+        """Where one answer goes: the client's region its reference names (keys[0]), else
+        the front end's slab at the offset it reserved (keys[1])."""
+        ref_key, offset_key = keys
+        if message.get(ref_key) is not None:
+            return self._writer_for(message[ref_key], shape, writers)
+        return self._slab.array(int(message[offset_key]), shape, dtype)
 
     def _regions(self) -> ClientRegions:
         if self._client_regions is None:
