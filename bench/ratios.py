@@ -11,6 +11,7 @@ from bench.report import (
     GROUPING_OFF,
     GROUPING_OFF_FALLBACK,
     GROUPING_ON,
+    GRPC_FLOOR,
     MIXED,
     SEQS,
     TRACING_ON,
@@ -306,6 +307,16 @@ def protocols(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
                              ratio(seq_per_s(rest), seq_per_s(grpc_row))))  # fmt: skip
             out.append(entry(f"seq {seq}: REST / gRPC front-end CPU per request",
                              ratio(frontend_us(rest), frontend_us(grpc_row))))  # fmt: skip
+    for seq in SEQS:
+        floor = measured(find(rows, group="headline", target=GRPC_FLOOR, api=unary, seq=seq,
+                              load="c=64", pinned=pinned))  # fmt: skip
+        echo = measured(find(rows, group="headline", target="echo", api=unary, seq=seq,
+                             load="c=64", pinned=pinned))  # fmt: skip
+        floor_ms = floor.get("server_cpu_ms_per_request") if floor else None
+        floor_us = None if floor_ms is None else floor_ms * 1000
+        out.append(entry(f"seq {seq}: echo front end / bare gRPC server, CPU per request",
+                         ratio(frontend_us(echo), floor_us)))  # fmt: skip
+        out.append(entry(f"seq {seq}: bare gRPC server (seq/s)", seq_per_s(floor)))
     traced, plain = server(unary, SEQS[0], TRACING_ON), server(unary, SEQS[0])
     out.append(entry(f"seq {SEQS[0]}: tracing on / off (seq/s)",
                      ratio(seq_per_s(traced), seq_per_s(plain))))  # fmt: skip

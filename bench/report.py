@@ -17,6 +17,7 @@ GROUPING_OFF = "grouping off (first-come)"  # --length-grouping off
 # A server without --length-grouping: --max-padding-ratio 1.0, which still sorts by length.
 GROUPING_OFF_FALLBACK = "grouping ~off (pad 1.0)"
 FRONTENDS = (1, 2)  # --frontends of the unpinned runs
+GRPC_FLOOR = "grpc floor"  # a bare grpc.aio server answering with its input (bench/grpc_floor.py)
 TRACING_ON = "tracing on"  # the default server with every request traced and exported
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from bench.launcher import REPO_ROOT, UNPINNED, cpu_set, free_port
+from bench.launcher import REPO_ROOT, UNPINNED, Service, cpu_set, free_port
 from bench.otlp_sink import OtlpSink
 from bench.payloads import REST, SHM, family
 from bench.report import (
@@ -15,6 +15,7 @@ from bench.report import (
     GROUPING_OFF,
     GROUPING_OFF_FALLBACK,
     GROUPING_ON,
+    GRPC_FLOOR,
     MIXED,
     SEQS,
     TRACING_ON,
@@ -106,6 +107,21 @@ def echo(r: Runner, groups: set[str]) -> None:
                     seq=seq,
                     pinning=r.config.pinning,
                 )
+
+
+def grpc_floor(r: Runner, groups: set[str]) -> None:
+    """A bare grpc.aio server answering V2 ModelInfer with its input (bench/grpc_floor.py):
+    what the gRPC library itself costs, under the echo floor."""
+    if "headline" not in groups or family(r.config.api) != "v2":
+        return
+    pinning = r.config.pinning
+    command = [*pinning.prefix(pinning.server_cpus), sys.executable, "-m", "bench.grpc_floor"]
+    with Service(GRPC_FLOOR, command) as service:
+        service.wait_ready(r.config.ready_timeout_s)
+        log(f"{GRPC_FLOOR}: pid {service.pid} on {service.target}")
+        for seq in SEQS:
+            r.load(service, group="headline", target=GRPC_FLOOR, name=GRPC_FLOOR,
+                   api=r.config.api, seq=seq, pinning=pinning)  # fmt: skip
 
 
 def default_server(r: Runner, groups: set[str]) -> None:
@@ -274,6 +290,7 @@ def unpinned(r: Runner) -> None:
 def run(r: Runner, groups: set[str]) -> None:
     limits(r, groups)
     echo(r, groups)
+    grpc_floor(r, groups)
     default_server(r, groups)
     tracing_on(r, groups)
     client_shared_memory(r, groups)

@@ -387,6 +387,19 @@ def test_ceiling_and_ratios_come_from_rows_of_the_run() -> None:
     assert found["seq 128 v2: server / stack ceiling"]["value"] is None  # not measured
 
 
+def test_the_bare_grpc_floor_sets_the_echo_front_ends_cost_against_the_library() -> None:
+    rows = _rows()
+    rows[1]["server_cpu_us_per_request_by_process"] = {"frontend-0": 200.0, "worker": 50.0}
+    rows.append({**rows[1], "target": report.GRPC_FLOOR, "name": report.GRPC_FLOOR,
+                 "server_cpu_ms_per_request": 0.08, "sequences_per_s": 6000.0})  # fmt: skip
+    found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline"})}
+    assert found["seq 16: echo front end / bare gRPC server, CPU per request"]["value"] == (
+        pytest.approx(2.5)
+    )
+    assert found["seq 16: bare gRPC server (seq/s)"]["value"] == pytest.approx(6000.0)
+    assert found["seq 128: echo front end / bare gRPC server, CPU per request"]["value"] is None
+
+
 def test_shared_memory_ratios_compare_the_same_server_and_triton() -> None:
     rows = _rows()
 
