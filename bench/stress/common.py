@@ -98,6 +98,22 @@ def rss_mib(pid: int) -> float:
     return (own + shared) / 1024
 
 
+def rss_by_process(pid: int, roles: Mapping[str, int]) -> dict[str, float]:
+    """Each live member's own resident memory (MiB, anonymous + file; shared memory apart),
+    named by its role where roles (role -> pid, from the server's log) knows it: which process
+    a figure's growth is in."""
+    names = {member: role for role, member in roles.items()}
+    found = {}
+    for member in family_cpu_s(pid):
+        try:
+            kib = _status_kib(member)
+        except FileNotFoundError:
+            continue
+        name = "supervisor" if member == pid else names.get(member, f"pid {member}")
+        found[name] = round((kib.get("RssAnon", 0) + kib.get("RssFile", 0)) / 1024, 1)
+    return found
+
+
 class RssSampler:
     """Samples a process's RSS on a thread every period_s; peak and the last sample."""
 

@@ -9,6 +9,7 @@ import contextlib
 import math
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from bench.stress.common import (
     health_status,
     metric,
     ms,
+    rss_by_process,
     rss_mib,
     wait_for,
 )
@@ -131,7 +133,9 @@ async def _watch(
     return checks, deepest
 
 
-async def _scenario(config: OverloadConfig, pid: int, target: str, url: str) -> Figures:
+async def _scenario(
+    config: OverloadConfig, pid: int, target: str, url: str, roles: Mapping[str, int]
+) -> Figures:
     body = _body(config)
     channels = open_channels(target, config.channels)
     try:
@@ -156,12 +160,13 @@ async def _scenario(config: OverloadConfig, pid: int, target: str, url: str) -> 
                 ),
                 "the queue did not drain",
             )
-            settled_s = await asyncio.to_thread(_settle, pid, rss_before, config)
         after = await health_status(health)
         final = await callers[0].call(Payload.of(body))
     finally:
         for channel in channels:
             await channel.close()
+    # Once every connection has closed too: what the server keeps from here on is what stays.
+    settled_s = await asyncio.to_thread(_settle, pid, rss_before, config)
     codes = Counter(code for _, code in samples)
     ok = [latency for latency, code in samples if code == "OK"]
     rejected = [latency for latency, code in samples if code == "RESOURCE_EXHAUSTED"]
@@ -196,6 +201,7 @@ async def _scenario(config: OverloadConfig, pid: int, target: str, url: str) -> 
         "rss_peak_mib": sampler.peak_mib,
         "rss_final_mib": rss_mib(pid),
         "rss_settled_s": settled_s,
+        "rss_final_by_process_mib": rss_by_process(pid, roles),
     }
 
 
@@ -237,7 +243,9 @@ def run(config: OverloadConfig) -> Figures:
     """Start the server, measure capacity, overload it, let it drain; figures + failed checks."""
     service = config.server.start("overload")
     try:
-        figures = asyncio.run(_scenario(config, service.pid, service.target, service.metrics_url))
+        figures = asyncio.run(
+            _scenario(config, service.pid, service.target, service.metrics_url, service.children)
+        )
         figures["server_alive"] = service.process.poll() is None
     finally:
         service.stop()
