@@ -161,6 +161,10 @@ class ModelRegistry(Generic[M]):
         for model in models:
             self._versions.setdefault(model.spec.name, {})[model.spec.version] = model
         self.default_model = default_model
+        # Successful lookups of the current mapping (every request makes one): at most one per
+        # served version and its spellings ("" and the number), so it stays small.
+        self._found: dict[tuple[str, str], M] = {}
+        self._found_in = self._versions
 
     def publish(self, model: M) -> M | None:
         """Serve model (warm already); returns the object it replaces at that version."""
@@ -208,6 +212,14 @@ class ModelRegistry(Generic[M]):
 
     def resolve(self, name: str, version: str) -> M:
         """Empty name = default model, empty version = newest; else ModelNotFound."""
+        if self._found_in is not self._versions:  # published or withdrawn since
+            self._found, self._found_in = {}, self._versions
+        found = self._found.get((name, version))
+        if found is None:
+            found = self._found[name, version] = self._lookup(name, version)
+        return found
+
+    def _lookup(self, name: str, version: str) -> M:
         name = name or self.default_model
         served = self._versions
         if name not in served:

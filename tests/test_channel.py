@@ -76,3 +76,47 @@ def test_a_message_that_is_not_an_object_is_refused(body: bytes) -> None:
     batches, end = _read_all([channel.HEADER.pack(len(body)) + body])
     assert batches == []
     assert isinstance(end, ValueError)
+
+
+INFER = {"t": "infer", "id": 41, "model": "mha/1", "w": True, "shape": [2, 16, 512],
+         "dtype": "<f4", "in": 0, "out": 65536, "wout": 131072, "deadline": 812.5,
+         "tag": None}  # fmt: skip
+DONE = {"t": "done", "id": 41, "q": 0.002, "c": 0.0005, "b": 6, "s": 811.25, "p": 0.125,
+        "i": 9, "tags": []}  # fmt: skip
+
+
+OUTPUT_ONLY = {key: value for key, value in INFER.items() if key != "wout"} | {"w": False}
+
+
+@pytest.mark.parametrize(
+    "message",
+    [INFER, DONE, OUTPUT_ONLY | {"deadline": None}, OUTPUT_ONLY],
+    ids=["infer", "done", "infer-no-deadline", "infer-output-only"],
+)
+def test_a_request_s_messages_travel_packed_and_read_back_as_sent(message: dict) -> None:
+    framed = channel.encode(message)
+    assert not framed[channel.HEADER.size :].startswith(b"{")  # not JSON
+    batches, _ = _read_all([framed])
+    assert batches == [[message]]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [{**INFER, "tag": ["00f067aa0ba902b7", 1]}, {**INFER, "iref": ["r", 0, 64, "x", "<f4"]},
+     {**DONE, "tags": [["4bf92f3577b34da6", 1]]}, {**INFER, "shape": [16, 512]},
+     {**DONE, "b": 2.5}],
+    ids=["traced", "client-region", "traced-batch", "two-dims", "odd-value"],
+)  # fmt: skip
+def test_what_the_packed_layout_has_no_field_for_goes_as_json_unchanged(message: dict) -> None:
+    framed = channel.encode(message)
+    assert framed[channel.HEADER.size :].startswith(b"{")
+    batches, _ = _read_all([framed])
+    assert batches == [[message]]
+
+
+def test_a_truncated_packed_message_ends_the_channel_after_the_good_ones() -> None:
+    good, packed = channel.encode(DONE), channel.encode(INFER)
+    body = packed[channel.HEADER.size : -3]  # its dtype name cut short
+    batches, end = _read_all([good + channel.HEADER.pack(len(body)) + body])
+    assert batches == [[DONE]]
+    assert isinstance(end, ValueError)

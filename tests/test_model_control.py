@@ -83,6 +83,20 @@ class FakeModel:
         return embeddings + self.spec.version, None
 
 
+def test_a_lookup_follows_every_publish_and_withdraw() -> None:
+    registry: ModelRegistry[FakeModel] = ModelRegistry([FakeModel(_Spec("m", 1))], "m")
+    assert registry.resolve("", "").key == registry.resolve("m", "1").key == "m/1"
+    registry.publish(FakeModel(_Spec("m", 2)))
+    assert registry.resolve("", "").key == "m/2"
+    assert registry.resolve("m", "1").key == "m/1"
+    registry.withdraw("m", 1)
+    with pytest.raises(ModelNotFound, match="no version '1'"):
+        registry.resolve("m", "1")
+    replacement = FakeModel(_Spec("m", 2))
+    registry.publish(replacement)
+    assert registry.resolve("m", "") is replacement
+
+
 def _publish(root: Path, name: str, version: int, content: bytes = b"ok") -> None:
     """Write a version folder beside its place, then rename it in (as export does)."""
     staging = root / name / f".{version}.staging"

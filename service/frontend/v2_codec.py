@@ -39,6 +39,8 @@ def _model_ref(model: ServedModel) -> str:
 def _single_input(
     request: v2.ModelInferRequest, model: ServedModel
 ) -> v2.ModelInferRequest.InferInputTensor:
+    if len(request.inputs) == 1 and request.inputs[0].name == INPUT_NAME:
+        return request.inputs[0]
     names = [shown(tensor.name) for tensor in request.inputs[:4]]
     if len(request.inputs) != 1:
         raise InvalidInput(
@@ -55,6 +57,12 @@ def _single_input(
 
 def refuse_parameters(request: v2.ModelInferRequest, *, shared_memory: bool = False) -> None:
     """InvalidInput naming the first parameter this server would otherwise ignore."""
+    if not (
+        request.parameters
+        or any(t.parameters for t in request.inputs)
+        or any(t.parameters for t in request.outputs)
+    ):
+        return  # the common case, checked without building the messages
     shm = shm_tensors.PARAMETERS if shared_memory else frozenset()
     places = [("request", request.parameters, TOLERATED_REQUEST_PARAMETERS)]
     places += [(f"input {shown(t.name)}", t.parameters, TOLERATED_INPUT_PARAMETERS | shm)
@@ -178,6 +186,8 @@ def output_refs(request: v2.ModelInferRequest, shared_memory: bool) -> dict[str,
     """The requested outputs to be written into client shared memory, by name."""
     refs = {}
     for output in request.outputs:
+        if not output.parameters:
+            continue
         where = f"output {shown(output.name)}"
         ref = shm_tensors.reference(output.parameters, where, shared_memory)
         if ref is not None:

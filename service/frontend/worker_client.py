@@ -103,7 +103,7 @@ def _infer_message(
     those in a client's region, by reference."""
     message: channel.Message = {
         "t": messages.INFER, "model": model.key, "w": with_weights,
-        "shape": list(embeddings.shape), "dtype": model.spec.dtype.name, **at,
+        "shape": list(embeddings.shape), "dtype": model.spec.dtype.str, **at,
     }  # fmt: skip
     if isinstance(embeddings, RegionTensor):
         # As the client wrote it: the worker checks and casts it once read.

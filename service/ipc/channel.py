@@ -3,7 +3,8 @@ its length, over a Unix socket; the slab's descriptor goes with the first one (S
 
 JSON because messages are a handful of numbers and names (tensors never travel here), it
 needs no schema compiler, and a malformed message fails to decode instead of running code
-as a pickle could.
+as a pickle could. The two messages of every request (INFER, DONE) travel in a fixed binary
+layout instead (service/ipc/packed.py), which decodes to the same dict.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import socket
 import struct
 from typing import Any
+
+from service.ipc import packed
 
 HEADER = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 16 << 20  # a model snapshot or statistics reply; far above any real one
@@ -26,11 +29,13 @@ class ChannelClosed(ConnectionError):
 
 
 def encode(message: Message) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
+    body = packed.pack(message) or json.dumps(message, separators=(",", ":")).encode()
     return HEADER.pack(len(body)) + body
 
 
 def decode(body: bytes | bytearray) -> Message:
+    if packed.is_packed(body):
+        return packed.unpack(body)
     message = json.loads(body)
     if not isinstance(message, dict):
         raise ValueError(f"a control message is a JSON object, got {type(message).__name__}")
