@@ -43,6 +43,7 @@ class AnswerBudget:
         self.max_bytes_per_connection = min(max_bytes_per_connection, max_bytes)
         self.total = 0
         self._by_peer: dict[str, int] = {}
+        self._gauge = metrics.OncePerTurn(lambda: metrics.UNDELIVERED_BYTES.set(self.total))
 
     def reserve(self, peer: str, nbytes: int) -> Reservation:
         """Reserve nbytes for peer's answer, or raise AnswersBacklogged. An empty budget (and
@@ -76,7 +77,7 @@ class AnswerBudget:
             self._by_peer[peer] = held
         else:
             self._by_peer.pop(peer, None)
-        metrics.UNDELIVERED_BYTES.set(self.total)
+        self._gauge.request()
 
 
 @dataclass

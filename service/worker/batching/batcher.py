@@ -169,6 +169,7 @@ class Batcher:
         self._pending = 0
         self._arrivals = 0  # requests ever queued: tells whether a yield brought any in
         self._pending_bytes = 0
+        self._depth_gauges = metrics.OncePerTurn(self._publish_depth)
         self._queued_high_bytes = 0  # most bytes queued at once since memory was last trimmed
         self._running = 0
         self._running_by_key: dict[str, int] = defaultdict(int)
@@ -343,8 +344,7 @@ class Batcher:
         self._pending += requests
         self._pending_bytes += nbytes
         self._queued_high_bytes = max(self._queued_high_bytes, self._pending_bytes)
-        metrics.QUEUE_DEPTH.set(self._pending)
-        metrics.QUEUE_BYTES.set(self._pending_bytes)
+        self._depth_gauges.request()
         if self._pending == 0 and self._running == 0:
             self._idle.set()
             self._trim_after_backlog()
@@ -354,6 +354,10 @@ class Batcher:
         for waiter in waiters:  # each settle() looks again
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _publish_depth(self) -> None:
+        metrics.QUEUE_DEPTH.set(self._pending)
+        metrics.QUEUE_BYTES.set(self._pending_bytes)
 
     def _trim_after_backlog(self) -> None:
         """Idle after a backlog: hand the freed request buffers back to the kernel. Hundreds of
