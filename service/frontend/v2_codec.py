@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -17,6 +18,7 @@ from service.transport.wire import WireMessage, array_bytes
 
 INPUT_NAME = "embeddings"
 RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
+RESPONSE_ID = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["id"].number
 OUTPUT_NAMES = ("output", "attention_weights")
 V2_DATATYPES: dict[str, np.dtype] = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 V2_NAME_OF = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16"}
@@ -204,25 +206,51 @@ def encode_response(
 ) -> WireMessage:
     """The ModelInferResponse, serialized with each output's bytes copied once into the
     message; one the worker wrote into the client's shared-memory region has none here."""
-    header = v2.ModelInferResponse(
-        model_name=model.spec.name, model_version=str(model.spec.version), id=request.id
-    )
     arrays = {"output": result.output, "attention_weights": result.attention_weights}
-    raw: list[bytes | memoryview] = []
+    described: list[tuple[str, str, tuple[int, ...]]] = []
     for name in names:
         array = arrays[name]
         assert array is not None, "weights were computed because they were requested"
-        tensor = header.outputs.add(
-            name=name, datatype=V2_NAME_OF[np.dtype(array.dtype)], shape=list(array.shape)
-        )
-        ref = (refs or {}).get(name)
-        if ref is None:
-            raw.append(array_bytes(array))
-            continue
-        for key, value in shm_tensors.response_parameters(ref).items():
-            tensor.parameters[key].CopyFrom(value)
-        raw.append(b"")  # raw_output_contents pair with outputs by position
-    response = WireMessage.of(header)
-    for data in raw:
-        response.add_bytes(RAW_OUTPUT_CONTENTS, data)
+        described.append((name, V2_NAME_OF[np.dtype(array.dtype)], array.shape))
+    if refs:
+        response = WireMessage.of(_header_with_regions(model, described, refs))
+    else:
+        response = WireMessage([_header(model.spec.name, model.spec.version, tuple(described))])
+    if request.id:
+        response.add_bytes(RESPONSE_ID, request.id.encode())
+    for name in names:
+        in_region = refs is not None and name in refs
+        # raw_output_contents pair with outputs by position: empty for one in a region.
+        response.add_bytes(RAW_OUTPUT_CONTENTS, b"" if in_region else array_bytes(arrays[name]))
     return response
+
+
+@functools.lru_cache(maxsize=4096)
+def _header(
+    name: str, version: int, outputs: tuple[tuple[str, str, tuple[int, ...]], ...]
+) -> bytes:
+    """The response's fields but its id and tensor bytes, serialized once per model, outputs
+    and shapes (fields may come in any order: the id follows as a field of its own)."""
+    header = v2.ModelInferResponse(model_name=name, model_version=str(version))
+    for output, datatype, shape in outputs:
+        header.outputs.add(name=output, datatype=datatype, shape=list(shape))
+    return header.SerializeToString()
+
+
+def _header_with_regions(
+    model: ServedModel,
+    outputs: list[tuple[str, str, tuple[int, ...]]],
+    refs: dict[str, RegionRef],
+) -> v2.ModelInferResponse:
+    """The header when outputs went into client shared memory: each such output names its
+    region in its parameters."""
+    header = v2.ModelInferResponse(
+        model_name=model.spec.name, model_version=str(model.spec.version)
+    )
+    for output, datatype, shape in outputs:
+        tensor = header.outputs.add(name=output, datatype=datatype, shape=list(shape))
+        ref = refs.get(output)
+        if ref is not None:
+            for key, value in shm_tensors.response_parameters(ref).items():
+                tensor.parameters[key].CopyFrom(value)
+    return header
