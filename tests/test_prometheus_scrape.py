@@ -94,3 +94,19 @@ def test_prometheus_scrapes_request_latency_and_batching(
     )
     ready = _query(prometheus, 'attention_model_ready{model="causal"}')
     assert [float(sample["value"][1]) for sample in ready] == [1.0]
+
+
+def test_the_process_id_metrics_files_are_named_by_is_renewed_in_a_forked_child() -> None:
+    """Metrics remember the process id (asking the kernel at every write cost 8% of the
+    worker's CPU); a forked child must still write files of its own."""
+    from service.observability import metrics
+
+    assert metrics._process_identifier() == os.getpid()
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: report what it would name its files by, and leave
+        os.write(write_end, str(metrics._process_identifier()).encode())
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(child, 0)
+    assert int(os.read(read_end, 32)) == child

@@ -62,6 +62,9 @@ def merge(requests: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     total = sum(r.shape[0] for r in requests)
     longest = max(r.shape[1] for r in requests)
     first = requests[0]
+    if all(r.shape[1] == longest for r in requests):  # nothing to pad: one copy, or none
+        together = first if len(requests) == 1 else np.concatenate(requests)
+        return together, np.zeros((total, longest), dtype=bool)
     embeddings = np.zeros((total, longest, first.shape[2]), dtype=first.dtype)
     mask = np.ones((total, longest), dtype=bool)
     row = 0
