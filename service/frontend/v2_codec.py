@@ -206,11 +206,12 @@ def encode_response(
 ) -> WireMessage:
     """The ModelInferResponse, serialized with each output's bytes copied once into the
     message; one the worker wrote into the client's shared-memory region has none here."""
-    arrays = {"output": result.output, "attention_weights": result.attention_weights}
+    arrays: list[np.ndarray] = []
     described: list[tuple[str, str, tuple[int, ...]]] = []
     for name in names:
-        array = arrays[name]
+        array = result.output if name == "output" else result.attention_weights
         assert array is not None, "weights were computed because they were requested"
+        arrays.append(array)
         described.append((name, V2_NAME_OF[np.dtype(array.dtype)], array.shape))
     if refs:
         response = WireMessage.of(_header_with_regions(model, described, refs))
@@ -218,10 +219,10 @@ def encode_response(
         response = WireMessage([_header(model.spec.name, model.spec.version, tuple(described))])
     if request.id:
         response.add_bytes(RESPONSE_ID, request.id.encode())
-    for name in names:
+    for name, array in zip(names, arrays, strict=True):
         in_region = refs is not None and name in refs
         # raw_output_contents pair with outputs by position: empty for one in a region.
-        response.add_bytes(RAW_OUTPUT_CONTENTS, b"" if in_region else array_bytes(arrays[name]))
+        response.add_bytes(RAW_OUTPUT_CONTENTS, b"" if in_region else array_bytes(array))
     return response
 
 
