@@ -168,7 +168,6 @@ class Batcher:
         self._settle_waiters: list[asyncio.Future[None]] = []
         self._pending = 0
         self._arrivals = 0  # requests ever queued: tells whether a yield brought any in
-        self._arrivals_at_launch = 0  # ... when the latest batch started
         self._pending_bytes = 0
         self._depth_gauges = metrics.OncePerTurn(self._publish_depth)
         self._queued_high_bytes = 0  # most bytes queued at once since memory was last trimmed
@@ -443,7 +442,7 @@ class Batcher:
     async def _schedule(self) -> None:
         while True:
             self._wakeup.clear()
-            if self._below_cap(time.monotonic()) and self._others_arriving():
+            if self._below_cap(time.monotonic()):
                 await self._let_arrivals_in()
             wait_s = self._launch_ready(time.monotonic())
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives
@@ -460,13 +459,6 @@ class Batcher:
         return queue is not None and queue.sequences() < self._cap(
             queue, queue.items[0].embeddings.shape[1]
         )
-
-    def _others_arriving(self) -> bool:
-        """Whether requests come in company: more than one arrived since the latest batch
-        started. A lone caller's request (one at a time, each after the last was answered)
-        then starts at once instead of waiting out yields that bring nothing in (measured at
-        one caller, seq 16: a few loop turns and a sched_yield per request)."""
-        return self._arrivals - self._arrivals_at_launch > 1
 
     async def _let_arrivals_in(self) -> None:
         """Before starting a batch below its cap, give the CPU away and take in what arrived
@@ -492,7 +484,6 @@ class Batcher:
                 return wait_s
             batch = self._take(queue)
             if batch:
-                self._arrivals_at_launch = self._arrivals
                 task = asyncio.create_task(self._run(queue, batch))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
