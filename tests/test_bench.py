@@ -3,6 +3,7 @@ the echo model. Nothing here asserts on speed."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -18,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from bench import cputime, echo_model, inprocess, ratios, report, scenarios, scrape
+from bench import cputime, echo_model, inprocess, ratios, report, scenarios, scrape, worker_alone
 from bench.launcher import REPO_ROOT, Pinning, choose_pinning, cpu_count
 from bench.payloads import (
     attend_stream_reply,
@@ -856,3 +857,14 @@ def test_loadgen_against_echo_server_writes_json(
     if api.startswith("attention"):  # AttentionService responses carry the batch sizes
         sizes = result["response_timing"]["requests_by_batch_size"]
         assert sum(sizes.values()) == result["requests"]
+
+
+def test_the_worker_alone_is_driven_over_its_own_channel(model_repository: Path) -> None:
+    """bench.worker_alone connects as one more front end and measures the worker's CPU."""
+    with ServerProcess(model_repository) as server:
+        args = worker_alone.parse_args(
+            ["--supervisor-pid", str(server.process.pid), "--burst", "4", "--rounds", "200"]
+        )
+        result = asyncio.run(worker_alone.measure(args))
+        assert result["requests"] == 800
+        assert result["worker_cpu_us_per_request"] > 0
