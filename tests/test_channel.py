@@ -104,8 +104,8 @@ def test_a_request_s_messages_travel_packed_and_read_back_as_sent(message: dict)
     "message",
     [{**INFER, "tag": ["00f067aa0ba902b7", 1]}, {**INFER, "iref": ["r", 0, 64, "x", "<f4"]},
      {**DONE, "tags": [["4bf92f3577b34da6", 1]]}, {**INFER, "shape": [16, 512]},
-     {**DONE, "b": 2.5}],
-    ids=["traced", "client-region", "traced-batch", "two-dims", "odd-value"],
+     {**DONE, "b": 2.5}, {**INFER, "model": "m\ud800/1"}],
+    ids=["traced", "client-region", "traced-batch", "two-dims", "odd-value", "not-utf-8"],
 )  # fmt: skip
 def test_what_the_packed_layout_has_no_field_for_goes_as_json_unchanged(message: dict) -> None:
     framed = channel.encode(message)

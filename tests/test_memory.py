@@ -40,8 +40,11 @@ def small_only(model_repository: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def test_a_burst_of_maximum_requests_is_refused_by_bytes(small_only: Path) -> None:
     """Ten maximum-size requests (4 MiB each) against a 10 MiB bound: two wait, the rest
-    are refused at once with RESOURCE_EXHAUSTED naming the bound; nothing is lost."""
-    server = ServerProcess(small_only, *PARKED, "--max-queue-bytes", str(10 * MIB))
+    are refused at once with RESOURCE_EXHAUSTED naming the bound; nothing is lost. The front
+    end's shared memory holds all ten (inputs and answers: 80 MiB), so the queue's bound is
+    the one that refuses, however soon the worker's refusals come back."""
+    server = ServerProcess(small_only, *PARKED, "--max-queue-bytes", str(10 * MIB),
+                           "--shared-memory-bytes", str(128 * MIB))  # fmt: skip
     request = _request("small", (32, 512, 64))
     options = [("grpc.max_receive_message_length", 64 * MIB)]  # 4 MiB answers and more
     with server, grpc.insecure_channel(server.target, options=options) as channel:

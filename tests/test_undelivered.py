@@ -13,9 +13,12 @@ import grpc
 import numpy as np
 import pytest
 
+from service.catalog import BatchCaps, ModelRegistry, ModelSpec, ModelView
 from service.client import AttentionClient, attend_request
-from service.errors import AnswersBacklogged
+from service.errors import AnswersBacklogged, ModelNotFound
 from service.frontend.delivery import AnswerBudget
+from service.frontend.v2_plane import V2Plane
+from service.generated.inference import grpc_service_pb2 as v2
 from service.settings import Settings
 from tests.h2_raw import RawGrpc
 from tests.server_process import ServerProcess, server_rss_bytes
@@ -42,6 +45,30 @@ def test_the_budget_refuses_past_its_bound_and_per_connection() -> None:
     second.release()
     assert budget.total == 0
     budget.reserve("a", 500).release()  # an empty budget takes one answer of any size
+
+
+class _Served:
+    """What V2Plane reads of its data plane to estimate an answer: the served set."""
+
+    def __init__(self) -> None:
+        spec = ModelSpec(name="mha", version=1, embed_dim=512, num_heads=8, causal=False,
+                         dtype=np.dtype("float32"), weights_sha256="", weights_source="")  # fmt: skip
+        view = ModelView("mha/1", spec, "CPUExecutionProvider", BatchCaps(((512, 32),)), True)
+        self.models = ModelRegistry([view], "mha")
+
+
+@pytest.mark.parametrize(("name", "version"), [("nope", ""), ("mha", "7"), ("mha", "01")])
+def test_a_request_for_a_model_not_served_reserves_no_answer(name: str, version: str) -> None:
+    """The estimate fails (the call then reserves nothing and answers NOT_FOUND): before, an
+    unknown model's request took room in a held budget and was told RESOURCE_EXHAUSTED."""
+    plane = V2Plane(_Served(), Settings(), lambda: True)
+    request = v2.ModelInferRequest(model_name=name, model_version=version)
+    request.inputs.add(name="embeddings", datatype="FP32", shape=[1, 4, 512])
+    request.raw_input_contents.append(bytes(4 * 512 * 4))
+    with pytest.raises(ModelNotFound):
+        plane.answer_bytes(request)
+    request.model_name, request.model_version = "mha", ""
+    assert plane.answer_bytes(request) == 4 * 512 * 4
 
 
 def _poll(condition: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:

@@ -273,9 +273,10 @@ class V2Plane:
             payload = sum(len(raw) for raw in request.raw_input_contents)
             payload += 4 * len(tensor.contents.fp32_contents)
         wants_weights = any(o.name == "attention_weights" for o in request.outputs)
+        # An unknown model or version raises here (and reserves nothing): NOT_FOUND follows.
+        spec = self.registry.resolve(request.model_name, request.model_version).spec
         if payload is not None and not wants_weights and not in_region:
             return {"output": (payload, itemsize)}  # the common case: as large as the input
-        spec = self.registry.resolve(request.model_name, request.model_version).spec
         output, weights = answer_estimate(
             list(tensor.shape),
             payload,

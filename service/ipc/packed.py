@@ -40,8 +40,10 @@ def pack(message: dict[str, Any]) -> bytes | None:
                 DONE_KIND, message["id"], message["q"], message["c"], message["b"],
                 message["s"], message["p"], message["i"],
             )  # fmt: skip
-    except (struct.error, TypeError, KeyError):
-        return None  # a value outside the layout's fields: JSON carries it as it is
+    except (struct.error, TypeError, KeyError, ValueError):
+        # A value outside the layout's fields (a number out of range, a name that is not
+        # UTF-8): JSON carries it as it is.
+        return None
     return None
 
 
