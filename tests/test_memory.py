@@ -60,7 +60,8 @@ def test_a_burst_of_maximum_requests_is_refused_by_bytes(small_only: Path) -> No
         refused = [call for call in calls if call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert server.process.wait(30) == 0, server.log
     assert sorted(code.name for code in codes) == ["OK"] * 2 + ["RESOURCE_EXHAUSTED"] * 8
-    assert all(f"max_queue_bytes={10 * MIB}" in call.details() for call in refused)
+    details = [call.details() for call in refused]
+    assert all(f"max_queue_bytes={10 * MIB}" in detail for detail in details), details
 
 
 def test_the_default_byte_bound_comes_from_the_memory_limit(small_only: Path) -> None:
