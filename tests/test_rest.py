@@ -162,6 +162,10 @@ BAD_BODIES = [
      b' "data": [' + b",".join([b"0.5"] * 64) + b']}], "parameters": {"priority": 1}}',
      "parameter 'priority'"),
     (b'{"inputs": "embeddings"}', "inputs is"),
+    (b'{"id": "a\\ud800b", "inputs": []}', "id holds a lone UTF-16 surrogate at character 1"),
+    (b'{"inputs": [{"name": "\\udfff", "shape": [1], "datatype": "FP32"}]}', "lone UTF-16"),
+    (b'{"parameters": {"\\ud800": 1}, "inputs": []}', "request parameter name holds"),
+    (b'{"parameters": {"x": "\\ud800"}, "inputs": []}', "request parameter 'x' holds"),
     (b'{"inputs": [{"name": "embeddings", "shape": [1, 99, 64], "datatype": "FP32",'
      b' "parameters": {"binary_data_size": 4}}]}', "binary_data_size is 4, but only 0 bytes"),
 ]  # fmt: skip

@@ -75,6 +75,22 @@ def _typed(value: Any, kind: type | tuple[type, ...], where: str, expected: str)
     # bool is an int in Python; JSON true is never a valid number or size here.
     if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
         raise InvalidInput(f"{where} is {shown(json.dumps(value))}; expected {expected}")
+    if isinstance(value, str):
+        _text(value, where)
+    return value
+
+
+def _text(value: str, where: str) -> str:
+    """value, if protobuf can hold it: JSON's \\u escapes can spell a lone UTF-16 surrogate
+    (\\ud800), which is no Unicode text and which a protobuf string refuses (before: HTTP 500)."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InvalidInput(
+                f"{where} holds a lone UTF-16 surrogate at character {err.start} (a \\u escape "
+                "from d800 to dfff without its pair); expected Unicode text"
+            ) from None
     return value
 
 
@@ -88,6 +104,7 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 def _set_parameters(target: Any, parameters: Any, where: str) -> None:
     """JSON parameters into an InferParameter map (v2_codec then refuses unknown names)."""
     for key, value in _typed(parameters, dict, f"{where} parameters", "an object").items():
+        _text(key, f"{where} parameter name")
         if isinstance(value, bool):
             target[key].bool_param = value
         elif isinstance(value, int):
@@ -97,7 +114,8 @@ def _set_parameters(target: Any, parameters: Any, where: str) -> None:
                 )
             target[key].int64_param = value
         else:
-            target[key].string_param = value if isinstance(value, str) else json.dumps(value)
+            text = value if isinstance(value, str) else json.dumps(value)
+            target[key].string_param = _text(text, f"{where} parameter {shown(key)}")
 
 
 def _json_data(tensor: dict[str, Any], shape: list[int], where: str) -> bytes:
