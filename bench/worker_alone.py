@@ -28,7 +28,7 @@ import numpy as np
 
 from bench import cputime
 from service.app import run_dir
-from service.ipc import channel
+from service.ipc import channel, messages
 from service.ipc.slab import Slab
 from service.worker_socket import socket_path
 
@@ -39,15 +39,10 @@ WARMUP_BURSTS = 200
 
 def worker_socket(supervisor_pid: int) -> Path:
     """The worker's socket in the run directory the supervisor with that pid made."""
-    parent = Path(os.environ.get("TMPDIR", "/tmp"))
-    for candidate in parent.glob(run_dir.PREFIX + "*"):
-        try:
-            owner = (candidate / run_dir.OWNER_FILE).read_text().split()[0]
-        except (OSError, IndexError):
-            continue
-        if owner == str(supervisor_pid):
-            return socket_path(candidate)
-    raise SystemExit(f"no run directory of supervisor {supervisor_pid} under {parent}")
+    found = run_dir.of_supervisor(supervisor_pid)
+    if found is None:
+        raise SystemExit(f"no run directory of a supervisor with pid {supervisor_pid}")
+    return socket_path(found)
 
 
 class StandIn:
@@ -82,15 +77,15 @@ class StandIn:
             request_id = next(self._ids)
             waiting.add(request_id)
             self._writer.send({
-                "t": "infer", "id": request_id, "model": model, "w": False,
+                "t": messages.INFER, "id": request_id, "model": model, "w": False,
                 "shape": [1, seq, embed_dim], "dtype": "<f4", "in": 2 * i * nbytes,
                 "out": (2 * i + 1) * nbytes, "deadline": time.monotonic() + 60, "tag": None,
             })  # fmt: skip
         while waiting:
             for message in await self._reader.read():
-                if message.get("t") == "fail":
+                if message.get("t") == messages.FAIL:
                     raise SystemExit(f"the worker failed a request: {message.get('msg')}")
-                if message.get("t") == "done":
+                if message.get("t") == messages.DONE:
                     waiting.discard(message["id"])
 
     def fill(self, size: int, seq: int, embed_dim: int) -> None:

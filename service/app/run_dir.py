@@ -33,17 +33,37 @@ def sweep(parent: Path) -> list[Path]:
         try:
             if candidate.stat().st_uid != os.getuid():
                 continue
-            pid, owner_namespace = (candidate / OWNER_FILE).read_text().split()
-            owner = int(pid)
-        except (OSError, ValueError):
+        except OSError:
+            continue
+        marked = owner(candidate)
+        if marked is None:
             continue  # not ours, or being created right now
-        if owner_namespace != namespace or _alive(owner):
+        pid, owner_namespace = marked
+        if owner_namespace != namespace or _alive(pid):
             continue
         shutil.rmtree(candidate, ignore_errors=True)
         removed.append(candidate)
     if removed:
         log.info("removed %d run directories of supervisors that died", len(removed))
     return removed
+
+
+def owner(run_dir: Path) -> tuple[int, str] | None:
+    """The pid and pid namespace of the supervisor that made run_dir; None when unreadable."""
+    try:
+        pid, namespace = (run_dir / OWNER_FILE).read_text().split()
+        return int(pid), namespace
+    except (OSError, ValueError):
+        return None
+
+
+def of_supervisor(pid: int, parent: Path | None = None) -> Path | None:
+    """The run directory of the supervisor with this pid in this pid namespace, if any."""
+    namespace = _pid_namespace()
+    for candidate in (parent or Path(tempfile.gettempdir())).glob(PREFIX + "*"):
+        if owner(candidate) == (pid, namespace):
+            return candidate
+    return None
 
 
 def _pid_namespace() -> str:

@@ -213,10 +213,8 @@ def encode_response(
         assert array is not None, "weights were computed because they were requested"
         arrays.append(array)
         described.append((name, V2_NAME_OF[np.dtype(array.dtype)], array.shape))
-    if refs:
-        response = WireMessage.of(_header_with_regions(model, described, refs))
-    else:
-        response = WireMessage([_header(model.spec.name, model.spec.version, tuple(described))])
+    header = _header(model.spec.name, model.spec.version, tuple(described))
+    response = WireMessage([_with_regions(header, refs) if refs else header])
     if request.id:
         response.add_bytes(RESPONSE_ID, request.id.encode())
     for name, array in zip(names, arrays, strict=True):
@@ -238,20 +236,13 @@ def _header(
     return header.SerializeToString()
 
 
-def _header_with_regions(
-    model: ServedModel,
-    outputs: list[tuple[str, str, tuple[int, ...]]],
-    refs: dict[str, RegionRef],
-) -> v2.ModelInferResponse:
-    """The header when outputs went into client shared memory: each such output names its
-    region in its parameters."""
-    header = v2.ModelInferResponse(
-        model_name=model.spec.name, model_version=str(model.spec.version)
-    )
-    for output, datatype, shape in outputs:
-        tensor = header.outputs.add(name=output, datatype=datatype, shape=list(shape))
-        ref = refs.get(output)
+def _with_regions(header: bytes, refs: dict[str, RegionRef]) -> bytes:
+    """The header with each output that went into client shared memory naming its region
+    in its parameters."""
+    message = v2.ModelInferResponse.FromString(header)
+    for tensor in message.outputs:
+        ref = refs.get(tensor.name)
         if ref is not None:
             for key, value in shm_tensors.response_parameters(ref).items():
                 tensor.parameters[key].CopyFrom(value)
-    return header
+    return message.SerializeToString()

@@ -41,9 +41,7 @@ def pack(message: dict[str, Any]) -> bytes | None:
                 message["s"], message["p"], message["i"],
             )  # fmt: skip
     except (struct.error, TypeError, KeyError, ValueError):
-        # A value outside the layout's fields (a number out of range, a name that is not
-        # UTF-8): JSON carries it as it is.
-        return None
+        pass  # a value outside the layout's fields (out of range, not UTF-8): JSON carries it
     return None
 
 
@@ -87,7 +85,7 @@ def unpack(body: bytes | bytearray) -> dict[str, Any]:
     message: dict[str, Any] = {
         "t": messages.INFER, "id": request_id, "model": key, "w": with_weights,
         "shape": [n, seq, d], "dtype": dtype,
-        "deadline": None if deadline != deadline else deadline, "tag": None,  # NaN: none
+        "deadline": None if math.isnan(deadline) else deadline, "tag": None,
     }  # fmt: skip
     if at_in >= 0:
         message["in"] = at_in

@@ -82,7 +82,7 @@ def _typed(value: Any, kind: type | tuple[type, ...], where: str, expected: str)
 
 def _text(value: str, where: str) -> str:
     """value, if protobuf can hold it: JSON's \\u escapes can spell a lone UTF-16 surrogate
-    (\\ud800), which is no Unicode text and which a protobuf string refuses (before: HTTP 500)."""
+    (\\ud800), which is no Unicode text, and a protobuf string field refuses it."""
     if not value.isascii():
         try:
             value.encode("utf-8")
