@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.installed
 
-.PHONY: setup export serve test lint docs config-doc proto bench bench-peers demo clean
+.PHONY: setup gateway export serve test lint docs config-doc proto bench bench-peers demo clean
 
 setup: $(STAMP)
 
@@ -13,7 +13,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[server,export,plot,docs,dev]'
+	$(MAKE) gateway
 	touch $(STAMP)
+
+# The gRPC gateway (--grpc-gateway on), built with the Go toolchain pip installed; the
+# standard library only, so no module downloads.
+gateway: $(BIN)/attention-gateway
+
+$(BIN)/attention-gateway: $(wildcard service/gateway/*.go) service/gateway/go.mod
+	cd service/gateway && GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off $(abspath $(BIN))/go build -trimpath -o $(abspath $@) .
 
 proto: setup
 	$(BIN)/python proto/generate.py

@@ -42,6 +42,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grpc_compression": GRPC_COMPRESSION,
     "repository_follow_symlinks": ON_OFF,
     "client_shared_memory": ON_OFF,
+    "grpc_gateway": ON_OFF,
 }
 
 
@@ -236,6 +237,19 @@ class Settings:
         "the front ends, at least 64 MiB",
         default=0,
     )
+    grpc_gateway: str = _doc(
+        "on: each front end's gRPC port is served by a native gateway (Go) that answers plain "
+        "V2 ModelInfer calls itself, through its own shared memory of --shared-memory-bytes, "
+        "and hands every other call to the front end's Python process; off: Python serves "
+        "the port. Off while tracing is on or the inference API is restricted, since only "
+        "the Python front end traces and checks keys",
+        default="off",
+    )
+    grpc_gateway_binary: str = _doc(
+        "the gateway's executable; empty = attention-gateway beside the Python interpreter "
+        "(where make setup builds it), else on PATH",
+        default="",
+    )
     max_restarts: int = _doc(
         "restarts of a dead worker or front end the supervisor makes within "
         "--restart-window-s; one more and the server exits non-zero (the orchestrator then "
@@ -404,6 +418,7 @@ class Settings:
             ("repository_follow_symlinks", self.repository_follow_symlinks in ON_OFF, "on or off"),
             ("max_connection_idle_s", self.max_connection_idle_s >= 0, ">= 0"),
             ("client_shared_memory", self.client_shared_memory in ON_OFF, "on or off"),
+            ("grpc_gateway", self.grpc_gateway in ON_OFF, "on or off"),
             (
                 "max_client_shared_memory_regions",
                 1 <= self.max_client_shared_memory_regions <= 4096,

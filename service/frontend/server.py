@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from pathlib import Path
 
 import grpc
@@ -16,6 +17,7 @@ from service.errors import ShuttingDown
 from service.frontend.attention_servicer import AttentionServicer
 from service.frontend.compression import Unpacker
 from service.frontend.delivery import AnswerBudget, install_disconnect_filter
+from service.frontend.gateway import Gateway, GatewayError, gateway_off_reason
 from service.frontend.handlers import add_servicer
 from service.frontend.limits import message_limits
 from service.frontend.rest.app import RestFrontend
@@ -84,6 +86,8 @@ class FrontendServer:
         self.tls: ReloadingCredentials | None = None
         self.port: int | None = None
         self._queue_bytes = queue_bytes
+        self._worker_socket = socket_path
+        self._gateway: Gateway | None = None
         self.plane = WorkerClient(socket_path, name, slab_bytes(settings, queue_bytes),
                                   on_change=self._changed)  # fmt: skip
         self._started = False
@@ -145,16 +149,19 @@ class FrontendServer:
         self._add_servicers(server, v2_plane, Unpacker(settings.grpc_compression,
                                                        max_bytes=receive_bytes))  # fmt: skip
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = grpc_address(settings.host, port)
-        try:
-            bound = (
-                server.add_secure_port(address, self.tls.server())
-                if self.tls is not None
-                else server.add_insecure_port(address)
-            )
-        except RuntimeError as err:
-            raise StartupError(f"cannot bind gRPC to {address}: {err}") from err
-        await server.start()
+        if settings.grpc_gateway == "on":
+            bound = await self._serve_behind_gateway(server, port, receive_bytes)
+        else:
+            address = grpc_address(settings.host, port)
+            try:
+                bound = (
+                    server.add_secure_port(address, self.tls.server())
+                    if self.tls is not None
+                    else server.add_insecure_port(address)
+                )
+            except RuntimeError as err:
+                raise StartupError(f"cannot bind gRPC to {address}: {err}") from err
+            await server.start()
         self._server, self.port = server, bound
         if http_port:
             await self._start_rest(v2_plane, http_port, receive_bytes)
@@ -164,6 +171,32 @@ class FrontendServer:
         self._started = True
         self._changed()
         return bound
+
+    async def _serve_behind_gateway(
+        self, server: grpc.aio.Server, port: int, receive_bytes: int
+    ) -> int:
+        """Python serves gRPC on a Unix socket of the run folder, behind the gateway, which
+        binds the port (and terminates TLS); the port bound."""
+        settings = self._settings
+        backend = self._worker_socket.parent / f"{self.name}.grpc.sock"
+        backend.unlink(missing_ok=True)  # left by a front end that was killed
+        try:
+            server.add_insecure_port(f"unix:{backend}")
+        except RuntimeError as err:
+            raise StartupError(f"cannot bind gRPC to {backend}: {err}") from err
+        await server.start()
+        off = gateway_off_reason(settings, self._restrictions_in_force.restricted("inference"))
+        if off:
+            log.warning("the gateway hands every call to Python: %s", off)
+        self._gateway = Gateway(
+            settings, name=self.name, backend=backend, worker_socket=self._worker_socket,
+            slab_bytes=slab_bytes(settings, self._queue_bytes), receive_bytes=receive_bytes,
+            fast_path=not off,
+        )  # fmt: skip
+        try:
+            return await self._gateway.start(grpc_address(settings.host, port), _gateway_died)
+        except GatewayError as err:
+            raise StartupError(f"gateway: {err}") from err
 
     async def _start_rest(self, v2_plane: V2Plane, port: int, receive_bytes: int) -> None:
         """The HTTP/REST front end, bodies bounded as gRPC messages are."""
@@ -282,6 +315,11 @@ class FrontendServer:
 
         was_ready = self.ready
         self._draining = True
+        # The gateway drains its own calls on the same schedule; Python answers the ones it
+        # hands over until it has finished.
+        gateway_stopped = asyncio.ensure_future(
+            self._gateway.stop(remaining()) if self._gateway is not None else asyncio.sleep(0)
+        )
         await self._health.enter_graceful_shutdown()
         if was_ready:
             log.info(
@@ -301,6 +339,7 @@ class FrontendServer:
         # Calls already on the wire when gRPC closes are cancelled by its core (CANCELLED,
         # which clients do not retry); refusing a moment longer answers them UNAVAILABLE.
         await asyncio.sleep(min(REFUSE_LINGER_S, remaining() / 2))
+        await gateway_stopped
         # Both front ends at once: finished handlers write their answers; the rest is cancelled.
         closing = [] if self._server is None else [self._server.stop(remaining())]
         if self._rest is not None:
@@ -309,3 +348,10 @@ class FrontendServer:
         await self.plane.close()
         tracing.stop(min(TRACING_FLUSH_S, remaining()))
         log.info("front end %s stopped", self.name)
+
+
+def _gateway_died() -> None:
+    """The gateway serving this front end's port is gone: so is the front end; the
+    supervisor restarts both."""
+    logging.shutdown()
+    os._exit(1)

@@ -1,0 +1,192 @@
+"""The native gateway (service/gateway/, Go) that serves a front end's gRPC port when
+--grpc-gateway is on: it answers plain V2 ModelInfer calls itself, over its own link to the
+worker, and hands every other call to this Python process on a Unix socket. This module
+starts it with this front end's settings, watches it, and stops it in the drain.
+
+Why a second process: per call, gRPC in Python costs the front end several hundred
+microseconds of CPU before any work of ours (bench/grpc_floor.py); the gateway's HTTP/2
+and message handling cost a fraction of that, and it copies the tensor from the wire into
+shared memory once without parsing it into Python objects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import multiprocess
+from prometheus_client.utils import floatToGoString
+
+from service.observability import metrics
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+BINARY = "attention-gateway"
+START_TIMEOUT_S = 10.0
+
+
+class GatewayError(RuntimeError):
+    """The gateway cannot start; the message says why."""
+
+
+def find_binary(configured: str) -> str:
+    """--grpc-gateway-binary, else the one beside this interpreter, else on PATH."""
+    if configured:
+        return configured
+    beside = Path(sys.executable).parent / BINARY
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(BINARY)
+    if found is None:
+        raise GatewayError(
+            f"--grpc-gateway on, but no {BINARY} beside {sys.executable} or on PATH "
+            "(make setup builds it; or set --grpc-gateway-binary, or --grpc-gateway off)"
+        )
+    return found
+
+
+def gateway_off_reason(settings: Settings, inference_restricted: bool) -> str:
+    """Why the gateway answers no call itself (it still serves the port), or ''."""
+    if settings.tracing == "on":
+        return "tracing is on (only the Python front end traces)"
+    if inference_restricted:
+        return "the inference API is restricted (only the Python front end checks keys)"
+    return ""
+
+
+def _family(collector: Any) -> Any:
+    """The metric family a collector declares (its name without suffixes, its help)."""
+    return next(iter(collector.describe()))
+
+
+def metrics_spec() -> dict[str, Any]:
+    """The series the gateway writes, named and described as metrics.py declares them."""
+    requests = _family(metrics.REQUESTS)
+    duration = _family(metrics.REQUEST_DURATION)
+    in_flight = _family(metrics.IN_FLIGHT)
+    bounds = [*metrics.LATENCY_BUCKETS_S, float("inf")]
+    return {
+        "requests": {
+            "family": requests.name,
+            "sample": f"{requests.name}_total",
+            "help": requests.documentation,
+        },
+        "duration": {
+            "family": duration.name,
+            "help": duration.documentation,
+            # JSON has no infinity: the last bucket takes whatever the others do not.
+            "bounds": [min(bound, 1e308) for bound in bounds],
+            "labels": [floatToGoString(bound) for bound in bounds],
+        },
+        "in_flight": {
+            "family": in_flight.name,
+            "sample": in_flight.name,
+            "help": in_flight.documentation,
+        },
+    }
+
+
+class Gateway:
+    """One gateway process: start() binds the port, stop() drains it; on_exit runs when it
+    exits on its own (the front end then exits, and the supervisor restarts both)."""
+
+    def __init__(self, settings: Settings, *, name: str, backend: Path, worker_socket: Path,
+                 slab_bytes: int, receive_bytes: int, fast_path: bool) -> None:  # fmt: skip
+        self._settings = settings
+        self._name = name
+        self._backend = backend
+        self._worker_socket = worker_socket
+        self._slab_bytes = slab_bytes
+        self._receive_bytes = receive_bytes
+        self._fast_path = fast_path
+        self._process: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._watch: asyncio.Task[None] | None = None
+
+    def _command(self, address: str) -> list[str]:
+        s = self._settings
+        share = max(1, s.max_undelivered_bytes // s.frontends // 2)  # half: Python has the rest
+        share_connection = max(1, s.max_undelivered_bytes_per_connection // s.frontends // 2)
+        command = [
+            find_binary(s.grpc_gateway_binary),
+            f"--listen={address}",
+            f"--backend={self._backend}",
+            f"--worker-socket={self._worker_socket}",
+            f"--name={self._name}-gateway",
+            f"--fast-path={'on' if self._fast_path else 'off'}",
+            f"--slab-bytes={self._slab_bytes}",
+            f"--max-seq-len={s.max_seq_len}",
+            f"--max-batch-size={s.max_batch_size}",
+            f"--max-receive-bytes={self._receive_bytes}",
+            f"--max-undelivered-bytes={share}",
+            f"--max-undelivered-bytes-per-connection={min(share, share_connection)}",
+            f"--max-connection-idle-s={s.max_connection_idle_s}",
+            f"--shutdown-not-serving-s={s.shutdown_not_serving_s}",
+            f"--grace-period-s={s.grace_period_s}",
+        ]
+        if s.tls_cert and s.tls_key:
+            command += [f"--tls-cert={s.tls_cert}", f"--tls-key={s.tls_key}"]
+            if s.tls_client_ca:
+                command.append(f"--tls-client-ca={s.tls_client_ca}")
+        return command
+
+    async def start(self, address: str, on_exit: Any) -> int:
+        """Start the gateway on address (HOST:PORT); the port it bound."""
+        env = {**os.environ, "ATTENTION_GATEWAY_METRICS": json.dumps(metrics_spec())}
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self._command(address), env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+        except OSError as err:
+            raise GatewayError(f"cannot run the gateway: {err}") from err
+        self._process = process
+        assert process.stdout is not None
+        assert process.stderr is not None
+        try:
+            line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
+        except TimeoutError:
+            line = b""
+        if not line.startswith(b"listening "):
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            error = (await process.stderr.read()).decode(errors="replace").strip()
+            raise GatewayError(error or "the gateway did not start")
+        self._watch = asyncio.create_task(self._watch_exit(process, on_exit))
+        log.info("gRPC port served by the gateway (pid %d)%s", process.pid,
+                 "" if self._fast_path else ", every call handed to Python")  # fmt: skip
+        return int(line.decode().rsplit(":", 1)[1])
+
+    async def _watch_exit(self, process: asyncio.subprocess.Process, on_exit: Any) -> None:
+        assert process.stderr is not None
+        async for line in process.stderr:  # its log lines, into ours
+            log.warning("%s", line.decode(errors="replace").rstrip())
+        code = await process.wait()
+        multiprocess.mark_process_dead(process.pid)  # its in-flight gauge goes with it
+        if not self._stopping:
+            log.error("the gateway exited with code %s", code)
+            on_exit()
+
+    async def stop(self, timeout_s: float) -> None:
+        """SIGTERM: it drains as the front end does; killed if still there after timeout_s."""
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        self._stopping = True
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), max(0.1, timeout_s))
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+        if self._watch is not None:
+            await self._watch

@@ -1,0 +1,63 @@
+package main
+
+// The undelivered-answers bound: answers computed but not yet read by their clients hold
+// memory here until written, so their bytes are reserved before computing, per server and
+// per connection (--max-undelivered-bytes, --max-undelivered-bytes-per-connection, this
+// front end's share), as the Python front end does.
+
+import (
+	"fmt"
+	"sync"
+)
+
+type answerBudget struct {
+	maxBytes, maxPerConnection int64
+	mu                         sync.Mutex
+	total                      int64
+	byConnection               map[string]int64
+}
+
+type reservation struct {
+	budget *answerBudget
+	peer   string
+	bytes  int64
+}
+
+func newAnswerBudget(maxBytes, maxPerConnection int64) *answerBudget {
+	return &answerBudget{maxBytes: maxBytes, maxPerConnection: maxPerConnection,
+		byConnection: map[string]int64{}}
+}
+
+// reserve holds nbytes for peer's answer, or returns why not (RESOURCE_EXHAUSTED).
+func (b *answerBudget) reserve(peer string, nbytes int64) (*reservation, string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.total > 0 && b.total+nbytes > b.maxBytes {
+		return nil, fmt.Sprintf("answers computed for clients but not yet read by them hold %d "+
+			"bytes, and this one needs about %d more than the server's bound of %d "+
+			"(--max-undelivered-bytes) allows; retry shortly, or ask for less (no attention "+
+			"weights)", b.total, nbytes, b.maxBytes)
+	}
+	held := b.byConnection[peer]
+	if held > 0 && held+nbytes > b.maxPerConnection {
+		return nil, fmt.Sprintf("this connection has %d bytes of answers it has not read yet; "+
+			"this one needs about %d more than its share of %d "+
+			"(--max-undelivered-bytes-per-connection): read the answers, or spread the calls "+
+			"over more connections", held, nbytes, b.maxPerConnection)
+	}
+	b.total += nbytes
+	b.byConnection[peer] = held + nbytes
+	return &reservation{budget: b, peer: peer, bytes: nbytes}, ""
+}
+
+func (r *reservation) release() {
+	b := r.budget
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.total -= r.bytes
+	if left := b.byConnection[r.peer] - r.bytes; left > 0 {
+		b.byConnection[r.peer] = left
+	} else {
+		delete(b.byConnection, r.peer)
+	}
+}

@@ -1,0 +1,3 @@
+module attention/gateway
+
+go 1.24

@@ -1,0 +1,108 @@
+package main
+
+// gRPC over HTTP/2 as net/http serves it: the 5-byte message prefix, status trailers and
+// the grpc-timeout header.
+
+import (
+	"encoding/binary"
+	"net/http"
+	"strconv"
+	"time"
+)
+
+// gRPC status codes used here, and their names as the metrics label them.
+const (
+	codeOK                = 0
+	codeCancelled         = 1
+	codeInvalidArgument   = 3
+	codeDeadlineExceeded  = 4
+	codeNotFound          = 5
+	codeResourceExhausted = 8
+	codeUnimplemented     = 12
+	codeInternal          = 13
+	codeUnavailable       = 14
+)
+
+var codeNames = map[int]string{
+	codeOK: "OK", codeCancelled: "CANCELLED", codeInvalidArgument: "INVALID_ARGUMENT",
+	codeDeadlineExceeded: "DEADLINE_EXCEEDED", codeNotFound: "NOT_FOUND",
+	codeResourceExhausted: "RESOURCE_EXHAUSTED", codeUnimplemented: "UNIMPLEMENTED",
+	codeInternal: "INTERNAL", codeUnavailable: "UNAVAILABLE",
+}
+
+// codeOfKind maps the worker's error kinds (service/ipc/messages.py) to status codes, as
+// service/frontend/status.py does.
+func codeOfKind(kind string) int {
+	switch kind {
+	case "InvalidInput", "NonFiniteOutput":
+		return codeInvalidArgument
+	case "ModelNotFound":
+		return codeNotFound
+	case "QueueFull":
+		return codeResourceExhausted
+	case "DeadlineExpired":
+		return codeDeadlineExceeded
+	case "ShuttingDown":
+		return codeUnavailable
+	case "NotSupported":
+		return codeUnimplemented
+	}
+	return codeInternal
+}
+
+// grpcMessage percent-encodes a status message as the gRPC spec asks.
+func grpcMessage(text string) string {
+	const hex = "0123456789ABCDEF"
+	out := make([]byte, 0, len(text))
+	for i := 0; i < len(text); i++ {
+		c := text[i]
+		if c < 0x20 || c > 0x7e || c == '%' {
+			out = append(out, '%', hex[c>>4], hex[c&15])
+		} else {
+			out = append(out, c)
+		}
+	}
+	return string(out)
+}
+
+// writeStatus ends a call with no message: a trailers-only response.
+func writeStatus(w http.ResponseWriter, code int, message string) {
+	h := w.Header()
+	h.Set("Content-Type", "application/grpc")
+	h.Set("Grpc-Status", strconv.Itoa(code))
+	if message != "" {
+		h.Set("Grpc-Message", grpcMessage(message))
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+// writeMessage sends one message (its 5-byte prefix already at the front of framed) and OK.
+func writeMessage(w http.ResponseWriter, framed []byte) error {
+	binary.BigEndian.PutUint32(framed[1:5], uint32(len(framed)-5))
+	framed[0] = 0 // not compressed
+	h := w.Header()
+	h.Set("Content-Type", "application/grpc")
+	h.Set("Trailer", "Grpc-Status")
+	w.WriteHeader(http.StatusOK)
+	_, err := w.Write(framed)
+	h.Set("Grpc-Status", "0")
+	return err
+}
+
+// grpcTimeout reads the grpc-timeout header ("<digits><unit>"); ok false when absent or bad.
+func grpcTimeout(value string) (time.Duration, bool) {
+	if len(value) < 2 || len(value) > 9 {
+		return 0, false
+	}
+	amount, err := strconv.ParseInt(value[:len(value)-1], 10, 64)
+	if err != nil || amount < 0 {
+		return 0, false
+	}
+	units := map[byte]time.Duration{'H': time.Hour, 'M': time.Minute, 'S': time.Second,
+		'm': time.Millisecond, 'u': time.Microsecond, 'n': time.Nanosecond}
+	unit, ok := units[value[len(value)-1]]
+	if !ok {
+		return 0, false
+	}
+	return time.Duration(amount) * unit, true
+}

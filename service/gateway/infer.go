@@ -1,0 +1,400 @@
+package main
+
+// V2 ModelInfer on the fast path: a request this gateway can answer exactly as the Python
+// front end would (a served model, raw FP32/FP16 bytes of the model's dtype, the right
+// shape, finite values, no parameters) is decoded from the wire into shared memory and
+// answered from it here. Anything else goes to the Python front end, which answers it with
+// the same errors and features as always: one place decides every error message.
+
+import (
+	"encoding/binary"
+	"math"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+)
+
+const (
+	inputName    = "embeddings"
+	outputName   = "output"
+	weightsName  = "attention_weights"
+	notAccepting = "server is not accepting requests (starting up or shutting down); retry"
+)
+
+type inferRequest struct {
+	modelName, modelVersion, id string
+	datatype                    string
+	shape                       []int64
+	raw                         []byte
+	outputs                     []string
+}
+
+// parseInfer reads a ModelInferRequest; nil when it is not plain (the Python front end
+// then decides what it is).
+func parseInfer(msg []byte) *inferRequest {
+	req := &inferRequest{}
+	inputs, raws := 0, 0
+	plain := true
+	err := eachField(msg, func(f field) error {
+		switch f.num {
+		case 1, 2, 3:
+			if f.wire != wireBytes || !utf8.Valid(f.bytes) {
+				plain = false
+			} else if f.num == 1 {
+				req.modelName = string(f.bytes)
+			} else if f.num == 2 {
+				req.modelVersion = string(f.bytes)
+			} else {
+				req.id = string(f.bytes)
+			}
+		case 5:
+			inputs++
+			plain = plain && f.wire == wireBytes && req.parseInput(f.bytes)
+		case 6:
+			name, ok := parseOutput(f)
+			plain = plain && ok
+			req.outputs = append(req.outputs, name)
+		case 7:
+			raws++
+			if f.wire != wireBytes {
+				plain = false
+			}
+			req.raw = f.bytes
+		case 4: // request parameters: the Python front end says which it tolerates
+			plain = false
+		}
+		return nil
+	})
+	if err != nil || !plain || inputs != 1 || raws != 1 {
+		return nil
+	}
+	return req
+}
+
+func (req *inferRequest) parseInput(msg []byte) bool {
+	plain := true
+	err := eachField(msg, func(f field) error {
+		var err error
+		switch f.num {
+		case 1:
+			plain = plain && f.wire == wireBytes && string(f.bytes) == inputName
+		case 2:
+			plain = plain && f.wire == wireBytes
+			req.datatype = string(f.bytes)
+		case 3:
+			req.shape, err = readInt64s(f, req.shape)
+		case 4, 5: // parameters (shared memory, ...) or typed contents
+			plain = false
+		}
+		return err
+	})
+	return err == nil && plain
+}
+
+func parseOutput(f field) (string, bool) {
+	if f.wire != wireBytes {
+		return "", false
+	}
+	name, plain := "", true
+	err := eachField(f.bytes, func(g field) error {
+		switch g.num {
+		case 1:
+			plain = plain && g.wire == wireBytes
+			name = string(g.bytes)
+		case 2:
+			plain = false
+		}
+		return nil
+	})
+	return name, err == nil && plain && (name == outputName || name == weightsName)
+}
+
+type dtypeInfo struct {
+	v2, numpy string
+	size      int64
+}
+
+var dtypes = map[string]dtypeInfo{"float32": {"FP32", "<f4", 4}, "float16": {"FP16", "<f2", 2}}
+
+// limits are the Python front end's input bounds (--max-seq-len, --max-batch-size).
+type limits struct{ maxSeqLen, maxBatchSize int64 }
+
+// resolve finds the model version a plain request names: empty name = the default model,
+// empty version = the newest; nil when it names none (the Python front end says so).
+func (s *served) resolve(name, version string) *modelInfo {
+	if name == "" {
+		name = s.defaultModel
+	}
+	versions := s.models[name]
+	if version == "" {
+		var newest *modelInfo
+		for _, m := range versions {
+			if newest == nil || m.Version > newest.Version {
+				newest = m
+			}
+		}
+		return newest
+	}
+	v, err := strconv.ParseInt(version, 10, 64)
+	if err != nil || strconv.FormatInt(v, 10) != version {
+		return nil
+	}
+	return versions[v]
+}
+
+// finite reports whether every value of raw (little-endian, of size 2 or 4) is finite.
+func finite(raw []byte, size int64) bool {
+	if size == 4 {
+		for i := 0; i+4 <= len(raw); i += 4 {
+			if binary.LittleEndian.Uint32(raw[i:])&0x7f800000 == 0x7f800000 {
+				return false
+			}
+		}
+		return true
+	}
+	for i := 0; i+2 <= len(raw); i += 2 {
+		if binary.LittleEndian.Uint16(raw[i:])&0x7c00 == 0x7c00 {
+			return false
+		}
+	}
+	return true
+}
+
+// plan is a plain request checked against its model: what to reserve and send.
+type plan struct {
+	model    *modelInfo
+	dtype    dtypeInfo
+	shape    [3]int64
+	weights  bool
+	outputs  []string
+	outBytes int64
+	wBytes   int64
+}
+
+func (req *inferRequest) check(s *served, lim limits) *plan {
+	model := s.resolve(req.modelName, req.modelVersion)
+	if model == nil || !s.ready {
+		return nil
+	}
+	dtype, known := dtypes[model.Dtype]
+	if !known || req.datatype != dtype.v2 || len(req.shape) != 3 {
+		return nil
+	}
+	n, seq, d := req.shape[0], req.shape[1], req.shape[2]
+	if n < 1 || seq < 1 || d != model.EmbedDim || n > lim.maxBatchSize || seq > lim.maxSeqLen {
+		return nil
+	}
+	if int64(len(req.raw)) != n*seq*d*dtype.size || !finite(req.raw, dtype.size) {
+		return nil
+	}
+	p := &plan{model: model, dtype: dtype, shape: [3]int64{n, seq, d}}
+	for _, name := range req.outputs {
+		if !contains(p.outputs, name) {
+			p.outputs = append(p.outputs, name)
+		}
+	}
+	if len(p.outputs) == 0 {
+		p.outputs = []string{outputName}
+	}
+	p.weights = contains(p.outputs, weightsName)
+	if p.weights && !model.HasWeightsGraph {
+		return nil
+	}
+	p.outBytes = n * seq * d * dtype.size
+	if p.weights {
+		p.wBytes = 4 * n * model.NumHeads * seq * seq
+	}
+	return p
+}
+
+func contains(names []string, name string) bool {
+	for _, n := range names {
+		if n == name {
+			return true
+		}
+	}
+	return false
+}
+
+// fastPath answers plain ModelInfer calls; the rest it hands to fallback.
+type fastPath struct {
+	worker    *worker
+	limits    limits
+	metrics   *metrics
+	answers   *answerBudget
+	accepting atomic.Bool
+	inFlight  sync.WaitGroup
+}
+
+// serve answers the call and returns true, or returns false having written nothing.
+func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, msg []byte) bool {
+	req := parseInfer(msg)
+	if req == nil {
+		return false
+	}
+	fp.worker.order.RLock()
+	locked := true
+	unlock := func() {
+		if locked {
+			locked = false
+			fp.worker.order.RUnlock()
+		}
+	}
+	defer unlock()
+	p := req.check(fp.worker.snapshot(), fp.limits)
+	if p == nil {
+		return false
+	}
+	started := time.Now()
+	fp.inFlight.Add(1)
+	defer fp.inFlight.Done()
+	fp.metrics.inFlight(1)
+	defer fp.metrics.inFlight(-1)
+	code := fp.infer(w, r, req, p, unlock)
+	fp.metrics.finished(p.model.Name, code, time.Since(started).Seconds())
+	return true
+}
+
+func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequest, p *plan, sent func()) int {
+	if !fp.accepting.Load() {
+		writeStatus(w, codeUnavailable, notAccepting)
+		return codeUnavailable
+	}
+	l := fp.worker.use()
+	if l == nil {
+		writeStatus(w, codeUnavailable, workerStarting)
+		return codeUnavailable
+	}
+	defer l.done()
+	answerBytes := p.outBytes + p.wBytes
+	reservation, refusal := fp.answers.reserve(r.RemoteAddr, answerBytes)
+	if refusal != "" {
+		writeStatus(w, codeResourceExhausted, refusal)
+		return codeResourceExhausted
+	}
+	defer reservation.release()
+	sizes := []int{len(req.raw), int(p.outBytes)}
+	if p.weights {
+		sizes = append(sizes, int(p.wBytes))
+	}
+	regions, err := l.slab.alloc(sizes)
+	if err != nil {
+		writeStatus(w, codeResourceExhausted, err.Error())
+		return codeResourceExhausted
+	}
+	copy(l.slab.mem[regions[0].offset:], req.raw)
+	at := [3]int64{int64(regions[0].offset), int64(regions[1].offset), -1}
+	if p.weights {
+		at[2] = int64(regions[2].offset)
+	}
+	deadline, timeout := nanDeadline(), time.Duration(0)
+	if t, ok := grpcTimeout(r.Header.Get("Grpc-Timeout")); ok {
+		deadline, timeout = monotonic()+t.Seconds(), t
+	}
+	call := &pending{done: make(chan answer, 1), regions: regions}
+	l.mu.Lock()
+	fp.worker.nextID++
+	id := fp.worker.nextID
+	l.calls[id] = call
+	l.mu.Unlock()
+	message := inferMessage(id, p.weights, p.shape, at, deadline, p.model.Key, p.dtype.numpy)
+	if !l.send(message) {
+		sent()
+		l.slab.release(regions)
+		writeStatus(w, codeUnavailable, workerGone)
+		return codeUnavailable
+	}
+	sent()
+	var expired <-chan time.Time
+	if timeout > 0 {
+		timer := time.NewTimer(timeout)
+		defer timer.Stop()
+		expired = timer.C
+	}
+	var a answer
+	select {
+	case a = <-call.done:
+	case <-r.Context().Done():
+		return fp.abandon(l, id, call, codeCancelled, w)
+	case <-expired:
+		return fp.abandon(l, id, call, codeDeadlineExceeded, w)
+	}
+	if a.kind != "" {
+		l.slab.release(regions)
+		code := codeOfKind(a.kind)
+		writeStatus(w, code, a.message)
+		return code
+	}
+	response := fp.response(req, p, l, regions)
+	l.slab.release(regions)
+	err = writeMessage(w, response)
+	buffers.Put(&response) // written (or copied into the connection's buffer) by now
+	if err != nil {
+		return codeCancelled // the client went away before it read the answer
+	}
+	return codeOK
+}
+
+// abandon gives up on a call: the worker drops it (or has computed it), and its regions
+// are freed once the worker's final answer says it wrote nothing more into them.
+func (fp *fastPath) abandon(l *link, id uint64, call *pending, code int, w http.ResponseWriter) int {
+	l.mu.Lock()
+	_, waiting := l.calls[id]
+	if waiting {
+		call.abandoned = true
+	}
+	l.mu.Unlock()
+	if waiting {
+		body := []byte(`{"t":"cancel","id":` + strconv.FormatUint(id, 10) + `}`)
+		l.send(body)
+	} else {
+		<-call.done // answered just as it was given up
+		l.slab.release(call.regions)
+	}
+	if code == codeDeadlineExceeded {
+		writeStatus(w, code, "Deadline Exceeded")
+	}
+	return code
+}
+
+// response is the framed ModelInferResponse (5 bytes of prefix first), its outputs copied
+// once from shared memory.
+func (fp *fastPath) response(req *inferRequest, p *plan, l *link, regions []region) []byte {
+	size := 128 + len(req.id) + len(p.model.Name) + int(p.outBytes+p.wBytes)
+	b := (*buffers.Get().(*[]byte))[:0]
+	if cap(b) < size {
+		b = make([]byte, 0, size)
+	}
+	b = append(b, 0, 0, 0, 0, 0)
+	b = appendStringField(b, 1, p.model.Name)
+	b = appendStringField(b, 2, strconv.FormatInt(p.model.Version, 10))
+	if req.id != "" {
+		b = appendStringField(b, 3, req.id)
+	}
+	for _, name := range p.outputs {
+		var tensor []byte
+		tensor = appendStringField(tensor, 1, name)
+		if name == outputName {
+			tensor = appendStringField(tensor, 2, p.dtype.v2)
+			tensor = appendPackedInt64s(tensor, 3, p.shape[:])
+		} else {
+			tensor = appendStringField(tensor, 2, "FP32")
+			tensor = appendPackedInt64s(tensor, 3, []int64{p.shape[0], p.model.NumHeads, p.shape[1], p.shape[1]})
+		}
+		b = appendBytesField(b, 5, tensor)
+	}
+	for _, name := range p.outputs {
+		r, n := regions[1], p.outBytes
+		if name == weightsName {
+			r, n = regions[2], p.wBytes
+		}
+		b = appendBytesField(b, 6, l.slab.mem[r.offset:r.offset+int(n)])
+	}
+	return b
+}
+
+// nanDeadline is "no deadline" in the packed INFER.
+func nanDeadline() float64 { return math.NaN() }

@@ -1,0 +1,288 @@
+// The gateway: a front end's gRPC port, in Go. It answers plain V2 ModelInfer calls itself,
+// decoding each request's tensor from the wire straight into shared memory and framing the
+// answer straight from it, with the ONNX Runtime worker on the other side of the same link
+// a Python front end uses; every other call it hands to its Python front end.
+//
+// Started and watched by the Python front end (service/frontend/gateway.py), which passes
+// every setting; it dies with it.
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+const modelInferPath = "/inference.GRPCInferenceService/ModelInfer"
+
+type gateway struct {
+	fast       *fastPath // nil: every call goes to the Python front end
+	proxy      http.Handler
+	maxReceive int64
+}
+
+func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if g.fast != nil && r.URL.Path == modelInferPath && r.Method == http.MethodPost &&
+		strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") &&
+		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity") {
+		read, message, ok := g.readUnary(r.Body)
+		if ok && g.fast.serve(w, r, message) {
+			buffers.Put(&read)
+			return
+		}
+		// Not plain, or larger than a message may be: the Python front end decides.
+		r.Body = io.NopCloser(io.MultiReader(bytes.NewReader(read), r.Body))
+		r.ContentLength = -1
+	}
+	g.proxy.ServeHTTP(w, r)
+}
+
+// buffers hold requests' messages between calls: a 256 KiB tensor per call would
+// otherwise be garbage for the collector to chase.
+var buffers = sync.Pool{New: func() any { return new([]byte) }}
+
+// readUnary reads one uncompressed message of at most maxReceive bytes and the end of the
+// body; ok false (with what was read) for anything else.
+func (g *gateway) readUnary(body io.Reader) (read, message []byte, ok bool) {
+	var prefix [6]byte
+	if n, err := io.ReadFull(body, prefix[:5]); err != nil {
+		return prefix[:n], nil, false
+	}
+	length := int64(binary.BigEndian.Uint32(prefix[1:5]))
+	if prefix[0] != 0 || length > g.maxReceive {
+		return prefix[:5], nil, false
+	}
+	buffer := *buffers.Get().(*[]byte)
+	if int64(cap(buffer)) < 5+length {
+		buffer = make([]byte, 5+length)
+	}
+	buffer = buffer[:5+length]
+	copy(buffer, prefix[:5])
+	if n, err := io.ReadFull(body, buffer[5:]); err != nil {
+		return buffer[:5+n], nil, false
+	}
+	if n, _ := body.Read(prefix[5:]); n > 0 { // more than one message: not unary
+		return append(buffer, prefix[5]), nil, false
+	}
+	return buffer, buffer[5:], true
+}
+
+type options struct {
+	listen, backend, workerSocket, name, metricsDir string
+	tlsCert, tlsKey, tlsClientCA                    string
+	fastPath                                        bool
+	slabBytes                                       int
+	maxSeqLen, maxBatchSize, maxReceive             int64
+	maxUndelivered, maxUndeliveredPerConnection     int64
+	idle, notServing, grace                         time.Duration
+}
+
+func parseOptions() options {
+	var o options
+	var idleS, notServingS, graceS float64
+	var fast string
+	flag.StringVar(&o.listen, "listen", "127.0.0.1:8001", "HOST:PORT of the gRPC port")
+	flag.StringVar(&o.backend, "backend", "", "Unix socket of this front end's Python process")
+	flag.StringVar(&o.workerSocket, "worker-socket", "", "Unix socket of the worker")
+	flag.StringVar(&o.name, "name", "gateway", "this front end's name in the worker's logs")
+	flag.StringVar(&o.metricsDir, "metrics-dir", os.Getenv("PROMETHEUS_MULTIPROC_DIR"), "prometheus-client multiprocess folder")
+	flag.StringVar(&o.tlsCert, "tls-cert", "", "server certificate (PEM)")
+	flag.StringVar(&o.tlsKey, "tls-key", "", "server key (PEM)")
+	flag.StringVar(&o.tlsClientCA, "tls-client-ca", "", "CA that client certificates must chain to")
+	flag.StringVar(&fast, "fast-path", "on", "on: answer plain ModelInfer calls here; off: hand every call on")
+	flag.IntVar(&o.slabBytes, "slab-bytes", 64<<20, "shared memory for tensors in flight")
+	flag.Int64Var(&o.maxSeqLen, "max-seq-len", 512, "")
+	flag.Int64Var(&o.maxBatchSize, "max-batch-size", 32, "")
+	flag.Int64Var(&o.maxReceive, "max-receive-bytes", 64<<20, "largest request message")
+	flag.Int64Var(&o.maxUndelivered, "max-undelivered-bytes", 1<<30, "this front end's share")
+	flag.Int64Var(&o.maxUndeliveredPerConnection, "max-undelivered-bytes-per-connection", 1<<29, "")
+	flag.Float64Var(&idleS, "max-connection-idle-s", 60, "")
+	flag.Float64Var(&notServingS, "shutdown-not-serving-s", 2, "")
+	flag.Float64Var(&graceS, "grace-period-s", 30, "")
+	flag.Parse()
+	o.fastPath = fast == "on"
+	o.idle = time.Duration(idleS * float64(time.Second))
+	o.notServing = time.Duration(notServingS * float64(time.Second))
+	o.grace = time.Duration(graceS * float64(time.Second))
+	return o
+}
+
+func main() {
+	log.SetFlags(0)
+	log.SetPrefix("[gateway] ")
+	// The heap is mostly short-lived message buffers, bounded by the shared memory and the
+	// answers budget: collect less often than the default (profiled: 8% of CPU in GC).
+	debug.SetGCPercent(400)
+	// Die with the Python front end that started this process: its restart starts another.
+	syscall.RawSyscall(syscall.SYS_PRCTL, syscall.PR_SET_PDEATHSIG, uintptr(syscall.SIGKILL), 0)
+	if os.Getppid() == 1 {
+		os.Exit(1)
+	}
+	o := parseOptions()
+	if err := run(o); err != nil {
+		fmt.Fprintln(os.Stderr, "gateway:", err)
+		os.Exit(1)
+	}
+}
+
+func run(o options) error {
+	g := &gateway{proxy: newProxy(o.backend, 1<<20), maxReceive: o.maxReceive}
+	if o.fastPath {
+		var spec metricsSpec
+		if err := json.Unmarshal([]byte(os.Getenv("ATTENTION_GATEWAY_METRICS")), &spec); err != nil {
+			return fmt.Errorf("ATTENTION_GATEWAY_METRICS: %w", err)
+		}
+		m, err := openMetrics(o.metricsDir, spec)
+		if err != nil {
+			return fmt.Errorf("metrics files: %w", err)
+		}
+		w := newWorker(o.workerSocket, o.name, o.slabBytes)
+		welcomed := make(chan struct{})
+		go w.connectForever(welcomed)
+		g.fast = &fastPath{worker: w, limits: limits{o.maxSeqLen, o.maxBatchSize}, metrics: m,
+			answers: newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection)}
+		g.fast.accepting.Store(true)
+	}
+	listener, err := listen(o.listen)
+	if err != nil {
+		return err
+	}
+	server := &http.Server{Handler: g, IdleTimeout: o.idle, ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog: log.New(io.Discard, "", 0)}
+	var protocols http.Protocols
+	if o.tlsCert != "" {
+		config, err := tlsConfig(o)
+		if err != nil {
+			return err
+		}
+		protocols.SetHTTP2(true)
+		server.TLSConfig = config
+		listener = tls.NewListener(listener, config)
+	} else {
+		protocols.SetUnencryptedHTTP2(true)
+	}
+	server.Protocols = &protocols
+	served := make(chan error, 1)
+	go func() { served <- server.Serve(listener) }()
+	fmt.Printf("listening %s\n", listener.Addr())
+	os.Stdout.Sync()
+	signals := make(chan os.Signal, 1)
+	signal.Notify(signals, syscall.SIGTERM, syscall.SIGINT)
+	select {
+	case err := <-served:
+		return err
+	case <-signals:
+	}
+	return drain(server, g.fast, o)
+}
+
+// drain: still serving while the health checks say NOT_SERVING (the Python front end
+// answers them), then refuse new work with UNAVAILABLE, finish what was accepted, close;
+// all within the grace period.
+func drain(server *http.Server, fast *fastPath, o options) error {
+	deadline := time.Now().Add(o.grace)
+	time.Sleep(min(o.notServing, time.Until(deadline)))
+	if fast != nil {
+		fast.accepting.Store(false)
+		idle := make(chan struct{})
+		go func() { fast.inFlight.Wait(); close(idle) }()
+		select {
+		case <-idle:
+		case <-time.After(time.Until(deadline)):
+		}
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	if err := server.Shutdown(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	return nil
+}
+
+func listen(address string) (net.Listener, error) {
+	config := net.ListenConfig{Control: func(_, _ string, raw syscall.RawConn) error {
+		var setErr error
+		err := raw.Control(func(fd uintptr) {
+			// Several front ends share the port, as the Python ones do.
+			setErr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, 0xf /* SO_REUSEPORT */, 1)
+		})
+		if err != nil {
+			return err
+		}
+		return setErr
+	}}
+	listener, err := config.Listen(context.Background(), "tcp", address)
+	if err != nil {
+		return nil, fmt.Errorf("cannot bind gRPC to %s: %w", address, err)
+	}
+	return listener, nil
+}
+
+// tlsConfig serves the certificate and key as they are on disk at each handshake (a
+// renewed certificate is picked up without a restart), and asks for client certificates
+// when a client CA is given.
+func tlsConfig(o options) (*tls.Config, error) {
+	certs := &certificateFiles{cert: o.tlsCert, key: o.tlsKey}
+	if _, err := certs.get(nil); err != nil {
+		return nil, err
+	}
+	config := &tls.Config{GetCertificate: certs.get, MinVersion: tls.VersionTLS12, NextProtos: []string{"h2"}}
+	if o.tlsClientCA != "" {
+		pem, err := os.ReadFile(o.tlsClientCA)
+		if err != nil {
+			return nil, err
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%s holds no PEM certificate", o.tlsClientCA)
+		}
+		config.ClientCAs = pool
+		config.ClientAuth = tls.RequireAndVerifyClientCert
+	}
+	return config, nil
+}
+
+type certificateFiles struct {
+	cert, key string
+	mu        sync.Mutex
+	loaded    *tls.Certificate
+	modified  time.Time
+}
+
+func (c *certificateFiles) get(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	info, err := os.Stat(c.cert)
+	if err == nil && c.loaded != nil && !info.ModTime().After(c.modified) {
+		return c.loaded, nil
+	}
+	pair, err := tls.LoadX509KeyPair(c.cert, c.key)
+	if err != nil {
+		if c.loaded != nil {
+			return c.loaded, nil // mid-renewal: the files disagree for a moment
+		}
+		return nil, fmt.Errorf("TLS certificate %s / key %s: %w", c.cert, c.key, err)
+	}
+	c.loaded = &pair
+	if info != nil {
+		c.modified = info.ModTime()
+	}
+	return c.loaded, nil
+}

@@ -1,0 +1,153 @@
+package main
+
+// The shared-memory slab this front end sends the worker: one memfd (no name to leak when
+// a process is killed), mapped here and there. Requests' tensors are copied into it once
+// from the received message; the worker writes each answer back into it.
+
+import (
+	"fmt"
+	"sort"
+	"sync"
+	"syscall"
+	"unsafe"
+)
+
+const (
+	slabAlign    = 64      // cache-line aligned regions, as the Python front end's
+	releaseBytes = 1 << 20 // freed regions this large give their pages back
+	madvRemove   = 9
+)
+
+type region struct{ offset, size int }
+
+type slab struct {
+	fd   int
+	mem  []byte
+	mu   sync.Mutex
+	free []region // sorted by offset, coalesced
+	used int
+}
+
+func newSlab(size int, name string) (*slab, error) {
+	cname := append([]byte(name), 0)
+	fd, _, errno := syscall.Syscall(sysMemfdCreate, uintptr(unsafe.Pointer(&cname[0])), 1 /* MFD_CLOEXEC */, 0)
+	if errno != 0 {
+		return nil, fmt.Errorf("memfd_create: %w", errno)
+	}
+	if err := syscall.Ftruncate(int(fd), int64(size)); err != nil {
+		syscall.Close(int(fd))
+		return nil, fmt.Errorf("ftruncate shared memory: %w", err)
+	}
+	mem, err := syscall.Mmap(int(fd), 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+	if err != nil {
+		syscall.Close(int(fd))
+		return nil, fmt.Errorf("mmap shared memory: %w", err)
+	}
+	return &slab{fd: int(fd), mem: mem, free: []region{{0, size}}}, nil
+}
+
+// closeFd drops this process's descriptor once the worker has its own; the mapping stays.
+func (s *slab) closeFd() {
+	if s.fd >= 0 {
+		syscall.Close(s.fd)
+		s.fd = -1
+	}
+}
+
+func (s *slab) unmap() { syscall.Munmap(s.mem) }
+
+func aligned(n int) int {
+	if n < slabAlign {
+		return slabAlign
+	}
+	return (n + slabAlign - 1) / slabAlign * slabAlign
+}
+
+// alloc takes a region of each size, or none: errSlabFull / errSlabTooSmall.
+func (s *slab) alloc(sizes []int) ([]region, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	taken := make([]region, 0, len(sizes))
+	for _, size := range sizes {
+		r, err := s.take(aligned(size))
+		if err != nil {
+			for _, t := range taken {
+				s.give(t)
+			}
+			return nil, err
+		}
+		taken = append(taken, r)
+	}
+	return taken, nil
+}
+
+func (s *slab) take(need int) (region, error) {
+	if need > len(s.mem) {
+		return region{}, &slabError{tooSmall: true, need: need, size: len(s.mem)}
+	}
+	for i, block := range s.free {
+		if block.size >= need {
+			if block.size == need {
+				s.free = append(s.free[:i], s.free[i+1:]...)
+			} else {
+				s.free[i] = region{block.offset + need, block.size - need}
+			}
+			s.used += need
+			return region{block.offset, need}, nil
+		}
+	}
+	return region{}, &slabError{need: need, used: s.used, size: len(s.mem)}
+}
+
+func (s *slab) release(regions []region) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, r := range regions {
+		s.give(r)
+		if r.size >= releaseBytes {
+			s.releasePages(r)
+		}
+	}
+}
+
+func (s *slab) give(r region) {
+	s.used -= r.size
+	i := sort.Search(len(s.free), func(i int) bool { return s.free[i].offset > r.offset })
+	s.free = append(s.free, region{})
+	copy(s.free[i+1:], s.free[i:])
+	s.free[i] = r
+	// Merge with the following block, then with the preceding one.
+	if i+1 < len(s.free) && s.free[i].offset+s.free[i].size == s.free[i+1].offset {
+		s.free[i].size += s.free[i+1].size
+		s.free = append(s.free[:i+1], s.free[i+2:]...)
+	}
+	if i > 0 && s.free[i-1].offset+s.free[i-1].size == s.free[i].offset {
+		s.free[i-1].size += s.free[i].size
+		s.free = append(s.free[:i], s.free[i+1:]...)
+	}
+}
+
+// releasePages gives the whole pages inside r back to the kernel.
+func (s *slab) releasePages(r region) {
+	page := syscall.Getpagesize()
+	start := (r.offset + page - 1) / page * page
+	end := (r.offset + r.size) / page * page
+	if end > start {
+		syscall.Madvise(s.mem[start:end], madvRemove)
+	}
+}
+
+type slabError struct {
+	tooSmall         bool
+	need, used, size int
+}
+
+func (e *slabError) Error() string {
+	if e.tooSmall {
+		return fmt.Sprintf("this request needs %d bytes of shared memory for its tensors (input, "+
+			"output and any weights), more than the front end has (%d, --shared-memory-bytes); "+
+			"send fewer or shorter sequences per request, or raise the setting", e.need, e.size)
+	}
+	return fmt.Sprintf("shared memory full: %d of %d bytes hold tensors of requests in flight, "+
+		"this one needs %d more (--shared-memory-bytes); retry with backoff", e.used, e.size, e.need)
+}

@@ -1,0 +1,371 @@
+package main
+
+// This front end's connection to the ONNX Runtime worker: the same Unix socket and messages
+// as a Python front end's (service/ipc/channel.py, packed.py). A hello carries the slab's
+// descriptor; INFER and DONE travel in the packed layout; the served set, failures and SYNC
+// as JSON. A lost worker fails every call in flight at once; the link reconnects.
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"math"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+	"unsafe"
+)
+
+const (
+	inferKind      = 1
+	doneKind       = 2
+	doneSize       = 1 + 8 + 8 + 8 + 8 + 8 + 8 + 8
+	inferHeadSize  = 1 + 8 + 1 + 8*6 + 8 + 2 + 1
+	maxMessage     = 16 << 20
+	workerGone     = "the ONNX Runtime worker stopped while this request was in flight; retry"
+	workerStarting = "the ONNX Runtime worker is restarting; retry"
+)
+
+// modelInfo is one served version, as the worker reports it.
+type modelInfo struct {
+	Key             string `json:"key"`
+	Name            string `json:"name"`
+	Version         int64  `json:"version"`
+	EmbedDim        int64  `json:"embed_dim"`
+	NumHeads        int64  `json:"num_heads"`
+	Dtype           string `json:"dtype"`
+	HasWeightsGraph bool   `json:"has_weights_graph"`
+}
+
+// served is one snapshot of the served set; replaced whole, never changed.
+type served struct {
+	models       map[string]map[int64]*modelInfo
+	defaultModel string
+	ready        bool
+}
+
+// answer is the worker's final word on a request: done (err empty) or failed.
+type answer struct {
+	queueS, computeS float64
+	batch            int64
+	kind, message    string
+}
+
+type pending struct {
+	done      chan answer
+	regions   []region
+	abandoned bool
+}
+
+type link struct {
+	slab  *slab
+	conn  *net.UnixConn
+	mu    sync.Mutex // calls, out, alive
+	calls map[uint64]*pending
+	out   []byte
+	wake  chan struct{}
+	alive bool
+	users int // requests using the slab; the last one after the link is lost unmaps it
+}
+
+type worker struct {
+	socketPath string
+	name       string
+	slabBytes  int
+
+	mu     sync.Mutex
+	link   *link
+	served *served
+	nextID uint64
+	// Held for reading from a request's model lookup until its INFER is queued, and for
+	// writing while a SYNC is answered: once the worker has SYNCED, every request that saw
+	// an older served set has reached it.
+	order sync.RWMutex
+}
+
+func newWorker(socketPath, name string, slabBytes int) *worker {
+	return &worker{socketPath: socketPath, name: name, slabBytes: slabBytes,
+		served: &served{models: map[string]map[int64]*modelInfo{}}}
+}
+
+func (w *worker) snapshot() *served {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.served
+}
+
+// use is the live link, held until done(); nil while the worker is away.
+func (w *worker) use() *link {
+	w.mu.Lock()
+	l := w.link
+	w.mu.Unlock()
+	if l == nil {
+		return nil
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.alive {
+		return nil
+	}
+	l.users++
+	return l
+}
+
+func (l *link) done() {
+	l.mu.Lock()
+	l.users--
+	last := l.users == 0 && !l.alive
+	l.mu.Unlock()
+	if last {
+		l.slab.unmap()
+	}
+}
+
+// connectForever keeps a link to the worker, reconnecting with backoff while it restarts.
+func (w *worker) connectForever(welcomed chan<- struct{}) {
+	delay := 50 * time.Millisecond
+	once := sync.Once{}
+	for {
+		l, err := w.connect()
+		if err != nil {
+			time.Sleep(delay)
+			delay = min(delay*2, time.Second)
+			continue
+		}
+		delay = 50 * time.Millisecond
+		w.mu.Lock()
+		w.link = l
+		w.mu.Unlock()
+		go l.writeLoop()
+		w.readLoop(l, func() { once.Do(func() { close(welcomed) }) })
+		w.lost(l)
+	}
+}
+
+func (w *worker) connect() (*link, error) {
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: w.socketPath, Net: "unix"})
+	if err != nil {
+		return nil, err
+	}
+	s, err := newSlab(w.slabBytes, "attention-"+w.name)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	hello, _ := json.Marshal(map[string]any{"name": w.name, "pid": os.Getpid()})
+	frame := binary.LittleEndian.AppendUint32(nil, uint32(len(hello)))
+	frame = append(frame, hello...)
+	if _, _, err := conn.WriteMsgUnix(frame, syscall.UnixRights(s.fd), nil); err != nil {
+		conn.Close()
+		s.closeFd()
+		s.unmap()
+		return nil, err
+	}
+	s.closeFd() // the worker holds its own descriptor now
+	return &link{slab: s, conn: conn, calls: map[uint64]*pending{}, wake: make(chan struct{}, 1), alive: true}, nil
+}
+
+// send queues a framed message; the writer sends everything queued in one write.
+func (l *link) send(body []byte) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.alive {
+		return false
+	}
+	l.out = binary.LittleEndian.AppendUint32(l.out, uint32(len(body)))
+	l.out = append(l.out, body...)
+	select {
+	case l.wake <- struct{}{}:
+	default:
+	}
+	return true
+}
+
+func (l *link) sendJSON(message map[string]any) {
+	body, _ := json.Marshal(message)
+	l.send(body)
+}
+
+func (l *link) writeLoop() {
+	var buffer []byte
+	for range l.wake {
+		l.mu.Lock()
+		buffer, l.out = l.out, buffer[:0]
+		alive := l.alive
+		l.mu.Unlock()
+		if !alive {
+			return
+		}
+		if _, err := l.conn.Write(buffer); err != nil {
+			l.conn.Close() // the reader notices and fails the calls
+			return
+		}
+	}
+}
+
+func (w *worker) readLoop(l *link, welcomed func()) {
+	var buffer []byte
+	chunk := make([]byte, 1<<16)
+	for {
+		n, err := l.conn.Read(chunk)
+		if err != nil {
+			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+				log.Printf("worker link: %v", err)
+			}
+			log.Printf("the worker closed its connection; failing calls in flight, reconnecting")
+			return
+		}
+		buffer = append(buffer, chunk[:n]...)
+		start := 0
+		for len(buffer)-start >= 4 {
+			length := int(binary.LittleEndian.Uint32(buffer[start:]))
+			if length > maxMessage {
+				log.Printf("control message of %d bytes from the worker; reconnecting", length)
+				return
+			}
+			if len(buffer)-start-4 < length {
+				break
+			}
+			body := buffer[start+4 : start+4+length]
+			start += 4 + length
+			if err := w.dispatch(l, body, welcomed); err != nil {
+				log.Printf("malformed message from the worker (%v); reconnecting", err)
+				return
+			}
+		}
+		buffer = append(buffer[:0], buffer[start:]...)
+	}
+}
+
+func (w *worker) dispatch(l *link, body []byte, welcomed func()) error {
+	if len(body) == doneSize && body[0] == doneKind {
+		id := binary.LittleEndian.Uint64(body[1:])
+		w.finish(l, id, answer{
+			queueS:   math.Float64frombits(binary.LittleEndian.Uint64(body[9:])),
+			computeS: math.Float64frombits(binary.LittleEndian.Uint64(body[17:])),
+			batch:    int64(binary.LittleEndian.Uint64(body[25:])),
+		})
+		return nil
+	}
+	var message struct {
+		T            string       `json:"t"`
+		ID           uint64       `json:"id"`
+		Kind         string       `json:"kind"`
+		Msg          string       `json:"msg"`
+		Q            float64      `json:"q"`
+		C            float64      `json:"c"`
+		B            int64        `json:"b"`
+		Models       []*modelInfo `json:"models"`
+		DefaultModel string       `json:"default_model"`
+		Ready        bool         `json:"ready"`
+	}
+	if err := json.Unmarshal(body, &message); err != nil {
+		return err
+	}
+	switch message.T {
+	case "done":
+		w.finish(l, message.ID, answer{queueS: message.Q, computeS: message.C, batch: message.B})
+	case "fail":
+		w.finish(l, message.ID, answer{kind: message.Kind, message: message.Msg})
+	case "reply":
+		// control calls are the Python front end's; none are made here
+	case "welcome", "models":
+		snapshot := &served{models: map[string]map[int64]*modelInfo{},
+			defaultModel: message.DefaultModel, ready: message.Ready}
+		for _, m := range message.Models {
+			if snapshot.models[m.Name] == nil {
+				snapshot.models[m.Name] = map[int64]*modelInfo{}
+			}
+			snapshot.models[m.Name][m.Version] = m
+		}
+		w.mu.Lock()
+		w.served = snapshot
+		w.mu.Unlock()
+		welcomed()
+	case "sync":
+		w.order.Lock()
+		l.sendJSON(map[string]any{"t": "synced", "id": message.ID})
+		w.order.Unlock()
+	default:
+		return fmt.Errorf("unknown message type %q", message.T)
+	}
+	return nil
+}
+
+func (w *worker) finish(l *link, id uint64, a answer) {
+	l.mu.Lock()
+	call := l.calls[id]
+	delete(l.calls, id)
+	l.mu.Unlock()
+	if call == nil {
+		return
+	}
+	if call.abandoned {
+		l.slab.release(call.regions) // the worker wrote nothing more into them
+		return
+	}
+	call.done <- a
+}
+
+// lost fails every call in flight with UNAVAILABLE; the slab goes with the link.
+func (w *worker) lost(l *link) {
+	w.mu.Lock()
+	if w.link == l {
+		w.link = nil
+	}
+	w.served = &served{models: w.served.models, defaultModel: w.served.defaultModel, ready: false}
+	w.mu.Unlock()
+	l.mu.Lock()
+	l.alive = false
+	calls := l.calls
+	l.calls = map[uint64]*pending{}
+	unused := l.users == 0
+	l.mu.Unlock()
+	if unused {
+		defer l.slab.unmap()
+	}
+	l.conn.Close()
+	close(l.wake)
+	for _, call := range calls {
+		if !call.abandoned {
+			call.done <- answer{kind: "ShuttingDown", message: workerGone}
+		}
+	}
+}
+
+// inferMessage is the packed INFER (service/ipc/packed.py): kind, id, wants weights,
+// n, seq, d, in / out / wout offsets (-1: none), deadline (NaN: none), key, dtype.
+func inferMessage(id uint64, weights bool, shape [3]int64, at [3]int64, deadline float64, key, dtype string) []byte {
+	b := make([]byte, 0, inferHeadSize+len(key)+len(dtype))
+	b = append(b, inferKind)
+	b = binary.LittleEndian.AppendUint64(b, id)
+	if weights {
+		b = append(b, 1)
+	} else {
+		b = append(b, 0)
+	}
+	for _, v := range shape {
+		b = binary.LittleEndian.AppendUint64(b, uint64(v))
+	}
+	for _, v := range at {
+		b = binary.LittleEndian.AppendUint64(b, uint64(v))
+	}
+	b = binary.LittleEndian.AppendUint64(b, math.Float64bits(deadline))
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(key)))
+	b = append(b, byte(len(dtype)))
+	b = append(b, key...)
+	return append(b, dtype...)
+}
+
+// monotonic is CLOCK_MONOTONIC in seconds: the clock of the worker's deadlines
+// (Python's time.monotonic()).
+func monotonic() float64 {
+	var ts syscall.Timespec
+	syscall.Syscall(syscall.SYS_CLOCK_GETTIME, 1 /* CLOCK_MONOTONIC */, uintptr(unsafe.Pointer(&ts)), 0)
+	return float64(ts.Sec) + float64(ts.Nsec)/1e9
+}
