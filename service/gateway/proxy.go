@@ -33,8 +33,9 @@ func newProxy(socketPath string, maxResponseHeaderBytes int64) *httputil.Reverse
 			r.SetURL(target)
 			r.Out.Host = r.In.Host
 		},
-		Transport:     transport,
-		FlushInterval: -1, // streams: every message at once
+		Transport:      transport,
+		ModifyResponse: trailersOnlyToTrailers,
+		FlushInterval:  -1, // streams: every message at once
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			if r.Context().Err() != nil {
 				return // the client went away; nothing to answer
@@ -42,4 +43,25 @@ func newProxy(socketPath string, maxResponseHeaderBytes int64) *httputil.Reverse
 			writeStatus(w, codeUnavailable, backendGone)
 		},
 	}
+}
+
+// trailersOnlyToTrailers turns a trailers-only answer (the status in the one HEADERS frame
+// that ends the stream, as an error usually comes) into headers plus trailers: forwarded
+// as it was, its headers could leave before the handler ends, and the stream would then
+// end with an empty DATA frame and no status at all.
+func trailersOnlyToTrailers(r *http.Response) error {
+	status := r.Header.Values("Grpc-Status")
+	if len(status) == 0 {
+		return nil
+	}
+	if r.Trailer == nil {
+		r.Trailer = http.Header{}
+	}
+	for _, name := range []string{"Grpc-Status", "Grpc-Message", "Grpc-Status-Details-Bin"} {
+		if values := r.Header.Values(name); len(values) > 0 {
+			r.Trailer[name] = values
+			r.Header.Del(name)
+		}
+	}
+	return nil
 }

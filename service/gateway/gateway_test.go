@@ -1,0 +1,176 @@
+package main
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"math"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+func plainRequest(raw []byte, shape []int64, outputs ...string) []byte {
+	var input []byte
+	input = appendStringField(input, 1, inputName)
+	input = appendStringField(input, 2, "FP32")
+	input = appendPackedInt64s(input, 3, shape)
+	var msg []byte
+	msg = appendStringField(msg, 1, "mha")
+	msg = appendStringField(msg, 3, "id-1")
+	msg = appendBytesField(msg, 5, input)
+	for _, name := range outputs {
+		msg = appendBytesField(msg, 6, appendStringField(nil, 1, name))
+	}
+	return appendBytesField(msg, 7, raw)
+}
+
+func floats(values ...float32) []byte {
+	b := make([]byte, 0, 4*len(values))
+	for _, v := range values {
+		b = binary.LittleEndian.AppendUint32(b, math.Float32bits(v))
+	}
+	return b
+}
+
+func servedMHA() *served {
+	m := &modelInfo{Key: "mha/1", Name: "mha", Version: 1, EmbedDim: 2, NumHeads: 1,
+		Dtype: "float32", HasWeightsGraph: true}
+	return &served{models: map[string]map[int64]*modelInfo{"mha": {1: m}}, defaultModel: "mha", ready: true}
+}
+
+func TestPlainRequestIsReadAndChecked(t *testing.T) {
+	raw := floats(1, 2, 3, 4)
+	req := parseInfer(plainRequest(raw, []int64{1, 2, 2}, weightsName, outputName, weightsName))
+	if req == nil || req.modelName != "mha" || req.id != "id-1" || len(req.raw) != 16 {
+		t.Fatalf("parsed %+v", req)
+	}
+	p := req.check(servedMHA(), limits{maxSeqLen: 8, maxBatchSize: 4})
+	if p == nil || !p.weights || len(p.outputs) != 2 || p.outputs[0] != weightsName {
+		t.Fatalf("plan %+v", p)
+	}
+	if p.wBytes != 4*1*1*2*2 || p.outBytes != 16 {
+		t.Fatalf("sizes %d %d", p.outBytes, p.wBytes)
+	}
+}
+
+func TestAnythingNotPlainIsLeftToPython(t *testing.T) {
+	lim := limits{maxSeqLen: 8, maxBatchSize: 4}
+	cases := map[string][]byte{
+		"non-finite":    plainRequest(floats(1, float32(math.Inf(1)), 3, 4), []int64{1, 2, 2}),
+		"NaN":           plainRequest(floats(1, float32(math.NaN()), 3, 4), []int64{1, 2, 2}),
+		"wrong d":       plainRequest(floats(1, 2, 3, 4), []int64{1, 1, 4}),
+		"byte length":   plainRequest(floats(1, 2, 3), []int64{1, 2, 2}),
+		"too long":      plainRequest(make([]byte, 4*2*9), []int64{1, 9, 2}),
+		"empty":         plainRequest(nil, []int64{1, 0, 2}),
+		"other output":  plainRequest(floats(1, 2, 3, 4), []int64{1, 2, 2}, "logits"),
+		"two dims":      plainRequest(floats(1, 2, 3, 4), []int64{2, 2}),
+		"truncated":     plainRequest(floats(1, 2, 3, 4), []int64{1, 2, 2})[:20],
+		"request param": append(plainRequest(floats(1, 2, 3, 4), []int64{1, 2, 2}), appendBytesField(nil, 4, []byte{10, 1, 'x'})...),
+	}
+	for name, msg := range cases {
+		if req := parseInfer(msg); req != nil && req.check(servedMHA(), lim) != nil {
+			t.Errorf("%s: taken by the fast path", name)
+		}
+	}
+	unready := servedMHA()
+	unready.ready = false
+	if parseInfer(plainRequest(floats(1, 2, 3, 4), []int64{1, 2, 2})).check(unready, lim) != nil {
+		t.Error("served while the worker is not ready")
+	}
+}
+
+func TestResolveVersions(t *testing.T) {
+	s := servedMHA()
+	s.models["mha"][3] = &modelInfo{Name: "mha", Version: 3}
+	for version, want := range map[string]int64{"": 3, "1": 1, "3": 3} {
+		if m := s.resolve("", version); m == nil || m.Version != want {
+			t.Errorf("version %q: %+v", version, m)
+		}
+	}
+	for _, version := range []string{"2", "01", "+1", "x"} {
+		if s.resolve("mha", version) != nil {
+			t.Errorf("version %q resolved", version)
+		}
+	}
+}
+
+func TestSlabFirstFitCoalesces(t *testing.T) {
+	s, err := newSlab(4096, "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.unmap()
+	s.closeFd()
+	a, err := s.alloc([]int{100, 1000, 10})
+	if err != nil || a[0].offset != 0 || a[1].offset != 128 || a[2].offset != 1152 {
+		t.Fatalf("%v %v", a, err)
+	}
+	if _, err := s.alloc([]int{4096}); err == nil {
+		t.Fatal("allocated past the end")
+	}
+	s.release(a[1:2])
+	s.release(a[0:1])
+	s.release(a[2:3])
+	if len(s.free) != 1 || s.free[0] != (region{0, 4096}) || s.used != 0 {
+		t.Fatalf("free list %v used %d", s.free, s.used)
+	}
+	if _, err := s.alloc([]int{5000}); err == nil || !err.(*slabError).tooSmall {
+		t.Fatalf("too large: %v", err)
+	}
+}
+
+func TestGrpcTimeout(t *testing.T) {
+	for value, want := range map[string]time.Duration{"5S": 5 * time.Second, "100m": 100 * time.Millisecond, "7u": 7 * time.Microsecond} {
+		if got, ok := grpcTimeout(value); !ok || got != want {
+			t.Errorf("%q: %v %v", value, got, ok)
+		}
+	}
+	for _, value := range []string{"", "S", "5", "-1S", "5X", "1234567890S"} {
+		if _, ok := grpcTimeout(value); ok {
+			t.Errorf("%q accepted", value)
+		}
+	}
+}
+
+// The files must read back as prometheus-client's mmap_dict reads them.
+func TestMetricsFileLayout(t *testing.T) {
+	dir := t.TempDir()
+	spec := metricsSpec{Requests: metricSpec{Family: "r", Sample: "r_total", Help: "h"}}
+	spec.Duration.Family, spec.Duration.Help = "d", "h"
+	spec.Duration.Bounds, spec.Duration.Labels = []float64{0.1, 1e308}, []string{"0.1", "+Inf"}
+	m, err := openMetrics(dir, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.finished("mha", codeOK, 0.05)
+	m.finished("mha", codeOK, 3)
+	m.finished("mha", codeUnavailable, 0.01)
+	data, err := os.ReadFile(filepath.Join(dir, "counter_"+itoa(os.Getpid())+".db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	used := int(binary.LittleEndian.Uint32(data))
+	values := map[string]float64{}
+	for pos := 8; pos < used; {
+		length := int(binary.LittleEndian.Uint32(data[pos:]))
+		pos += 4
+		key := string(data[pos : pos+length])
+		pos += length + (8 - (length+4)%8)
+		values[key] = math.Float64frombits(binary.LittleEndian.Uint64(data[pos:]))
+		pos += 16
+		var parsed []any
+		if err := json.Unmarshal([]byte(key), &parsed); err != nil || len(parsed) != 4 {
+			t.Fatalf("key %q: %v", key, err)
+		}
+	}
+	ok := key("r", "r_total", map[string]string{"model": "mha", "api": "v2", "code": "OK"}, "h")
+	if values[ok] != 2 || len(values) != 2 {
+		t.Fatalf("values %v", values)
+	}
+}
+
+func itoa(n int) string {
+	b, _ := json.Marshal(n)
+	return string(b)
+}

