@@ -263,26 +263,42 @@ type certificateFiles struct {
 	cert, key string
 	mu        sync.Mutex
 	loaded    *tls.Certificate
-	modified  time.Time
+	modified  time.Time // of the files last looked at, loaded or refused
+	reloads   int
 }
 
 func (c *certificateFiles) get(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	info, err := os.Stat(c.cert)
-	if err == nil && c.loaded != nil && !info.ModTime().After(c.modified) {
+	modified := c.newest()
+	if c.loaded != nil && !modified.After(c.modified) {
 		return c.loaded, nil
 	}
 	pair, err := tls.LoadX509KeyPair(c.cert, c.key)
 	if err != nil {
-		if c.loaded != nil {
-			return c.loaded, nil // mid-renewal: the files disagree for a moment
+		if c.loaded != nil { // mid-renewal, or a broken pair: the last good one stays
+			log.Printf("TLS files changed but cannot be used (%v); keeping the current "+
+				"certificate until they are fixed", err)
+			c.modified = modified
+			return c.loaded, nil
 		}
 		return nil, fmt.Errorf("TLS certificate %s / key %s: %w", c.cert, c.key, err)
 	}
-	c.loaded = &pair
-	if info != nil {
-		c.modified = info.ModTime()
+	if c.loaded != nil {
+		c.reloads++
+		log.Printf("TLS certificate reloaded from %s (reload %d)", c.cert, c.reloads)
 	}
+	c.loaded, c.modified = &pair, modified
 	return c.loaded, nil
+}
+
+// newest is the later modification time of the certificate and key files.
+func (c *certificateFiles) newest() time.Time {
+	var newest time.Time
+	for _, path := range []string{c.cert, c.key} {
+		if info, err := os.Stat(path); err == nil && info.ModTime().After(newest) {
+			newest = info.ModTime()
+		}
+	}
+	return newest
 }
