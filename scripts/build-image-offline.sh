@@ -37,8 +37,9 @@ fi
 #    stage's torch/onnx, pinned by constraints.txt. Wheels must match the base's CPython (3.11
 #    on bookworm) and architecture; pip's cache makes a second run quick.
 if [[ "${SKIP_WHEELHOUSE:-0}" != 1 ]]; then
-    # The base dependencies (the client's) and the server extra, as the Dockerfile installs.
-    mapfile -t serving < <(python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["server"]))')
+    # The base dependencies (the client's), the server extra and the gateway's Go toolchain,
+    # as the Dockerfile installs them.
+    mapfile -t serving < <(python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["server"] + p["optional-dependencies"]["gateway"]))')
     read -ra onnxruntime_reqs <<< "$ONNXRUNTIME"  # space-separated, as the Dockerfile's ARG
     # shellcheck disable=SC2086
     $PIP download --quiet --dest wheelhouse "${TORCH_INDEX_ARGS[@]}" --constraint constraints.txt \
