@@ -22,7 +22,7 @@ from service.generated.inference import grpc_service_pb2_grpc
 
 LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)(?: http_port=(\d+))?")
 # The supervisor's "started worker (pid N)" / "started frontend-K (pid N)" (a restart repeats it).
-STARTED = re.compile(r"started (worker|frontend-\d+) \(pid (\d+)\)")
+STARTED = re.compile(r"started (worker|frontend-\d+(?:-gateway)?) \(pid (\d+)\)")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

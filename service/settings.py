@@ -241,8 +241,8 @@ class Settings:
         "on: each front end's gRPC port is served by a native gateway (Go) that answers plain "
         "V2 ModelInfer calls itself, through its own shared memory of --shared-memory-bytes, "
         "and hands every other call to the front end's Python process; off: Python serves "
-        "the port. Off while tracing is on or the inference API is restricted, since only "
-        "the Python front end traces and checks keys",
+        "the port. Python serves it also while tracing is on or the inference API is "
+        "restricted (only Python traces and checks keys)",
         default="off",
     )
     grpc_gateway_binary: str = _doc(

@@ -21,7 +21,7 @@ LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)(?: http_po
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-STARTED = re.compile(r"started (worker|frontend-\d+) \(pid (\d+)\)")
+STARTED = re.compile(r"started (worker|frontend-\d+(?:-gateway)?) \(pid (\d+)\)")
 
 
 def child_pids(server: ServerProcess) -> dict[str, int]:

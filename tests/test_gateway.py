@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
+import hyperframe.frame
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
@@ -22,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 from tests.reference import attend_alone, layer_for
 from tests.server_process import ServerProcess, child_pids, worker_pid
 
-GATEWAY_PID = re.compile(r"gRPC port served by the gateway \(pid (\d+)\)")
+GATEWAY_PID = re.compile(r"started frontend-\d+-gateway \(pid (\d+)\)")
 GATEWAY_SOURCES = Path(__file__).resolve().parent.parent / "service" / "gateway"
 
 
@@ -256,3 +261,64 @@ def test_gateway_unit_tests_pass() -> None:
     unformatted = subprocess.run([f"{goroot}/bin/gofmt", "-l", "."], cwd=GATEWAY_SOURCES,
                                  capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
     assert unformatted.stdout == "", f"not gofmt-formatted: {unformatted.stdout}"
+
+
+def test_connections_past_their_age_are_sent_away_gracefully(model_repository: Path) -> None:
+    """--max-connection-age-s: a call on an old connection still gets its answer, and the
+    connection gets a GOAWAY (NO_ERROR), so clients reconnect and spread over the pods."""
+    flags = ("--grpc-gateway", "on", "--max-connection-age-s", "0.5")
+    with ServerProcess(model_repository, *flags) as server:
+        goaway = _call_until_goaway(server.grpc_port, give_up_s=30)
+        assert goaway.error_code == 0, goaway  # NO_ERROR: graceful
+
+
+def _call_until_goaway(port: int, give_up_s: float) -> hyperframe.frame.GoAwayFrame:
+    """Paced ServerLive calls on one connection until the server sends GOAWAY (read from the
+    raw frames: h2 refuses the frames of calls still answered after one)."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    give_up = time.monotonic() + give_up_s
+    with socket.create_connection(("127.0.0.1", port), timeout=give_up_s) as sock:
+        received = b""
+        while time.monotonic() < give_up:
+            stream = conn.get_next_available_stream_id()
+            conn.send_headers(stream, [
+                (":method", "POST"), (":scheme", "http"), (":authority", "127.0.0.1"),
+                (":path", "/inference.GRPCInferenceService/ServerLive"),
+                ("content-type", "application/grpc"), ("te", "trailers"),
+            ])  # fmt: skip
+            conn.send_data(stream, b"\0\0\0\0\0", end_stream=True)
+            sock.sendall(conn.data_to_send())
+            ended = False
+            while not ended:
+                chunk = sock.recv(1 << 16)
+                assert chunk, "the connection closed without a GOAWAY"
+                received += chunk
+                while len(received) >= 9:
+                    frame, length = hyperframe.frame.Frame.parse_frame_header(received[:9])
+                    if len(received) < 9 + length:
+                        break
+                    body, received = received[9 : 9 + length], received[9 + length :]
+                    frame.parse_body(memoryview(body))
+                    if isinstance(frame, hyperframe.frame.GoAwayFrame):
+                        return frame
+                    for event in conn.receive_data(frame.serialize()):
+                        ended = ended or isinstance(event, h2.events.StreamEnded)
+                    sock.sendall(conn.data_to_send())
+            time.sleep(0.05)  # paced calls, until the age passes
+    raise AssertionError("no GOAWAY within the time given")
+
+
+def test_python_serves_the_port_when_inference_keys_are_checked(model_repository: Path) -> None:
+    flags = ("--grpc-gateway", "on", "--restricted-api", "inference:x-infer-key=s3cret")
+    with ServerProcess(model_repository, *flags) as server:
+        assert not gateway_pids(server)
+        assert "Python serves the gRPC port: the inference API is restricted" in server.log
+        with triton.InferenceServerClient(server.target) as client:
+            with pytest.raises(InferenceServerException) as denied:
+                infer(client, np.ones((1, 2, 512), np.float32))
+            assert denied.value.status() == "StatusCode.PERMISSION_DENIED"
+            tensor = triton.InferInput("embeddings", [1, 2, 512], "FP32")
+            tensor.set_data_from_numpy(np.ones((1, 2, 512), np.float32))
+            result = client.infer("mha", [tensor], headers={"x-infer-key": "s3cret"})
+            assert result.as_numpy("output").shape == (1, 2, 512)

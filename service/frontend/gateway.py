@@ -53,7 +53,7 @@ def find_binary(configured: str) -> str:
 
 
 def gateway_off_reason(settings: Settings, inference_restricted: bool) -> str:
-    """Why the gateway answers no call itself (it still serves the port), or ''."""
+    """Why the gateway would have to hand every call to Python, or ''."""
     if settings.tracing == "on":
         return "tracing is on (only the Python front end traces)"
     if inference_restricted:
@@ -98,14 +98,13 @@ class Gateway:
     exits on its own (the front end then exits, and the supervisor restarts both)."""
 
     def __init__(self, settings: Settings, *, name: str, backend: Path, worker_socket: Path,
-                 slab_bytes: int, receive_bytes: int, fast_path: bool) -> None:  # fmt: skip
+                 slab_bytes: int, receive_bytes: int) -> None:  # fmt: skip
         self._settings = settings
         self._name = name
         self._backend = backend
         self._worker_socket = worker_socket
         self._slab_bytes = slab_bytes
         self._receive_bytes = receive_bytes
-        self._fast_path = fast_path
         self._process: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
@@ -120,7 +119,6 @@ class Gateway:
             f"--backend={self._backend}",
             f"--worker-socket={self._worker_socket}",
             f"--name={self._name}-gateway",
-            f"--fast-path={'on' if self._fast_path else 'off'}",
             f"--slab-bytes={self._slab_bytes}",
             f"--max-seq-len={s.max_seq_len}",
             f"--max-batch-size={s.max_batch_size}",
@@ -128,6 +126,7 @@ class Gateway:
             f"--max-undelivered-bytes={share}",
             f"--max-undelivered-bytes-per-connection={min(share, share_connection)}",
             f"--max-connection-idle-s={s.max_connection_idle_s}",
+            f"--max-connection-age-s={s.max_connection_age_s}",
             f"--shutdown-not-serving-s={s.shutdown_not_serving_s}",
             f"--grace-period-s={s.grace_period_s}",
         ]
@@ -160,8 +159,8 @@ class Gateway:
             error = (await process.stderr.read()).decode(errors="replace").strip()
             raise GatewayError(error or "the gateway did not start")
         self._watch = asyncio.create_task(self._watch_exit(process, on_exit))
-        log.info("gRPC port served by the gateway (pid %d)%s", process.pid,
-                 "" if self._fast_path else ", every call handed to Python")  # fmt: skip
+        # As the supervisor logs its children: tools that follow the processes read this.
+        log.info("started %s-gateway (pid %d): it serves the gRPC port", self._name, process.pid)
         return int(line.decode().rsplit(":", 1)[1])
 
     async def _watch_exit(self, process: asyncio.subprocess.Process, on_exit: Any) -> None:

@@ -149,7 +149,7 @@ class FrontendServer:
         self._add_servicers(server, v2_plane, Unpacker(settings.grpc_compression,
                                                        max_bytes=receive_bytes))  # fmt: skip
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if settings.grpc_gateway == "on":
+        if self._use_gateway():
             bound = await self._serve_behind_gateway(server, port, receive_bytes)
         else:
             address = grpc_address(settings.host, port)
@@ -172,6 +172,17 @@ class FrontendServer:
         self._changed()
         return bound
 
+    def _use_gateway(self) -> bool:
+        """--grpc-gateway on, unless a setting needs every call in Python (then the gateway
+        would only add a hop)."""
+        if self._settings.grpc_gateway != "on":
+            return False
+        restricted = self._restrictions_in_force.restricted("inference")
+        off = gateway_off_reason(self._settings, restricted)
+        if off:
+            log.warning("--grpc-gateway on, but Python serves the gRPC port: %s", off)
+        return not off
+
     async def _serve_behind_gateway(
         self, server: grpc.aio.Server, port: int, receive_bytes: int
     ) -> int:
@@ -185,13 +196,9 @@ class FrontendServer:
         except RuntimeError as err:
             raise StartupError(f"cannot bind gRPC to {backend}: {err}") from err
         await server.start()
-        off = gateway_off_reason(settings, self._restrictions_in_force.restricted("inference"))
-        if off:
-            log.warning("the gateway hands every call to Python: %s", off)
         self._gateway = Gateway(
             settings, name=self.name, backend=backend, worker_socket=self._worker_socket,
             slab_bytes=slab_bytes(settings, self._queue_bytes), receive_bytes=receive_bytes,
-            fast_path=not off,
         )  # fmt: skip
         try:
             return await self._gateway.start(grpc_address(settings.host, port), _gateway_died)

@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -38,7 +39,17 @@ type gateway struct {
 	maxReceive int64
 }
 
+// agedAtKey holds when a connection is past its age: --max-connection-age-s spread by
+// +-10 percent, as gRPC spreads it, so connections made together do not all go at once.
+type agedAtKey struct{}
+
 func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if aged, ok := r.Context().Value(agedAtKey{}).(time.Time); ok && time.Now().After(aged) {
+		// Past its age: net/http answers "Connection: close" on HTTP/2 with a graceful
+		// GOAWAY, so clients reconnect (and client-side balancing spreads them again)
+		// while this call and the others in flight finish.
+		w.Header().Set("Connection", "close")
+	}
 	if g.fast != nil && r.URL.Path == modelInferPath && r.Method == http.MethodPost &&
 		strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") &&
 		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity") {
@@ -91,12 +102,12 @@ type options struct {
 	slabBytes                                       int
 	maxSeqLen, maxBatchSize, maxReceive             int64
 	maxUndelivered, maxUndeliveredPerConnection     int64
-	idle, notServing, grace                         time.Duration
+	idle, maxAge, notServing, grace                 time.Duration
 }
 
 func parseOptions() options {
 	var o options
-	var idleS, notServingS, graceS float64
+	var idleS, ageS, notServingS, graceS float64
 	var fast string
 	flag.StringVar(&o.listen, "listen", "127.0.0.1:8001", "HOST:PORT of the gRPC port")
 	flag.StringVar(&o.backend, "backend", "", "Unix socket of this front end's Python process")
@@ -114,11 +125,13 @@ func parseOptions() options {
 	flag.Int64Var(&o.maxUndelivered, "max-undelivered-bytes", 1<<30, "this front end's share")
 	flag.Int64Var(&o.maxUndeliveredPerConnection, "max-undelivered-bytes-per-connection", 1<<29, "")
 	flag.Float64Var(&idleS, "max-connection-idle-s", 60, "")
+	flag.Float64Var(&ageS, "max-connection-age-s", 300, "0: no limit")
 	flag.Float64Var(&notServingS, "shutdown-not-serving-s", 2, "")
 	flag.Float64Var(&graceS, "grace-period-s", 30, "")
 	flag.Parse()
 	o.fastPath = fast == "on"
 	o.idle = time.Duration(idleS * float64(time.Second))
+	o.maxAge = time.Duration(ageS * float64(time.Second))
 	o.notServing = time.Duration(notServingS * float64(time.Second))
 	o.grace = time.Duration(graceS * float64(time.Second))
 	return o
@@ -165,7 +178,14 @@ func run(o options) error {
 		return err
 	}
 	server := &http.Server{Handler: g, IdleTimeout: o.idle, ReadHeaderTimeout: 10 * time.Second,
-		ErrorLog: log.New(io.Discard, "", 0)}
+		ErrorLog: log.New(io.Discard, "", 0),
+		ConnContext: func(ctx context.Context, _ net.Conn) context.Context {
+			if o.maxAge <= 0 {
+				return ctx
+			}
+			spread := time.Duration((0.9 + 0.2*rand.Float64()) * float64(o.maxAge))
+			return context.WithValue(ctx, agedAtKey{}, time.Now().Add(spread))
+		}}
 	var protocols http.Protocols
 	if o.tlsCert != "" {
 		config, err := tlsConfig(o)
