@@ -1,8 +1,10 @@
 package main
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -173,4 +175,48 @@ func TestMetricsFileLayout(t *testing.T) {
 func itoa(n int) string {
 	b, _ := json.Marshal(n)
 	return string(b)
+}
+
+type trickle struct{ chunks [][]byte }
+
+func (t *trickle) Read(p []byte) (int, error) {
+	if len(t.chunks) == 0 {
+		return 0, io.EOF
+	}
+	n := copy(p, t.chunks[0])
+	if n == len(t.chunks[0]) {
+		t.chunks = t.chunks[1:]
+	} else {
+		t.chunks[0] = t.chunks[0][n:]
+	}
+	return n, nil
+}
+
+func framed(msg []byte, declared int) []byte {
+	prefix := []byte{0, 0, 0, 0, 0}
+	binary.BigEndian.PutUint32(prefix[1:], uint32(declared))
+	return append(prefix, msg...)
+}
+
+func TestReadUnaryHoldsWhatArrivedNotWhatWasDeclared(t *testing.T) {
+	g := &gateway{maxReceive: 64 << 20}
+	read, _, ok := g.readUnary(&trickle{chunks: [][]byte{framed([]byte("abc"), 32<<20)}})
+	if ok || cap(read) > 1<<20 {
+		t.Fatalf("a 32 MiB declaration with 3 bytes sent: ok=%v, held %d bytes", ok, cap(read))
+	}
+	msg := make([]byte, 300<<10)
+	for i := range msg {
+		msg[i] = byte(i)
+	}
+	whole := framed(msg, len(msg))
+	read, got, ok := g.readUnary(&trickle{chunks: [][]byte{whole[:7], whole[7:100000], whole[100000:]}})
+	if !ok || !bytes.Equal(got, msg) || !bytes.Equal(read, whole) {
+		t.Fatalf("a message in three pieces: ok=%v, %d bytes", ok, len(got))
+	}
+	if _, _, ok := g.readUnary(&trickle{chunks: [][]byte{whole, {0}}}); ok {
+		t.Fatal("a second message taken as unary")
+	}
+	if _, _, ok := (&gateway{maxReceive: 100}).readUnary(&trickle{chunks: [][]byte{whole}}); ok {
+		t.Fatal("a message over the receive limit taken")
+	}
 }
