@@ -48,12 +48,19 @@ def _env_names(container: dict) -> set[str]:
 def test_dockerfile_exports_in_a_build_stage_and_serves_without_torch() -> None:
     text = (ROOT / "Dockerfile").read_text()
     stages = re.split(r"^FROM ", text, flags=re.M)[1:]
-    assert len(stages) == 3
-    export_stage, deps_stage, serve_stage = stages
+    assert len(stages) == 4
+    export_stage, gateway_stage, deps_stage, serve_stage = stages
+    # The gRPC gateway is built from source in a stage of its own; the image gets the binary.
+    assert "AS gateway" in gateway_stage
+    assert "go build" in gateway_stage
+    assert "CGO_ENABLED=0" in gateway_stage  # static: any base runs it
+    assert (
+        "COPY --from=gateway /opt/attention-gateway /opt/venv/bin/attention-gateway" in serve_stage
+    )
     assert "AS export" in export_stage
     assert "python -m export" in export_stage
     assert "torch" in export_stage
-    for stage in (deps_stage, serve_stage):
+    for stage in (gateway_stage, deps_stage, serve_stage):
         assert "torch" not in stage.replace("no torch", "")
     assert "COPY --from=export" in serve_stage
     assert "COPY --from=deps" in serve_stage
