@@ -24,11 +24,15 @@ from typing import Any
 from prometheus_client import multiprocess
 from prometheus_client.utils import floatToGoString
 
+from service.dataplane import DEADLINE_SLACK_S
 from service.observability import metrics
 from service.settings import Settings
+from service.transport import grpc_options
 
 log = logging.getLogger(__name__)
 BINARY = "attention-gateway"
+# As the Python front end's drain (server.py): refuse new calls this long before closing.
+REFUSE_LINGER_S = 0.2
 START_TIMEOUT_S = 10.0
 
 
@@ -127,8 +131,13 @@ class Gateway:
             f"--max-undelivered-bytes-per-connection={min(share, share_connection)}",
             f"--max-connection-idle-s={s.max_connection_idle_s}",
             f"--max-connection-age-s={s.max_connection_age_s}",
+            f"--max-concurrent-streams={grpc_options.MAX_CONCURRENT_STREAMS}",
+            f"--keepalive-s={grpc_options.KEEPALIVE_TIME_MS / 1000}",
+            f"--keepalive-timeout-s={grpc_options.KEEPALIVE_TIMEOUT_MS / 1000}",
+            f"--deadline-slack-s={DEADLINE_SLACK_S}",
             f"--shutdown-not-serving-s={s.shutdown_not_serving_s}",
             f"--grace-period-s={s.grace_period_s}",
+            f"--refuse-linger-s={REFUSE_LINGER_S}",
         ]
         if s.tls_cert and s.tls_key:
             command += [f"--tls-cert={s.tls_cert}", f"--tls-key={s.tls_key}"]

@@ -14,6 +14,7 @@ import grpc
 
 from service.dataplane import ended_at_deadline
 from service.errors import ServingError
+from service.frontend import caller
 from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Reservation
 from service.frontend.handlers import Undecodable
 from service.frontend.status import SERVER_FAULTS, code_for
@@ -201,11 +202,11 @@ def _admit(
 ) -> Reservation | None:
     """Refuse what could not be decoded; reserve the answer's memory when it holds one."""
     if isinstance(request, Undecodable):
-        raise request.refuse(context.peer())
+        raise request.refuse(caller.peer(context))
     if not holds_answer or servicer.answers is None:
         return None
     try:
         estimate = servicer.answer_bytes(request)
     except Exception:  # a malformed request: the handler says what is wrong with it
         estimate = 0
-    return servicer.answers.reserve(context.peer(), MEMORY_PER_ANSWER_BYTE * estimate)
+    return servicer.answers.reserve(caller.peer(context), MEMORY_PER_ANSWER_BYTE * estimate)

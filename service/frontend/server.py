@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from service.errors import ShuttingDown
+from service.frontend import caller
 from service.frontend.attention_servicer import AttentionServicer
 from service.frontend.compression import Unpacker
 from service.frontend.delivery import AnswerBudget, install_disconnect_filter
@@ -191,6 +192,7 @@ class FrontendServer:
         settings = self._settings
         backend = self._worker_socket.parent / f"{self.name}.grpc.sock"
         backend.unlink(missing_ok=True)  # left by a front end that was killed
+        caller.serve_behind_gateway()  # every call now comes through the gateway
         try:
             server.add_insecure_port(f"unix:{backend}")
         except RuntimeError as err:

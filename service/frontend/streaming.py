@@ -26,6 +26,7 @@ import grpc
 
 from service.dataplane import ended_at_deadline
 from service.errors import AnswersBacklogged, ServingError
+from service.frontend import caller
 from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Reservation
 from service.frontend.handlers import Undecodable
 from service.frontend.rpc import STREAM_METHOD_OF_API, end_span, serialized, start_span
@@ -133,7 +134,7 @@ class _Stream(Generic[Request, Response]):
         self._room.set()
         # An answer, its reservations and how to count it; None is the reader's last word.
         self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
-        self._peer = context.peer()
+        self._peer = caller.peer(context)
         self._writing: _Answer | None = None
         self._ended = False
         self._tasks: set[asyncio.Task[None]] = set()

@@ -220,3 +220,11 @@ func TestReadUnaryHoldsWhatArrivedNotWhatWasDeclared(t *testing.T) {
 		t.Fatal("a message over the receive limit taken")
 	}
 }
+
+func TestGrpcPeer(t *testing.T) {
+	for remote, want := range map[string]string{"127.0.0.1:5000": "ipv4:127.0.0.1:5000", "[::1]:7": "ipv6:[::1]:7"} {
+		if got := grpcPeer(remote); got != want {
+			t.Errorf("%s: %s", remote, got)
+		}
+	}
+}

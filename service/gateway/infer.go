@@ -221,12 +221,15 @@ func contains(names []string, name string) bool {
 
 // fastPath answers plain ModelInfer calls; the rest it hands to fallback.
 type fastPath struct {
-	worker    *worker
-	limits    limits
-	metrics   *metrics
-	answers   *answerBudget
-	accepting atomic.Bool
-	inFlight  sync.WaitGroup
+	worker  *worker
+	limits  limits
+	metrics *metrics
+	answers *answerBudget
+	// A client's deadline timer fires before ours by the time the request took to arrive,
+	// and it then cancels the call: one cancelled this close to its deadline expired.
+	deadlineSlack time.Duration
+	accepting     atomic.Bool
+	inFlight      sync.WaitGroup
 }
 
 // serve answers the call and returns true, or returns false having written nothing.
@@ -290,6 +293,7 @@ func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequ
 	if p.weights {
 		at[2] = int64(regions[2].offset)
 	}
+	arrived := time.Now()
 	deadline, timeout := nanDeadline(), time.Duration(0)
 	if t, ok := grpcTimeout(r.Header.Get("Grpc-Timeout")); ok {
 		deadline, timeout = monotonic()+t.Seconds(), t
@@ -318,7 +322,11 @@ func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequ
 	select {
 	case a = <-call.done:
 	case <-r.Context().Done():
-		return fp.abandon(l, id, call, codeCancelled, w)
+		code := codeCancelled
+		if timeout > 0 && time.Since(arrived) >= timeout-fp.deadlineSlack {
+			code = codeDeadlineExceeded
+		}
+		return fp.abandon(l, id, call, code, w)
 	case <-expired:
 		return fp.abandon(l, id, call, codeDeadlineExceeded, w)
 	}

@@ -109,12 +109,15 @@ type options struct {
 	slabBytes                                       int
 	maxSeqLen, maxBatchSize, maxReceive             int64
 	maxUndelivered, maxUndeliveredPerConnection     int64
+	maxStreams                                      int
+	keepalive, keepaliveTimeout, deadlineSlack      time.Duration
+	refuseLinger                                    time.Duration
 	idle, maxAge, notServing, grace                 time.Duration
 }
 
 func parseOptions() options {
 	var o options
-	var idleS, ageS, notServingS, graceS float64
+	var idleS, ageS, notServingS, graceS, keepaliveS, keepaliveTimeoutS, slackS, lingerS float64
 	var fast string
 	flag.StringVar(&o.listen, "listen", "127.0.0.1:8001", "HOST:PORT of the gRPC port")
 	flag.StringVar(&o.backend, "backend", "", "Unix socket of this front end's Python process")
@@ -133,12 +136,21 @@ func parseOptions() options {
 	flag.Int64Var(&o.maxUndeliveredPerConnection, "max-undelivered-bytes-per-connection", 1<<29, "")
 	flag.Float64Var(&idleS, "max-connection-idle-s", 60, "")
 	flag.Float64Var(&ageS, "max-connection-age-s", 300, "0: no limit")
+	flag.IntVar(&o.maxStreams, "max-concurrent-streams", 1024, "calls at once on one connection")
+	flag.Float64Var(&keepaliveS, "keepalive-s", 60, "ping a connection silent this long")
+	flag.Float64Var(&keepaliveTimeoutS, "keepalive-timeout-s", 20, "close it when the ping goes unanswered this long")
+	flag.Float64Var(&slackS, "deadline-slack-s", 0.25, "a call cancelled this close to its deadline counts DEADLINE_EXCEEDED")
 	flag.Float64Var(&notServingS, "shutdown-not-serving-s", 2, "")
 	flag.Float64Var(&graceS, "grace-period-s", 30, "")
+	flag.Float64Var(&lingerS, "refuse-linger-s", 0.2, "drain: refuse new calls this long before closing")
 	flag.Parse()
 	o.fastPath = fast == "on"
 	o.idle = time.Duration(idleS * float64(time.Second))
 	o.maxAge = time.Duration(ageS * float64(time.Second))
+	o.keepalive = time.Duration(keepaliveS * float64(time.Second))
+	o.keepaliveTimeout = time.Duration(keepaliveTimeoutS * float64(time.Second))
+	o.deadlineSlack = time.Duration(slackS * float64(time.Second))
+	o.refuseLinger = time.Duration(lingerS * float64(time.Second))
 	o.notServing = time.Duration(notServingS * float64(time.Second))
 	o.grace = time.Duration(graceS * float64(time.Second))
 	return o
@@ -177,7 +189,8 @@ func run(o options) error {
 		welcomed := make(chan struct{})
 		go w.connectForever(welcomed)
 		g.fast = &fastPath{worker: w, limits: limits{o.maxSeqLen, o.maxBatchSize}, metrics: m,
-			answers: newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection)}
+			deadlineSlack: o.deadlineSlack,
+			answers:       newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection)}
 		g.fast.accepting.Store(true)
 	}
 	listener, err := listen(o.listen)
@@ -207,6 +220,12 @@ func run(o options) error {
 	}
 	server.Protocols = &protocols
 	server.HTTP2 = &http.HTTP2Config{
+		// As the Python front end's gRPC server (service/transport/grpc_options.py): calls
+		// past the bound on one connection are refused (UNAVAILABLE), and a connection
+		// silent this long is pinged and closed when the ping goes unanswered.
+		MaxConcurrentStreams: o.maxStreams,
+		SendPingTimeout:      o.keepalive,
+		PingTimeout:          o.keepaliveTimeout,
 		// Bigger DATA frames and windows than HTTP/2's defaults (16 KiB, 64 KiB): a 256 KiB
 		// tensor in 16 frames and one window update, not 16 and four; what a connection may
 		// buffer unread stays bounded by the connection window.
@@ -243,6 +262,9 @@ func drain(server *http.Server, fast *fastPath, o options) error {
 		case <-time.After(time.Until(deadline)):
 		}
 	}
+	// Refusing a moment longer: a call already on the wire when the connections close would
+	// end without the refusal's message, and its client could not tell it was never taken.
+	time.Sleep(min(o.refuseLinger, time.Until(deadline)/2))
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	if err := server.Shutdown(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {

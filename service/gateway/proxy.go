@@ -10,9 +10,26 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"strings"
 )
 
-const backendGone = "this front end's protocol process is restarting; retry"
+const (
+	backendGone   = "this front end's protocol process is restarting; retry"
+	peerHeader    = "X-Attention-Gateway-Peer"
+	subjectHeader = "X-Attention-Gateway-Subject"
+)
+
+// grpcPeer writes a client address as gRPC does: "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234".
+func grpcPeer(remote string) string {
+	host, _, err := net.SplitHostPort(remote)
+	if err != nil {
+		return remote
+	}
+	if strings.Contains(host, ":") {
+		return "ipv6:" + remote
+	}
+	return "ipv4:" + remote
+}
 
 func newProxy(socketPath string, maxResponseHeaderBytes int64) *httputil.ReverseProxy {
 	var protocols http.Protocols
@@ -32,6 +49,14 @@ func newProxy(socketPath string, maxResponseHeaderBytes int64) *httputil.Reverse
 		Rewrite: func(r *httputil.ProxyRequest) {
 			r.SetURL(target)
 			r.Out.Host = r.In.Host
+			// Who called, for the Python front end's per-connection bounds and its logs
+			// (service/frontend/caller.py); never what a client claims.
+			r.Out.Header.Del(peerHeader)
+			r.Out.Header.Del(subjectHeader)
+			r.Out.Header.Set(peerHeader, grpcPeer(r.In.RemoteAddr))
+			if r.In.TLS != nil && len(r.In.TLS.PeerCertificates) > 0 {
+				r.Out.Header.Set(subjectHeader, r.In.TLS.PeerCertificates[0].Subject.String())
+			}
 		},
 		Transport:      transport,
 		ModifyResponse: trailersOnlyToTrailers,
