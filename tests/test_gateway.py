@@ -24,7 +24,6 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.h2_raw import RawGrpc
 from tests.reference import attend_alone, layer_for
 from tests.server_process import ServerProcess, child_pids, worker_pid
 
@@ -328,12 +327,15 @@ def test_python_serves_the_port_when_inference_keys_are_checked(model_repository
 def test_the_python_front_end_sees_the_clients_address(gateway: ServerProcess) -> None:
     """Behind the gateway, per-connection bounds and log lines name the client, not the
     gateway's socket; a client cannot name itself."""
-    raw = RawGrpc(gateway.grpc_port, read=True)
-    try:
-        stream = raw.call("/inference.GRPCInferenceService/ModelInfer", b"\x0a\x03mha",
-                          compressed=True, metadata={"x-attention-gateway-peer": "ipv4:6.6.6.6:1"})  # fmt: skip
-        assert raw.wait(stream).headers.get("grpc-status") == "12"  # UNIMPLEMENTED, as before
-    finally:
-        raw.close()
-    assert "refused a compressed request from 'ipv4:127.0.0.1:" in gateway.log
+    x = np.ones((1, 2, 512), np.float32)
+    tensor = triton.InferInput("embeddings", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    with (
+        triton.InferenceServerClient(gateway.target) as client,
+        pytest.raises(InferenceServerException) as refused,  # refused, and logged, by Python
+    ):
+        client.infer("mha", [tensor], compression_algorithm="gzip",
+                     headers={"x-attention-gateway-peer": "ipv4:6.6.6.6:1"})  # fmt: skip
+    assert refused.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert "refused a compressed request from 'ipv4:127.0.0.1'" in gateway.log
     assert "6.6.6.6" not in gateway.log

@@ -56,7 +56,10 @@ func grpcMessage(text string) string {
 	out := make([]byte, 0, len(text))
 	for i := 0; i < len(text); i++ {
 		c := text[i]
-		if c < 0x20 || c > 0x7e || c == '%' {
+		// A space at either end too: HTTP/2 forbids a field value that starts or ends with
+		// whitespace, and strict clients reset the stream over it.
+		edge := c == ' ' && (i == 0 || i == len(text)-1)
+		if c < 0x20 || c > 0x7e || c == '%' || edge {
 			out = append(out, '%', hex[c>>4], hex[c&15])
 		} else {
 			out = append(out, c)
