@@ -192,6 +192,7 @@ func run(o options) error {
 			deadlineSlack: o.deadlineSlack,
 			answers:       newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection)}
 		g.fast.accepting.Store(true)
+		go g.fast.returnMemoryWhenIdle()
 	}
 	listener, err := listen(o.listen)
 	if err != nil {

@@ -14,9 +14,11 @@ import (
 )
 
 const (
-	backendGone   = "this front end's protocol process is restarting; retry"
-	peerHeader    = "X-Attention-Gateway-Peer"
-	subjectHeader = "X-Attention-Gateway-Subject"
+	proxyStreamWindow     = 64 << 10
+	proxyConnectionWindow = 64 << 20
+	backendGone           = "this front end's protocol process is restarting; retry"
+	peerHeader            = "X-Attention-Gateway-Peer"
+	subjectHeader         = "X-Attention-Gateway-Subject"
 )
 
 // grpcPeer writes a client address as gRPC does: "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234".
@@ -42,7 +44,14 @@ func newProxy(socketPath string, maxResponseHeaderBytes int64) *httputil.Reverse
 		},
 		DisableCompression:     true,
 		MaxResponseHeaderBytes: maxResponseHeaderBytes,
-		HTTP2:                  &http.HTTP2Config{MaxConcurrentStreams: 1 << 16},
+		HTTP2: &http.HTTP2Config{
+			MaxConcurrentStreams: 1 << 16,
+			// What an answer may leave here when its client does not read: the Python front
+			// end holds the rest, counted in its undelivered-answers budget. Without this bound,
+			// HTTP/2's default windows would buffer megabytes per stalled call here.
+			MaxReceiveBufferPerStream:     proxyStreamWindow,
+			MaxReceiveBufferPerConnection: proxyConnectionWindow,
+		},
 	}
 	target := &url.URL{Scheme: "http", Host: "frontend"}
 	return &httputil.ReverseProxy{

@@ -151,3 +151,12 @@ func (e *slabError) Error() string {
 	return fmt.Sprintf("shared memory full: %d of %d bytes hold tensors of requests in flight, "+
 		"this one needs %d more (--shared-memory-bytes); retry with backoff", e.used, e.size, e.need)
 }
+
+// releaseIfEmpty gives every page back when no region is held (after a burst).
+func (s *slab) releaseIfEmpty() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.used == 0 {
+		s.releasePages(region{0, len(s.mem)})
+	}
+}
