@@ -339,3 +339,40 @@ def test_the_python_front_end_sees_the_clients_address(gateway: ServerProcess) -
     assert refused.value.status() == "StatusCode.UNIMPLEMENTED"
     assert "refused a compressed request from 'ipv4:127.0.0.1'" in gateway.log
     assert "6.6.6.6" not in gateway.log
+
+
+def test_a_killed_front_end_leaves_no_calls_counted_in_flight(model_repository: Path) -> None:
+    """SIGKILL of a front end takes its gateway down too (calls in flight on it end); the
+    gateway's in-flight gauge must not keep counting them after the restart."""
+    flags = ("--grpc-gateway", "on", "--max-queue-delay-ms", "3000", "--max-batch-size", "64")
+    with ServerProcess(model_repository, *flags) as server:
+        x = np.ones((1, 8, 512), np.float32)
+
+        def call(_: int) -> None:
+            with (
+                triton.InferenceServerClient(server.target) as client,
+                pytest.raises(InferenceServerException),
+            ):
+                infer(client, x, timeout_s=30)
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(call, i) for i in range(6)]
+            server.wait_metric("attention_inflight_requests", 6, api="v2")
+            front_end = child_pids(server)["frontend-0"]
+            os.kill(front_end, signal.SIGKILL)
+            for future in futures:
+                future.result()
+        give_up = time.monotonic() + 60
+        while child_pids(server)["frontend-0"] == front_end:
+            assert time.monotonic() < give_up, server.log
+            time.sleep(0.05)
+        server.wait_serving()
+        with triton.InferenceServerClient(server.target) as client:
+            while True:  # the new gateway has started once a call is answered
+                try:
+                    infer(client, x)
+                    break
+                except InferenceServerException:
+                    assert time.monotonic() < give_up, server.log
+                    time.sleep(0.05)
+        assert server.metric("attention_inflight_requests", api="v2") == 0

@@ -70,6 +70,32 @@ def _family(collector: Any) -> Any:
     return next(iter(collector.describe()))
 
 
+def undelivered_share(settings: Settings, *, gateway: bool) -> tuple[int, int]:
+    """This front end's share of --max-undelivered-bytes and of its per-connection bound; with
+    the gateway, the gateway and the Python process each hold half (answers wait in both)."""
+    parts = settings.frontends * (2 if gateway else 1)
+    total = max(1, settings.max_undelivered_bytes // parts)
+    return total, min(total, max(1, settings.max_undelivered_bytes_per_connection // parts))
+
+
+def forget_dead_processes(metrics_dir: str) -> None:
+    """Live-summed gauges of processes gone without being marked dead (a gateway killed with
+    its front end): removed, or their last values would count forever."""
+    for path in Path(metrics_dir).glob("gauge_live*_*.db"):
+        pid = path.stem.rsplit("_", 1)[-1]
+        if pid.isdigit() and not _running(int(pid)):
+            multiprocess.mark_process_dead(int(pid), metrics_dir)
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie, killed and not yet reaped, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
 def metrics_spec() -> dict[str, Any]:
     """The series the gateway writes, named and described as metrics.py declares them."""
     requests = _family(metrics.REQUESTS)
@@ -115,8 +141,7 @@ class Gateway:
 
     def _command(self, address: str) -> list[str]:
         s = self._settings
-        share = max(1, s.max_undelivered_bytes // s.frontends // 2)  # half: Python has the rest
-        share_connection = max(1, s.max_undelivered_bytes_per_connection // s.frontends // 2)
+        share, share_connection = undelivered_share(s, gateway=True)
         command = [
             find_binary(s.grpc_gateway_binary),
             f"--listen={address}",
@@ -128,7 +153,7 @@ class Gateway:
             f"--max-batch-size={s.max_batch_size}",
             f"--max-receive-bytes={self._receive_bytes}",
             f"--max-undelivered-bytes={share}",
-            f"--max-undelivered-bytes-per-connection={min(share, share_connection)}",
+            f"--max-undelivered-bytes-per-connection={share_connection}",
             f"--max-connection-idle-s={s.max_connection_idle_s}",
             f"--max-connection-age-s={s.max_connection_age_s}",
             f"--max-concurrent-streams={grpc_options.MAX_CONCURRENT_STREAMS}",
@@ -147,6 +172,9 @@ class Gateway:
 
     async def start(self, address: str, on_exit: Any) -> int:
         """Start the gateway on address (HOST:PORT); the port it bound."""
+        metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if metrics_dir:
+            forget_dead_processes(metrics_dir)
         env = {**os.environ, "ATTENTION_GATEWAY_METRICS": json.dumps(metrics_spec())}
         try:
             process = await asyncio.create_subprocess_exec(

@@ -18,7 +18,12 @@ from service.frontend import caller
 from service.frontend.attention_servicer import AttentionServicer
 from service.frontend.compression import Unpacker
 from service.frontend.delivery import AnswerBudget, install_disconnect_filter
-from service.frontend.gateway import Gateway, GatewayError, gateway_off_reason
+from service.frontend.gateway import (
+    Gateway,
+    GatewayError,
+    gateway_off_reason,
+    undelivered_share,
+)
 from service.frontend.handlers import add_servicer
 from service.frontend.limits import message_limits
 from service.frontend.rest.app import RestFrontend
@@ -89,6 +94,7 @@ class FrontendServer:
         self._queue_bytes = queue_bytes
         self._worker_socket = socket_path
         self._gateway: Gateway | None = None
+        self._gateway_on = False
         self.plane = WorkerClient(socket_path, name, slab_bytes(settings, queue_bytes),
                                   on_change=self._changed)  # fmt: skip
         self._started = False
@@ -108,6 +114,7 @@ class FrontendServer:
         except TlsError as err:
             raise StartupError(str(err)) from err
         restrictions = self._restrictions_in_force = self._restrictions()
+        self._gateway_on = self._use_gateway()
         if settings.tracing == "on":
             try:
                 tracing.start(max_queue_spans=settings.tracing_max_queue_spans)
@@ -143,14 +150,11 @@ class FrontendServer:
         v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
         # This front end's share of the undelivered-answers budget, for gRPC and REST alike:
         # every front end holds its own answers.
-        self._answers = AnswerBudget(
-            max(1, settings.max_undelivered_bytes // settings.frontends),
-            max(1, settings.max_undelivered_bytes_per_connection // settings.frontends),
-        )
+        self._answers = AnswerBudget(*undelivered_share(settings, gateway=self._gateway_on))
         self._add_servicers(server, v2_plane, Unpacker(settings.grpc_compression,
                                                        max_bytes=receive_bytes))  # fmt: skip
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self._use_gateway():
+        if self._gateway_on:
             bound = await self._serve_behind_gateway(server, port, receive_bytes)
         else:
             address = grpc_address(settings.host, port)

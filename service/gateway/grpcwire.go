@@ -5,6 +5,7 @@ package main
 
 import (
 	"encoding/binary"
+	"math"
 	"net/http"
 	"strconv"
 	"time"
@@ -92,20 +93,30 @@ func writeMessage(w http.ResponseWriter, framed []byte) error {
 	return err
 }
 
-// grpcTimeout reads the grpc-timeout header ("<digits><unit>"); ok false when absent or bad.
-func grpcTimeout(value string) (time.Duration, bool) {
+// grpcTimeout reads the grpc-timeout header ("<1-8 digits><unit>"): the timeout, whether
+// there is one, and whether the header is well formed (a malformed one is Python's to
+// answer). A timeout past what a time.Duration holds (292 years) means none.
+func grpcTimeout(value string) (timeout time.Duration, set, valid bool) {
+	if value == "" {
+		return 0, false, true
+	}
 	if len(value) < 2 || len(value) > 9 {
-		return 0, false
+		return 0, false, false
+	}
+	for _, c := range value[:len(value)-1] {
+		if c < '0' || c > '9' {
+			return 0, false, false
+		}
 	}
 	amount, err := strconv.ParseInt(value[:len(value)-1], 10, 64)
-	if err != nil || amount < 0 {
-		return 0, false
-	}
 	units := map[byte]time.Duration{'H': time.Hour, 'M': time.Minute, 'S': time.Second,
 		'm': time.Millisecond, 'u': time.Microsecond, 'n': time.Nanosecond}
 	unit, ok := units[value[len(value)-1]]
-	if !ok {
-		return 0, false
+	if err != nil || !ok {
+		return 0, false, false
 	}
-	return time.Duration(amount) * unit, true
+	if amount > math.MaxInt64/int64(unit) {
+		return 0, false, true
+	}
+	return time.Duration(amount) * unit, true, true
 }

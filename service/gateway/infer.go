@@ -83,7 +83,7 @@ func (req *inferRequest) parseInput(msg []byte) bool {
 		case 1:
 			plain = plain && f.wire == wireBytes && string(f.bytes) == inputName
 		case 2:
-			plain = plain && f.wire == wireBytes
+			plain = plain && f.wire == wireBytes && utf8.Valid(f.bytes) // every value, not the last
 			req.datatype = string(f.bytes)
 		case 3:
 			req.shape, err = readInt64s(f, req.shape)
@@ -103,7 +103,7 @@ func parseOutput(f field) (string, bool) {
 	err := eachField(f.bytes, func(g field) error {
 		switch g.num {
 		case 1:
-			plain = plain && g.wire == wireBytes
+			plain = plain && g.wire == wireBytes && utf8.Valid(g.bytes)
 			name = string(g.bytes)
 		case 2:
 			plain = false
@@ -262,12 +262,24 @@ func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, msg []byte) bo
 	defer fp.busy.Add(-1)
 	fp.metrics.inFlight(1)
 	defer fp.metrics.inFlight(-1)
-	code := fp.infer(w, r, req, p, unlock)
-	fp.metrics.finished(p.model.Name, code, time.Since(started).Seconds())
+	code, answered := fp.infer(w, r, req, p, unlock)
+	// Server time until the answer existed: a slow reader does not stretch it (as Python).
+	fp.metrics.finished(p.model.Name, code, answered.Sub(started).Seconds())
 	return true
 }
 
-func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequest, p *plan, sent func()) int {
+func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequest, p *plan, sent func()) (int, time.Time) {
+	var answered time.Time
+	code := fp.answer(w, r, req, p, sent, &answered)
+	if answered.IsZero() {
+		answered = time.Now()
+	}
+	return code, answered
+}
+
+// answer computes and writes the call's answer; its status code, and in answered when the
+// answer existed (before a slow reader took it).
+func (fp *fastPath) answer(w http.ResponseWriter, r *http.Request, req *inferRequest, p *plan, sent func(), answered *time.Time) int {
 	if !fp.accepting.Load() {
 		writeStatus(w, codeUnavailable, notAccepting)
 		return codeUnavailable
@@ -301,7 +313,7 @@ func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequ
 	}
 	arrived := time.Now()
 	deadline, timeout := nanDeadline(), time.Duration(0)
-	if t, ok := grpcTimeout(r.Header.Get("Grpc-Timeout")); ok {
+	if t, set, _ := grpcTimeout(r.Header.Get("Grpc-Timeout")); set {
 		deadline, timeout = monotonic()+t.Seconds(), t
 	}
 	call := &pending{done: make(chan answer, 1), regions: regions}
@@ -344,6 +356,7 @@ func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequ
 	}
 	response := fp.response(req, p, l, regions)
 	l.slab.release(regions)
+	*answered = time.Now()
 	err = writeMessage(w, response)
 	buffers.Put(&response) // written (or copied into the connection's buffer) by now
 	if err != nil {

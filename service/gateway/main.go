@@ -50,7 +50,9 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// while this call and the others in flight finish.
 		w.Header().Set("Connection", "close")
 	}
-	if g.fast != nil && r.URL.Path == modelInferPath && r.Method == http.MethodPost &&
+	_, _, timeoutValid := grpcTimeout(r.Header.Get("Grpc-Timeout"))
+	// RequestURI is the :path as sent: a query or percent-encoding is not this method.
+	if g.fast != nil && r.RequestURI == modelInferPath && r.Method == http.MethodPost && timeoutValid &&
 		strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") &&
 		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity") {
 		read, message, ok := g.readUnary(r.Body)

@@ -19,6 +19,8 @@ const (
 
 var errMalformed = errors.New("malformed protobuf message")
 
+const maxFieldNumber = 1<<29 - 1
+
 // field is one field of a message: its number, wire type, and value (varint, or the
 // bytes of a length-delimited field, a view into the message).
 type field struct {
@@ -43,7 +45,8 @@ func readVarint(b []byte) (uint64, int) {
 func eachField(msg []byte, visit func(f field) error) error {
 	for len(msg) > 0 {
 		tag, n := readVarint(msg)
-		if n == 0 || tag>>3 == 0 || tag>>3 > math.MaxInt32 {
+		// As upb reads a tag: at most 5 bytes, a field number in 1..2^29-1.
+		if n == 0 || n > 5 || tag>>3 == 0 || tag>>3 > maxFieldNumber || tag > math.MaxUint32 {
 			return errMalformed
 		}
 		msg = msg[n:]

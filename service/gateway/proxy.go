@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -74,7 +75,14 @@ func newProxy(socketPath string, maxResponseHeaderBytes int64) *httputil.Reverse
 			if r.Context().Err() != nil {
 				return // the client went away; nothing to answer
 			}
-			writeStatus(w, codeUnavailable, backendGone)
+			var dial *net.OpError
+			if errors.As(err, &dial) && dial.Op == "dial" {
+				writeStatus(w, codeUnavailable, backendGone) // Python is restarting
+				return
+			}
+			// Python reset the call (or refused it): reset the client's call as Python
+			// would have, rather than ask it to retry what will fail again.
+			panic(http.ErrAbortHandler)
 		},
 	}
 }
