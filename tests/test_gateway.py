@@ -52,6 +52,16 @@ def infer(
                         client_timeout=timeout_s)  # fmt: skip
 
 
+def status_of_call(target: str, x: np.ndarray) -> str:
+    """One ModelInfer on a connection of its own: "OK" or the status code it ended with."""
+    with triton.InferenceServerClient(target) as client:
+        try:
+            infer(client, x, timeout_s=20)
+        except InferenceServerException as err:
+            return str(err.status())
+        return "OK"
+
+
 @pytest.fixture(scope="module")
 def gateway(model_repository: Path) -> Iterator[ServerProcess]:
     with ServerProcess(model_repository, "--grpc-gateway", "on") as server:
@@ -177,16 +187,8 @@ def test_a_killed_worker_fails_calls_at_once_and_service_returns(model_repositor
     with ServerProcess(model_repository, *flags) as server:
         x = np.ones((1, 16, 512), np.float32)
 
-        def call(_: int) -> str:
-            with triton.InferenceServerClient(server.target) as client:
-                try:
-                    infer(client, x, timeout_s=20)
-                except InferenceServerException as err:
-                    return str(err.status())
-                return "OK"
-
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(call, i) for i in range(8)]
+            futures = [pool.submit(status_of_call, server.target, x) for _ in range(8)]
             server.wait_metric("attention_queue_depth_requests", 8)
             started = time.monotonic()
             os.kill(worker_pid(server), signal.SIGKILL)
@@ -228,16 +230,8 @@ def test_sigterm_finishes_accepted_calls(model_repository: Path) -> None:
     with server:
         x = np.ones((1, 8, 512), np.float32)
 
-        def call(_: int) -> str:
-            with triton.InferenceServerClient(server.target) as client:
-                try:
-                    infer(client, x, timeout_s=20)
-                except InferenceServerException as err:
-                    return str(err.status())
-                return "OK"
-
         with ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(call, i) for i in range(6)]
+            futures = [pool.submit(status_of_call, server.target, x) for _ in range(6)]
             server.wait_metric("attention_queue_depth_requests", 6)
             assert server.terminate() == 0, server.log
             codes = [future.result() for future in futures]
