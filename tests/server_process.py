@@ -29,6 +29,11 @@ def child_pids(server: ServerProcess) -> dict[str, int]:
     return {match[1]: int(match[2]) for match in STARTED.finditer(server.log)}
 
 
+def behind_gateway(server: ServerProcess) -> bool:
+    """Whether the native gRPC gateway serves this server's gRPC port (its start is logged)."""
+    return any(name.endswith("-gateway") for name in child_pids(server))
+
+
 def worker_pid(server: ServerProcess) -> int:
     return child_pids(server)["worker"]
 

@@ -21,7 +21,7 @@ from service.transport.grpc_options import (
     connection_options,
     server_options,
 )
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, behind_gateway
 from tests.tls_helpers import tiny_repository
 
 MAX_AGE_S = 1.0
@@ -204,7 +204,10 @@ def test_calls_beyond_the_stream_bound_of_one_connection_are_refused_unavailable
 ) -> None:
     """More calls at once on one connection than grpc.max_concurrent_streams: the excess is
     refused by HTTP/2 (REFUSED_STREAM), so those calls fail UNAVAILABLE (retryable) without
-    reaching a handler. The client does not hold them back (before, the README said so)."""
+    reaching a handler. gRPC core's server refuses streams its client already counts as
+    closed, so the client does not hold them back (before, the README said so); behind the
+    gateway the client waits for a free stream instead (the gateway's refusal of streams past
+    the bound is checked by its Go tests)."""
     import asyncio
 
     from service.generated.attention.v1 import attention_pb2 as pb
@@ -232,7 +235,7 @@ def test_calls_beyond_the_stream_bound_of_one_connection_are_refused_unavailable
     codes = asyncio.run(burst())
     tally = {code: codes.count(code) for code in set(codes)}
     assert set(tally) <= {"OK", "UNAVAILABLE"}, tally
-    assert tally.get("UNAVAILABLE", 0) > 0, tally
+    assert tally.get("UNAVAILABLE", 0) > 0 or behind_gateway(server), tally
     after = sum(server.metric("attention_requests_total", model="small", api="attention",
                               code=code) for code in ("OK", "UNAVAILABLE"))  # fmt: skip
     assert after - counted == 1 + tally["OK"]  # refused streams never reached a handler

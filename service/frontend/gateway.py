@@ -159,6 +159,8 @@ class Gateway:
             f"--max-concurrent-streams={grpc_options.MAX_CONCURRENT_STREAMS}",
             f"--keepalive-s={grpc_options.KEEPALIVE_TIME_MS / 1000}",
             f"--keepalive-timeout-s={grpc_options.KEEPALIVE_TIMEOUT_MS / 1000}",
+            f"--min-client-ping-interval-s={grpc_options.MIN_CLIENT_PING_INTERVAL_MS / 1000}",
+            f"--max-ping-strikes={grpc_options.MAX_PING_STRIKES}",
             f"--deadline-slack-s={DEADLINE_SLACK_S}",
             f"--shutdown-not-serving-s={s.shutdown_not_serving_s}",
             f"--grace-period-s={s.grace_period_s}",

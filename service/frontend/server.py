@@ -38,7 +38,7 @@ from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.observability import tracing
 from service.settings import Settings
-from service.transport.grpc_options import server_options
+from service.transport.grpc_options import MAX_CONCURRENT_STREAMS, server_options
 from service.transport.proto_pool import pool_of
 from service.transport.tls import ReloadingCredentials, TlsError, server_tls
 
@@ -145,6 +145,7 @@ class FrontendServer:
                 max_connection_age_grace_s=settings.grace_period_s,
                 max_connection_idle_s=settings.max_connection_idle_s,
                 share_port=True,
+                max_concurrent_streams=None if self._gateway_on else MAX_CONCURRENT_STREAMS,
             ),
         )
         v2_plane = V2Plane(self.plane, settings, lambda: self.ready)

@@ -112,6 +112,7 @@ type options struct {
 	maxSeqLen, maxBatchSize, maxReceive             int64
 	maxUndelivered, maxUndeliveredPerConnection     int64
 	maxStreams                                      int
+	pings                                           pingPolicy
 	keepalive, keepaliveTimeout, deadlineSlack      time.Duration
 	refuseLinger                                    time.Duration
 	idle, maxAge, notServing, grace                 time.Duration
@@ -141,6 +142,9 @@ func parseOptions() options {
 	flag.IntVar(&o.maxStreams, "max-concurrent-streams", 1024, "calls at once on one connection")
 	flag.Float64Var(&keepaliveS, "keepalive-s", 60, "ping a connection silent this long")
 	flag.Float64Var(&keepaliveTimeoutS, "keepalive-timeout-s", 20, "close it when the ping goes unanswered this long")
+	var minPingS float64
+	flag.Float64Var(&minPingS, "min-client-ping-interval-s", 10, "a client ping sooner than this after the last is a strike")
+	flag.IntVar(&o.pings.maxStrikes, "max-ping-strikes", 2, "strikes before GOAWAY too_many_pings; 0: never")
 	flag.Float64Var(&slackS, "deadline-slack-s", 0.25, "a call cancelled this close to its deadline counts DEADLINE_EXCEEDED")
 	flag.Float64Var(&notServingS, "shutdown-not-serving-s", 2, "")
 	flag.Float64Var(&graceS, "grace-period-s", 30, "")
@@ -151,6 +155,7 @@ func parseOptions() options {
 	o.maxAge = time.Duration(ageS * float64(time.Second))
 	o.keepalive = time.Duration(keepaliveS * float64(time.Second))
 	o.keepaliveTimeout = time.Duration(keepaliveTimeoutS * float64(time.Second))
+	o.pings.minInterval = time.Duration(minPingS * float64(time.Second))
 	o.deadlineSlack = time.Duration(slackS * float64(time.Second))
 	o.refuseLinger = time.Duration(lingerS * float64(time.Second))
 	o.notServing = time.Duration(notServingS * float64(time.Second))
@@ -210,6 +215,8 @@ func run(o options) error {
 			return context.WithValue(ctx, agedAtKey{}, time.Now().Add(spread))
 		}}
 	var protocols http.Protocols
+	policed := policedListener{Listener: listener, policy: o.pings}
+	listener = policed
 	if o.tlsCert != "" {
 		config, err := tlsConfig(o)
 		if err != nil {
@@ -217,7 +224,8 @@ func run(o options) error {
 		}
 		protocols.SetHTTP2(true)
 		server.TLSConfig = config
-		listener = tls.NewListener(listener, config)
+		policed.tls = config
+		listener = policed
 	} else {
 		protocols.SetUnencryptedHTTP2(true)
 	}

@@ -32,6 +32,7 @@ GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 MIN_CLIENT_PING_INTERVAL_MS = 10_000
+MAX_PING_STRIKES = 2
 MAX_CONCURRENT_STREAMS = 1024
 HANDSHAKE_TIMEOUT_MS = 10_000
 
@@ -42,9 +43,12 @@ def connection_options(
     max_connection_age_grace_s: float = 0.0,
     handshake_timeout_ms: int = HANDSHAKE_TIMEOUT_MS,
     max_connection_idle_s: float = 0.0,
+    max_concurrent_streams: int | None = MAX_CONCURRENT_STREAMS,
 ) -> list[tuple[str, Any]]:
     """Keepalive, its enforcement, connection age and idleness, the handshake deadline and
-    the per-connection stream bound; max_connection_age_s / max_connection_idle_s 0 = none."""
+    the per-connection stream bound; max_connection_age_s / max_connection_idle_s 0 = none,
+    max_concurrent_streams None = none (behind the gateway, which bounds each client's
+    connection: its few connections to Python carry every client's calls)."""
     options: list[tuple[str, Any]] = [
         ("grpc.server_handshake_timeout_ms", handshake_timeout_ms),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
@@ -53,9 +57,10 @@ def connection_options(
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
-        ("grpc.http2.max_ping_strikes", 2),
-        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
     ]
+    if max_concurrent_streams is not None:
+        options.append(("grpc.max_concurrent_streams", max_concurrent_streams))
     if max_connection_age_s > 0:
         options += [
             ("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
@@ -74,6 +79,7 @@ def server_options(
     max_connection_age_grace_s: float = 0.0,
     share_port: bool = False,
     max_connection_idle_s: float = 0.0,
+    max_concurrent_streams: int | None = MAX_CONCURRENT_STREAMS,
 ) -> list[tuple[str, Any]]:
     """Options for grpc.aio.server(); message limits come from the largest legal call.
     share_port: front ends of one server share its port (the supervisor checked that no
@@ -89,5 +95,6 @@ def server_options(
             max_connection_age_s=max_connection_age_s,
             max_connection_age_grace_s=max_connection_age_grace_s,
             max_connection_idle_s=max_connection_idle_s,
+            max_concurrent_streams=max_concurrent_streams,
         ),
     ]

@@ -1,0 +1,284 @@
+package main
+
+// Keepalive enforcement, as gRPC core enforces it for the Python front end
+// (service/transport/grpc_options.py): a client may ping, but a ping that comes sooner than
+// minInterval after the previous one, with no HEADERS or DATA sent to it in between, is a
+// strike; past maxStrikes the connection is sent GOAWAY (ENHANCE_YOUR_CALM,
+// "too_many_pings") and closed. net/http answers every ping and has no hook to refuse one,
+// so the policy reads the HTTP/2 frame headers as they pass through the connection.
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"net"
+	"sync"
+	"time"
+)
+
+const (
+	frameData          = 0x0
+	frameHeaders       = 0x1
+	frameSettings      = 0x4
+	framePing          = 0x6
+	frameGoAway        = 0x7
+	flagAck            = 0x1
+	errEnhanceYourCalm = 0xb
+	frameHeaderBytes   = 9
+)
+
+const clientPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+type pingPolicy struct {
+	minInterval time.Duration
+	maxStrikes  int // 0: pings are never refused
+}
+
+// frameCursor follows frame boundaries through one direction of a connection.
+type frameCursor struct {
+	skip   int // bytes to pass before the next frame header: the rest of a payload
+	header [frameHeaderBytes]byte
+	have   int // bytes of the next header gathered so far
+}
+
+// feed walks p, calling onHeader at each complete frame header, and returns the bytes it
+// consumed: all of p, or with stopAtBoundary up to the first frame boundary it reaches.
+func (c *frameCursor) feed(p []byte, stopAtBoundary bool, onHeader func(h []byte)) int {
+	consumed := 0
+	for consumed < len(p) {
+		if c.skip > 0 {
+			n := min(c.skip, len(p)-consumed)
+			c.skip -= n
+			consumed += n
+		} else {
+			n := copy(c.header[c.have:], p[consumed:])
+			c.have += n
+			consumed += n
+			if c.have == frameHeaderBytes {
+				c.have = 0
+				c.skip = int(c.header[0])<<16 | int(c.header[1])<<8 | int(c.header[2])
+				onHeader(c.header[:])
+			}
+		}
+		if stopAtBoundary && c.atBoundary() {
+			break
+		}
+	}
+	return consumed
+}
+
+func (c *frameCursor) atBoundary() bool { return c.skip == 0 && c.have == 0 }
+
+// policedConn applies the ping policy to one HTTP/2 connection. Reads come from net/http's
+// one reading goroutine; writes (its frame writer) and the policy's state are under mu.
+type policedConn struct {
+	net.Conn
+	policy pingPolicy
+
+	prefaceSeen int  // bytes of the client preface checked so far
+	off         bool // not HTTP/2 with prior knowledge or ALPN: nothing to police
+	in          frameCursor
+	held        []byte // the start of a frame header still arriving
+	pending     []byte // inspected, not yet read (a Read too small for a header)
+	scratch     []byte
+
+	mu         sync.Mutex
+	out        frameCursor
+	lastPing   time.Time // zero: none since the last HEADERS or DATA sent
+	strikes    int
+	lastStream uint32
+	goAwayOwed bool // strikes exceeded; GOAWAY goes at the next outbound frame boundary
+	goneAway   bool
+}
+
+func (c *policedConn) Read(p []byte) (int, error) {
+	switch {
+	case len(c.pending) > 0:
+		n := copy(p, c.pending)
+		c.pending = c.pending[n:]
+		return n, nil
+	case c.off:
+		return c.Conn.Read(p)
+	case c.in.skip > 0 && len(c.held) == 0: // the rest of a payload: nothing to look at
+		n, err := c.Conn.Read(p[:min(len(p), c.in.skip)])
+		c.in.skip -= n
+		return n, err
+	case len(p) < frameHeaderBytes: // too small to hold a header: read through scratch
+		if c.scratch == nil {
+			c.scratch = make([]byte, 4<<10)
+		}
+		n, err := c.readInspected(c.scratch)
+		c.pending = c.scratch[:n]
+		m := copy(p, c.pending)
+		c.pending = c.pending[m:]
+		return m, err
+	}
+	return c.readInspected(p)
+}
+
+func (c *policedConn) readInspected(p []byte) (int, error) {
+	for {
+		start := copy(p, c.held)
+		n, err := c.Conn.Read(p[start:])
+		kept := c.inspect(p[:start+n])
+		if kept > 0 || err != nil {
+			return kept, err
+		}
+	}
+}
+
+// inspect checks the client preface, then walks the frames in p and returns how many of
+// its bytes net/http gets. It drops SETTINGS acknowledgements, and holds back the start of
+// a frame header that has not fully arrived (in held, for the next Read) so that a whole
+// header can still be dropped.
+//
+// Why drop the acknowledgements: net/http resets a stream past the connection's stream
+// bound with PROTOCOL_ERROR (gRPC clients report INTERNAL, a bug of theirs) once the client
+// has acknowledged its SETTINGS, and with REFUSED_STREAM (UNAVAILABLE, retryable, never
+// reached a handler) while it has not; gRPC core always refuses. Nothing else in net/http
+// waits for the acknowledgement (TestStreamsPastTheBoundAreRefused checks both).
+func (c *policedConn) inspect(p []byte) int {
+	read, kept := 0, 0
+	for c.prefaceSeen < len(clientPreface) && read < len(p) {
+		if p[read] != clientPreface[c.prefaceSeen] {
+			c.off = true
+			return len(p)
+		}
+		c.prefaceSeen++
+		read++
+	}
+	kept = read
+	c.held = c.held[:0]
+	for read < len(p) {
+		if c.in.skip > 0 { // payload: passed on as it is
+			n := min(c.in.skip, len(p)-read)
+			copy(p[kept:], p[read:read+n])
+			c.in.skip -= n
+			read += n
+			kept += n
+			continue
+		}
+		if len(p)-read < frameHeaderBytes {
+			c.held = append(c.held, p[read:]...)
+			break
+		}
+		header := p[read : read+frameHeaderBytes]
+		length := int(header[0])<<16 | int(header[1])<<8 | int(header[2])
+		read += frameHeaderBytes
+		if header[3] == frameSettings && header[4]&flagAck != 0 && length == 0 {
+			continue
+		}
+		c.received(header)
+		copy(p[kept:], header)
+		kept += frameHeaderBytes
+		c.in.skip = length
+	}
+	return kept
+}
+
+// received sees each frame header the client sends.
+func (c *policedConn) received(h []byte) {
+	kind, flags := h[3], h[4]
+	stream := binary.BigEndian.Uint32(h[5:9]) & 0x7fffffff
+	if kind == frameHeaders {
+		c.mu.Lock()
+		c.lastStream = max(c.lastStream, stream)
+		c.mu.Unlock()
+		return
+	}
+	if kind != framePing || flags&flagAck != 0 || c.policy.maxStrikes <= 0 {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := time.Now()
+	if !c.lastPing.IsZero() && now.Sub(c.lastPing) < c.policy.minInterval {
+		c.strikes++
+	}
+	c.lastPing = now
+	if c.strikes > c.policy.maxStrikes && !c.goAwayOwed {
+		c.goAwayOwed = true
+		if c.out.atBoundary() {
+			c.sendAway()
+		}
+	}
+}
+
+// sent sees each frame header this side sends: an answer's HEADERS or DATA clears the
+// strikes, as gRPC core does.
+func (c *policedConn) sent(h []byte) {
+	if h[3] == frameHeaders || h[3] == frameData {
+		c.lastPing = time.Time{}
+		c.strikes = 0
+	}
+}
+
+func (c *policedConn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.goneAway {
+		return 0, net.ErrClosed
+	}
+	if c.off {
+		return c.Conn.Write(p)
+	}
+	if c.goAwayOwed { // finish the frame under way, then go away
+		k := c.out.feed(p, true, c.sent)
+		if _, err := c.Conn.Write(p[:k]); err == nil && c.out.atBoundary() {
+			c.sendAway()
+		}
+		return 0, net.ErrClosed
+	}
+	n, err := c.Conn.Write(p)
+	c.out.feed(p[:n], false, c.sent)
+	return n, err
+}
+
+// sendAway writes GOAWAY (ENHANCE_YOUR_CALM, "too_many_pings") and closes; under mu, at an
+// outbound frame boundary.
+func (c *policedConn) sendAway() {
+	const debug = "too_many_pings"
+	frame := make([]byte, frameHeaderBytes+8+len(debug))
+	length := 8 + len(debug)
+	frame[0], frame[1], frame[2] = byte(length>>16), byte(length>>8), byte(length)
+	frame[3] = frameGoAway
+	binary.BigEndian.PutUint32(frame[9:13], c.lastStream)
+	binary.BigEndian.PutUint32(frame[13:17], errEnhanceYourCalm)
+	copy(frame[17:], debug)
+	c.goneAway = true
+	_ = c.Conn.SetWriteDeadline(time.Now().Add(time.Second))
+	_, _ = c.Conn.Write(frame)
+	_ = c.Conn.Close()
+}
+
+// policedTLSConn keeps what net/http asks of a TLS connection (the handshake, the
+// negotiated protocol, the client's certificate) while the policy reads the plaintext.
+type policedTLSConn struct {
+	*policedConn
+	tls *tls.Conn
+}
+
+func (c policedTLSConn) ConnectionState() tls.ConnectionState { return c.tls.ConnectionState() }
+
+func (c policedTLSConn) HandshakeContext(ctx context.Context) error {
+	return c.tls.HandshakeContext(ctx)
+}
+
+// policedListener wraps each accepted connection; with a TLS config it also terminates TLS.
+type policedListener struct {
+	net.Listener
+	policy pingPolicy
+	tls    *tls.Config
+}
+
+func (l policedListener) Accept() (net.Conn, error) {
+	raw, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	if l.tls == nil {
+		return &policedConn{Conn: raw, policy: l.policy}, nil
+	}
+	secured := tls.Server(raw, l.tls)
+	return policedTLSConn{&policedConn{Conn: secured, policy: l.policy}, secured}, nil
+}
