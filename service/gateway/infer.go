@@ -10,7 +10,6 @@ import (
 	"encoding/binary"
 	"math"
 	"net/http"
-	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -230,8 +229,6 @@ type fastPath struct {
 	// and it then cancels the call: one cancelled this close to its deadline expired.
 	deadlineSlack time.Duration
 	accepting     atomic.Bool
-	busy          atomic.Int64 // calls being answered; read by returnMemoryWhenIdle
-	calls         atomic.Int64 // calls ever taken
 	inFlight      sync.WaitGroup
 }
 
@@ -257,9 +254,6 @@ func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, msg []byte) bo
 	started := time.Now()
 	fp.inFlight.Add(1)
 	defer fp.inFlight.Done()
-	fp.busy.Add(1)
-	fp.calls.Add(1)
-	defer fp.busy.Add(-1)
 	fp.metrics.inFlight(1)
 	defer fp.metrics.inFlight(-1)
 	code, answered := fp.infer(w, r, req, p, unlock)
@@ -425,26 +419,3 @@ func (fp *fastPath) response(req *inferRequest, p *plan, l *link, regions []regi
 
 // nanDeadline is "no deadline" in the packed INFER.
 func nanDeadline() float64 { return math.NaN() }
-
-// returnMemoryWhenIdle gives the heap's free pages back to the kernel once calls have
-// stopped for a moment after a burst, as the Python front end trims its memory: a burst's
-// message buffers would otherwise stay resident (counted against the container) until the
-// runtime's slow background scavenger got to them.
-func (fp *fastPath) returnMemoryWhenIdle() {
-	const idleFor = 500 * time.Millisecond
-	seen, wasBusy := int64(0), false
-	for range time.Tick(idleFor) {
-		if calls := fp.calls.Load(); calls != seen || fp.busy.Load() > 0 {
-			seen, wasBusy = calls, true // not a whole quiet interval yet
-			continue
-		}
-		if wasBusy {
-			wasBusy = false
-			debug.FreeOSMemory()
-			if l := fp.worker.use(); l != nil {
-				l.slab.releaseIfEmpty() // shared memory is charged to the container too
-				l.done()
-			}
-		}
-	}
-}

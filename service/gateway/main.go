@@ -27,6 +27,7 @@ import (
 	"runtime/debug"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -37,6 +38,8 @@ type gateway struct {
 	fast       *fastPath // nil: every call goes to the Python front end
 	proxy      http.Handler
 	maxReceive int64
+	busy       atomic.Int64 // calls being answered, here or by Python; read by returnMemoryWhenIdle
+	calls      atomic.Int64 // calls ever taken
 }
 
 // agedAtKey holds when a connection is past its age: --max-connection-age-s spread by
@@ -44,6 +47,9 @@ type gateway struct {
 type agedAtKey struct{}
 
 func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	g.busy.Add(1)
+	g.calls.Add(1)
+	defer g.busy.Add(-1)
 	if aged, ok := r.Context().Value(agedAtKey{}).(time.Time); ok && time.Now().After(aged) {
 		// Past its age: net/http answers "Connection: close" on HTTP/2 with a graceful
 		// GOAWAY, so clients reconnect (and client-side balancing spreads them again)
@@ -65,6 +71,32 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		r.ContentLength = -1
 	}
 	g.proxy.ServeHTTP(w, r)
+}
+
+// returnMemoryWhenIdle gives the heap's free pages back to the kernel once calls have
+// stopped for a moment after a burst, as the Python front end trims its memory: a burst's
+// message buffers would otherwise stay resident (counted against the container) until the
+// runtime's slow background scavenger got to them.
+func (g *gateway) returnMemoryWhenIdle() {
+	const idleFor = 500 * time.Millisecond
+	seen, wasBusy := int64(0), false
+	for range time.Tick(idleFor) {
+		if calls := g.calls.Load(); calls != seen || g.busy.Load() > 0 {
+			seen, wasBusy = calls, true // not a whole quiet interval yet
+			continue
+		}
+		if wasBusy {
+			wasBusy = false
+			debug.FreeOSMemory()
+			if g.fast == nil {
+				continue
+			}
+			if l := g.fast.worker.use(); l != nil {
+				l.slab.releaseIfEmpty() // shared memory is charged to the container too
+				l.done()
+			}
+		}
+	}
 }
 
 // buffers hold requests' messages between calls: a 256 KiB tensor per call would
@@ -199,8 +231,8 @@ func run(o options) error {
 			deadlineSlack: o.deadlineSlack,
 			answers:       newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection)}
 		g.fast.accepting.Store(true)
-		go g.fast.returnMemoryWhenIdle()
 	}
+	go g.returnMemoryWhenIdle()
 	listener, err := listen(o.listen)
 	if err != nil {
 		return err
