@@ -1,5 +1,5 @@
-"""--grpc-gateway on: the Go gateway serves the gRPC port, answers plain V2 ModelInfer calls
-itself and hands everything else to the Python front end. Real servers, real gRPC."""
+"""--grpc-gateway on: the Go gateway serves the gRPC port, answers plain V2 ModelInfer and
+Attend calls itself and hands everything else to the Python front end. Real servers, real gRPC."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
+from service.client import attend_request
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
 from tests.reference import attend_alone, layer_for
 from tests.server_process import ServerProcess, child_pids, worker_pid
 
@@ -94,6 +97,43 @@ def test_answers_match_torch_with_and_without_weights(
     alone = infer(v2, x)
     assert [t.name for t in alone.get_response().outputs] == ["output"]
     np.testing.assert_allclose(alone.as_numpy("output"), expected_out, atol=1e-4, rtol=1e-4)
+
+
+def test_attend_is_answered_as_the_python_front_end_answers_it(gateway: ServerProcess) -> None:
+    """Plain Attend calls take the fast path: the same fields, shapes and dtypes, torch's
+    numbers, counted under api="attention"."""
+    layer = layer_for(512, 8)
+    labels = {"model": "mha", "api": "attention", "code": "OK"}
+    before = gateway.metric("attention_requests_total", **labels)
+    with grpc.insecure_channel(gateway.target) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        for x in (rng(3).standard_normal((7, 512), dtype=np.float32),
+                  rng(4).standard_normal((2, 5, 512), dtype=np.float32)):  # fmt: skip
+            expected_out, expected_weights = attend_alone(layer, x)
+            request = attend_request(x, return_attention_weights=True)
+            request.request_id = "attend-1"
+            response = stub.Attend(request, timeout=20)
+            assert (response.model, response.model_version, response.request_id) == (
+                "mha", "1", "attend-1")  # fmt: skip
+            assert list(response.output.shape) == list(x.shape)
+            assert response.output.dtype == pb.FLOAT32
+            out = np.frombuffer(response.output.data, np.float32).reshape(x.shape)
+            np.testing.assert_allclose(out, expected_out, atol=1e-4, rtol=1e-4)
+            weights_shape = [*x.shape[:-2], 8, x.shape[-2], x.shape[-2]]
+            assert list(response.attention_weights.shape) == weights_shape
+            weights = np.frombuffer(response.attention_weights.data, np.float32)
+            np.testing.assert_allclose(weights.reshape(weights_shape), expected_weights, atol=1e-5)
+            assert response.timing.batch_size >= x.reshape(-1, x.shape[-2], 512).shape[0]
+            assert response.timing.compute_us > 0
+            plain = stub.Attend(attend_request(x), timeout=20)
+            assert not plain.HasField("attention_weights")
+            assert not plain.request_id
+            np.testing.assert_allclose(
+                np.frombuffer(plain.output.data, np.float32).reshape(x.shape), expected_out,
+                atol=1e-4, rtol=1e-4,
+            )  # fmt: skip
+    gateway.wait_metric("attention_requests_total", before + 4, **labels)
+    assert gateway.metric("attention_undelivered_answer_bytes") == 0
 
 
 def test_float16_model_and_named_version(

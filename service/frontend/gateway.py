@@ -101,6 +101,8 @@ def metrics_spec() -> dict[str, Any]:
     requests = _family(metrics.REQUESTS)
     duration = _family(metrics.REQUEST_DURATION)
     in_flight = _family(metrics.IN_FLIGHT)
+    undelivered = _family(metrics.UNDELIVERED_BYTES)
+    refusals = _family(metrics.UNDELIVERED_REFUSALS)
     bounds = [*metrics.LATENCY_BUCKETS_S, float("inf")]
     return {
         "requests": {
@@ -119,6 +121,16 @@ def metrics_spec() -> dict[str, Any]:
             "family": in_flight.name,
             "sample": in_flight.name,
             "help": in_flight.documentation,
+        },
+        "undelivered": {
+            "family": undelivered.name,
+            "sample": undelivered.name,
+            "help": undelivered.documentation,
+        },
+        "undelivered_refusals": {
+            "family": refusals.name,
+            "sample": f"{refusals.name}_total",
+            "help": refusals.documentation,
         },
     }
 

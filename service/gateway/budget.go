@@ -12,6 +12,7 @@ import (
 
 type answerBudget struct {
 	maxBytes, maxPerConnection int64
+	metrics                    *metrics // nil: not reported
 	mu                         sync.Mutex
 	total                      int64
 	byConnection               map[string]int64
@@ -23,9 +24,9 @@ type reservation struct {
 	bytes  int64
 }
 
-func newAnswerBudget(maxBytes, maxPerConnection int64) *answerBudget {
+func newAnswerBudget(maxBytes, maxPerConnection int64, m *metrics) *answerBudget {
 	return &answerBudget{maxBytes: maxBytes, maxPerConnection: maxPerConnection,
-		byConnection: map[string]int64{}}
+		byConnection: map[string]int64{}, metrics: m}
 }
 
 // reserve holds nbytes for peer's answer, or returns why not (RESOURCE_EXHAUSTED).
@@ -33,6 +34,7 @@ func (b *answerBudget) reserve(peer string, nbytes int64) (*reservation, string)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.total > 0 && b.total+nbytes > b.maxBytes {
+		b.metrics.refused("server")
 		return nil, fmt.Sprintf("answers computed for clients but not yet read by them hold %d "+
 			"bytes, and this one needs about %d more than the server's bound of %d "+
 			"(--max-undelivered-bytes) allows; retry shortly, or ask for less (no attention "+
@@ -40,6 +42,7 @@ func (b *answerBudget) reserve(peer string, nbytes int64) (*reservation, string)
 	}
 	held := b.byConnection[peer]
 	if held > 0 && held+nbytes > b.maxPerConnection {
+		b.metrics.refused("connection")
 		return nil, fmt.Sprintf("this connection has %d bytes of answers it has not read yet; "+
 			"this one needs about %d more than its share of %d "+
 			"(--max-undelivered-bytes-per-connection): read the answers, or spread the calls "+
@@ -47,6 +50,7 @@ func (b *answerBudget) reserve(peer string, nbytes int64) (*reservation, string)
 	}
 	b.total += nbytes
 	b.byConnection[peer] = held + nbytes
+	b.metrics.undelivered(float64(nbytes))
 	return &reservation{budget: b, peer: peer, bytes: nbytes}, ""
 }
 
@@ -55,6 +59,7 @@ func (r *reservation) release() {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.total -= r.bytes
+	b.metrics.undelivered(-float64(r.bytes))
 	if left := b.byConnection[r.peer] - r.bytes; left > 0 {
 		b.byConnection[r.peer] = left
 	} else {

@@ -163,9 +163,9 @@ func TestMetricsFileLayout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.finished("mha", codeOK, 0.05)
-	m.finished("mha", codeOK, 3)
-	m.finished("mha", codeUnavailable, 0.01)
+	m.finished("mha", "v2", codeOK, 0.05)
+	m.finished("mha", "v2", codeOK, 3)
+	m.finished("mha", "v2", codeUnavailable, 0.01)
 	data, err := os.ReadFile(filepath.Join(dir, "counter_"+itoa(os.Getpid())+".db"))
 	if err != nil {
 		t.Fatal(err)
@@ -243,6 +243,51 @@ func TestGrpcPeer(t *testing.T) {
 	for remote, want := range map[string]string{"127.0.0.1:5000": "ipv4:127.0.0.1:5000", "[::1]:7": "ipv6:[::1]:7"} {
 		if got := grpcPeer(remote); got != want {
 			t.Errorf("%s: %s", remote, got)
+		}
+	}
+}
+
+func attendRequest(raw []byte, shape []int64, dtype uint64, weights bool, extra ...byte) []byte {
+	var tensor []byte
+	tensor = appendPackedInt64s(tensor, 1, shape)
+	tensor = appendVarintField(tensor, 2, dtype)
+	tensor = appendBytesField(tensor, 3, raw)
+	var msg []byte
+	msg = appendStringField(msg, 1, "mha")
+	msg = appendBytesField(msg, 3, tensor)
+	if weights {
+		msg = appendVarintField(msg, 4, 1)
+	}
+	msg = appendStringField(msg, 5, "id-2")
+	return append(msg, extra...)
+}
+
+func TestPlainAttendIsReadAsTheSamePlan(t *testing.T) {
+	lim := limits{maxSeqLen: 8, maxBatchSize: 4}
+	req := parseAttend(attendRequest(floats(1, 2, 3, 4), []int64{2, 2}, dataTypeUnspecified, true))
+	if req == nil || req.api != "attention" || !req.flat || req.id != "id-2" {
+		t.Fatalf("parsed %+v", req)
+	}
+	p := req.check(servedMHA(), lim)
+	if p == nil || !p.weights || p.shape != [3]int64{1, 2, 2} || p.wBytes != 16 {
+		t.Fatalf("plan %+v", p)
+	}
+	if req := parseAttend(attendRequest(floats(1, 2, 3, 4), []int64{1, 2, 2}, dataTypeFloat32, false)); req == nil || req.flat || len(req.outputs) != 1 {
+		t.Fatalf("3-D without weights: %+v", req)
+	}
+	region := appendBytesField(nil, 6, appendStringField(nil, 1, "r"))
+	cases := map[string][]byte{
+		"float16 for a float32 model": attendRequest(make([]byte, 8), []int64{2, 2}, dataTypeFloat16, false),
+		"unknown dtype":               attendRequest(floats(1, 2, 3, 4), []int64{2, 2}, 7, false),
+		"one dim":                     attendRequest(floats(1, 2, 3, 4), []int64{4}, 0, false),
+		"four dims":                   attendRequest(floats(1, 2, 3, 4), []int64{1, 1, 2, 2}, 0, false),
+		"non-finite":                  attendRequest(floats(1, float32(math.NaN()), 3, 4), []int64{2, 2}, 0, false),
+		"client shared memory":        attendRequest(floats(1, 2, 3, 4), []int64{2, 2}, 0, false, region...),
+		"no embeddings":               appendStringField(nil, 1, "mha"),
+	}
+	for name, msg := range cases {
+		if req := parseAttend(msg); req != nil && req.check(servedMHA(), lim) != nil {
+			t.Errorf("%s: taken by the fast path", name)
 		}
 	}
 }

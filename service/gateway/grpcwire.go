@@ -89,6 +89,13 @@ func writeMessage(w http.ResponseWriter, framed []byte) error {
 	h.Set("Trailer", "Grpc-Status")
 	w.WriteHeader(http.StatusOK)
 	_, err := w.Write(framed)
+	if err == nil {
+		// Out to the connection before the call counts as answered: a client that resets
+		// before its flow control lets the answer out has it CANCELLED, and the answer's
+		// bytes stay reserved until then (a small answer would otherwise sit in the
+		// stream's buffer, counted OK and released).
+		err = http.NewResponseController(w).Flush()
+	}
 	h.Set("Grpc-Status", "0")
 	return err
 }

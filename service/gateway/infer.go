@@ -24,18 +24,22 @@ const (
 	notAccepting = "server is not accepting requests (starting up or shutting down); retry"
 )
 
+// inferRequest is a plain call of either API in the same terms.
 type inferRequest struct {
+	api                         string // the metrics' label: "v2" or "attention"
 	modelName, modelVersion, id string
-	datatype                    string
+	datatype                    string // V2's name: FP32 or FP16
 	shape                       []int64
 	raw                         []byte
 	outputs                     []string
+	weights                     bool // Attend: return_attention_weights
+	flat                        bool // Attend: [seq, d] in, [seq, d] out
 }
 
 // parseInfer reads a ModelInferRequest; nil when it is not plain (the Python front end
 // then decides what it is).
 func parseInfer(msg []byte) *inferRequest {
-	req := &inferRequest{}
+	req := &inferRequest{api: "v2"}
 	inputs, raws := 0, 0
 	plain := true
 	err := eachField(msg, func(f field) error {
@@ -232,9 +236,9 @@ type fastPath struct {
 	inFlight      sync.WaitGroup
 }
 
-// serve answers the call and returns true, or returns false having written nothing.
-func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, msg []byte) bool {
-	req := parseInfer(msg)
+// serve answers a plain call (req, nil when it was not one) and returns true, or returns
+// false having written nothing.
+func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, req *inferRequest) bool {
 	if req == nil {
 		return false
 	}
@@ -254,11 +258,11 @@ func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, msg []byte) bo
 	started := time.Now()
 	fp.inFlight.Add(1)
 	defer fp.inFlight.Done()
-	fp.metrics.inFlight(1)
-	defer fp.metrics.inFlight(-1)
+	fp.metrics.inFlight(req.api, 1)
+	defer fp.metrics.inFlight(req.api, -1)
 	code, answered := fp.infer(w, r, req, p, unlock)
 	// Server time until the answer existed: a slow reader does not stretch it (as Python).
-	fp.metrics.finished(p.model.Name, code, answered.Sub(started).Seconds())
+	fp.metrics.finished(p.model.Name, req.api, code, answered.Sub(started).Seconds())
 	return true
 }
 
@@ -348,7 +352,12 @@ func (fp *fastPath) answer(w http.ResponseWriter, r *http.Request, req *inferReq
 		writeStatus(w, code, a.message)
 		return code
 	}
-	response := fp.response(req, p, l, regions)
+	var response []byte
+	if req.api == "attention" {
+		response = attendResponse(req, p, l, regions, a)
+	} else {
+		response = fp.response(req, p, l, regions)
+	}
 	l.slab.release(regions)
 	*answered = time.Now()
 	err = writeMessage(w, response)

@@ -34,6 +34,10 @@ import (
 
 const modelInferPath = "/inference.GRPCInferenceService/ModelInfer"
 
+// fastMethods are the unary methods answered here when a call is plain: each reads its
+// request into the same terms (nil: not plain).
+var fastMethods = map[string]func([]byte) *inferRequest{modelInferPath: parseInfer, attendPath: parseAttend}
+
 type gateway struct {
 	fast       *fastPath // nil: every call goes to the Python front end
 	proxy      http.Handler
@@ -58,11 +62,12 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	_, _, timeoutValid := grpcTimeout(r.Header.Get("Grpc-Timeout"))
 	// RequestURI is the :path as sent: a query or percent-encoding is not this method.
-	if g.fast != nil && r.RequestURI == modelInferPath && r.Method == http.MethodPost && timeoutValid &&
+	parse := fastMethods[r.RequestURI]
+	if g.fast != nil && parse != nil && r.Method == http.MethodPost && timeoutValid &&
 		strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") &&
 		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity") {
 		read, message, ok := g.readUnary(r.Body)
-		if ok && g.fast.serve(w, r, message) {
+		if ok && g.fast.serve(w, r, parse(message)) {
 			buffers.Put(&read)
 			return
 		}
@@ -70,8 +75,42 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		r.Body = io.NopCloser(io.MultiReader(bytes.NewReader(read), r.Body))
 		r.ContentLength = -1
 	}
+	if g.fast != nil {
+		held := &heldAnswer{ResponseWriter: w, metrics: g.fast.metrics}
+		defer held.settle()
+		w = held
+	}
 	g.proxy.ServeHTTP(w, r)
 }
+
+// heldAnswer counts a proxied answer's bytes from when Python's front end handed them here
+// until the client's connection took them (a slow reader holds them here, up to the
+// proxy's stream window), in the undelivered-answers gauge as the fast path's answers.
+type heldAnswer struct {
+	http.ResponseWriter
+	metrics *metrics
+	held    int
+}
+
+func (h *heldAnswer) Write(p []byte) (int, error) {
+	h.metrics.undelivered(float64(len(p)))
+	h.held += len(p)
+	return h.ResponseWriter.Write(p)
+}
+
+// FlushError returns once the client's flow control let the bytes out (or the call ended).
+func (h *heldAnswer) FlushError() error {
+	err := http.NewResponseController(h.ResponseWriter).Flush()
+	h.settle()
+	return err
+}
+
+func (h *heldAnswer) settle() {
+	h.metrics.undelivered(-float64(h.held))
+	h.held = 0
+}
+
+func (h *heldAnswer) Unwrap() http.ResponseWriter { return h.ResponseWriter }
 
 // returnMemoryWhenIdle gives the heap's free pages back to the kernel once calls have
 // stopped for a moment after a burst, as the Python front end trims its memory: a burst's
@@ -229,7 +268,7 @@ func run(o options) error {
 		go w.connectForever(welcomed)
 		g.fast = &fastPath{worker: w, limits: limits{o.maxSeqLen, o.maxBatchSize}, metrics: m,
 			deadlineSlack: o.deadlineSlack,
-			answers:       newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection)}
+			answers:       newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection, m)}
 		g.fast.accepting.Store(true)
 	}
 	go g.returnMemoryWhenIdle()

@@ -30,7 +30,9 @@ type metricsSpec struct {
 		Bounds []float64 `json:"bounds"`
 		Labels []string  `json:"labels"` // each bound as prometheus-client writes it
 	} `json:"duration"`
-	InFlight metricSpec `json:"in_flight"`
+	InFlight    metricSpec `json:"in_flight"`
+	Undelivered metricSpec `json:"undelivered"`
+	Refusals    metricSpec `json:"undelivered_refusals"`
 }
 
 type mmapFile struct {
@@ -136,8 +138,9 @@ func key(family, sample string, labels map[string]string, help string) string {
 	return string(encoded)
 }
 
-// finished counts one RPC of model with its status code and server time.
-func (m *metrics) finished(model string, code int, seconds float64) {
+// finished counts one RPC of model on api (v2, attention) with its status code and server
+// time.
+func (m *metrics) finished(model, api string, code int, seconds float64) {
 	if m.counters == nil {
 		return
 	}
@@ -151,27 +154,48 @@ func (m *metrics) finished(model string, code int, seconds float64) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.counters.add(m.cached("r\x00"+model+"\x00"+codeNames[code], func() string {
+	m.counters.add(m.cached("r\x00"+api+"\x00"+model+"\x00"+codeNames[code], func() string {
 		return key(s.Requests.Family, s.Requests.Sample,
-			map[string]string{"model": model, "api": "v2", "code": codeNames[code]}, s.Requests.Help)
+			map[string]string{"model": model, "api": api, "code": codeNames[code]}, s.Requests.Help)
 	}), 1)
-	m.histograms.add(m.cached("s\x00"+model, func() string {
-		return key(d.Family, d.Family+"_sum", map[string]string{"model": model, "api": "v2"}, d.Help)
+	m.histograms.add(m.cached("s\x00"+api+"\x00"+model, func() string {
+		return key(d.Family, d.Family+"_sum", map[string]string{"model": model, "api": api}, d.Help)
 	}), seconds)
-	m.histograms.add(m.cached("b\x00"+model+"\x00"+d.Labels[bucket], func() string {
+	m.histograms.add(m.cached("b\x00"+api+"\x00"+model+"\x00"+d.Labels[bucket], func() string {
 		return key(d.Family, d.Family+"_bucket",
-			map[string]string{"model": model, "api": "v2", "le": d.Labels[bucket]}, d.Help)
+			map[string]string{"model": model, "api": api, "le": d.Labels[bucket]}, d.Help)
 	}), 1)
 }
 
-func (m *metrics) inFlight(delta float64) {
-	if m.live == nil {
+func (m *metrics) inFlight(api string, delta float64) {
+	m.addLive("f\x00"+api, m.spec.InFlight, map[string]string{"api": api}, delta)
+}
+
+// undelivered adds to the bytes of answers held for clients that have not read them.
+func (m *metrics) undelivered(delta float64) {
+	m.addLive("u", m.spec.Undelivered, map[string]string{}, delta)
+}
+
+// refused counts a call refused for the undelivered answers' bound (scope: server |
+// connection).
+func (m *metrics) refused(scope string) {
+	if m == nil || m.counters == nil {
 		return
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	f := m.spec.InFlight
-	m.live.add(m.cached("f", func() string {
-		return key(f.Family, f.Sample, map[string]string{"api": "v2"}, f.Help)
-	}), delta)
+	r := m.spec.Refusals
+	m.counters.add(m.cached("x\x00"+scope, func() string {
+		return key(r.Family, r.Sample, map[string]string{"scope": scope}, r.Help)
+	}), 1)
+}
+
+// addLive adds delta to a gauge summed over live processes.
+func (m *metrics) addLive(id string, g metricSpec, labels map[string]string, delta float64) {
+	if m == nil || m.live == nil || delta == 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.live.add(m.cached(id, func() string { return key(g.Family, g.Sample, labels, g.Help) }), delta)
 }

@@ -1,0 +1,147 @@
+package main
+
+// attention.v1 Attend on the fast path: a plain AttendRequest (a served model, the
+// embeddings' bytes in the message in the model's dtype, [seq, d] or [n, seq, d], finite;
+// no client shared memory) goes through the same plan and worker call as a plain V2
+// ModelInfer, and its AttendResponse is framed here from shared memory. Anything else goes
+// to the Python front end, which answers it as always.
+
+import (
+	"math"
+	"strconv"
+	"unicode/utf8"
+)
+
+const attendPath = "/attention.v1.AttentionService/Attend"
+
+// The attention.v1 DataType values a plain request may name (0 reads as FLOAT32).
+const (
+	dataTypeUnspecified = 0
+	dataTypeFloat32     = 1
+	dataTypeFloat16     = 2
+)
+
+// parseAttend reads an AttendRequest into the plan's terms; nil when it is not plain.
+func parseAttend(msg []byte) *inferRequest {
+	req := &inferRequest{api: "attention", datatype: "FP32"}
+	plain, embeddings := true, 0
+	err := eachField(msg, func(f field) error {
+		switch f.num {
+		case 1, 2, 5:
+			if f.wire != wireBytes || !utf8.Valid(f.bytes) {
+				plain = false
+			} else if f.num == 1 {
+				req.modelName = string(f.bytes)
+			} else if f.num == 2 {
+				req.modelVersion = string(f.bytes)
+			} else {
+				req.id = string(f.bytes)
+			}
+		case 3:
+			embeddings++
+			plain = plain && f.wire == wireBytes && req.parseTensor(f.bytes)
+		case 4:
+			plain = plain && f.wire == wireVarint
+			req.weights = f.value != 0
+		case 6, 7, 8: // client shared memory
+			plain = false
+		}
+		return nil
+	})
+	if err != nil || !plain || embeddings != 1 {
+		return nil
+	}
+	switch len(req.shape) {
+	case 2: // [seq, d], answered as [seq, d]
+		req.shape = append([]int64{1}, req.shape...)
+		req.flat = true
+	case 3:
+	default:
+		return nil
+	}
+	req.outputs = []string{outputName}
+	if req.weights {
+		req.outputs = append(req.outputs, weightsName)
+	}
+	return req
+}
+
+func (req *inferRequest) parseTensor(msg []byte) bool {
+	plain := true
+	err := eachField(msg, func(f field) error {
+		var err error
+		switch f.num {
+		case 1:
+			req.shape, err = readInt64s(f, req.shape)
+		case 2:
+			plain = plain && f.wire == wireVarint
+			switch f.value {
+			case dataTypeUnspecified, dataTypeFloat32:
+				req.datatype = "FP32"
+			case dataTypeFloat16:
+				req.datatype = "FP16"
+			default:
+				plain = false
+			}
+		case 3:
+			plain = plain && f.wire == wireBytes
+			req.raw = f.bytes
+		}
+		return err
+	})
+	return err == nil && plain
+}
+
+// attendResponse is the framed AttendResponse (5 bytes of prefix first), its tensors
+// copied once from shared memory; fields as the Python front end writes them.
+func attendResponse(req *inferRequest, p *plan, l *link, regions []region, a answer) []byte {
+	size := 160 + len(req.id) + len(p.model.Name) + int(p.outBytes+p.wBytes)
+	b := (*buffers.Get().(*[]byte))[:0]
+	if cap(b) < size {
+		b = make([]byte, 0, size)
+	}
+	b = append(b, 0, 0, 0, 0, 0)
+	b = appendStringField(b, 3, p.model.Name)
+	b = appendStringField(b, 4, strconv.FormatInt(p.model.Version, 10))
+	if req.id != "" {
+		b = appendStringField(b, 5, req.id)
+	}
+	var timing []byte
+	timing = appendVarintField(timing, 1, uint64(math.RoundToEven(a.queueS*1e6)))
+	timing = appendVarintField(timing, 2, uint64(math.RoundToEven(a.computeS*1e6)))
+	timing = appendVarintField(timing, 3, uint64(a.batch))
+	b = appendBytesField(b, 6, timing)
+	n, seq, d := p.shape[0], p.shape[1], p.shape[2]
+	outShape, wShape := []int64{n, seq, d}, []int64{n, p.model.NumHeads, seq, seq}
+	if req.flat {
+		outShape, wShape = outShape[1:], wShape[1:]
+	}
+	outType := uint64(dataTypeFloat32)
+	if p.dtype.size == 2 {
+		outType = dataTypeFloat16
+	}
+	b = appendTensor(b, 1, outShape, outType, l.slab.mem[regions[1].offset:regions[1].offset+int(p.outBytes)])
+	if p.weights {
+		b = appendTensor(b, 2, wShape, dataTypeFloat32, l.slab.mem[regions[2].offset:regions[2].offset+int(p.wBytes)])
+	}
+	return b
+}
+
+// appendTensor writes an attention.v1 Tensor as field num: shape, dtype, data.
+func appendTensor(b []byte, num int, shape []int64, dtype uint64, data []byte) []byte {
+	var head []byte
+	head = appendPackedInt64s(head, 1, shape)
+	head = appendVarintField(head, 2, dtype)
+	b = appendTag(b, num, wireBytes)
+	b = appendVarint(b, uint64(len(head)+1+varintSize(uint64(len(data)))+len(data)))
+	b = append(b, head...)
+	return appendBytesField(b, 3, data)
+}
+
+// appendVarintField writes a varint field, left out when zero (proto3's default).
+func appendVarintField(b []byte, num int, value uint64) []byte {
+	if value == 0 {
+		return b
+	}
+	return appendVarint(appendTag(b, num, wireVarint), value)
+}
