@@ -241,7 +241,11 @@ class Runner:
         """A note when the kernel's SO_REUSEPORT hash left a front end nearly idle (it spreads
         connections, not calls), so a --frontends N row is not read as N front ends' work."""
         each = result.get("server_cpu_by_process_s") or {}
-        fronts = {role: s for role, s in each.items() if role.startswith("frontend-")}
+        fronts: dict[str, float] = {}
+        for role, seconds in each.items():
+            if role.startswith("frontend-"):  # a gateway is its front end's: frontend-N-gateway
+                front = "-".join(role.split("-")[:2])
+                fronts[front] = fronts.get(front, 0.0) + seconds
         total = sum(fronts.values())
         if len(fronts) > 1 and total > 0 and min(fronts.values()) < 0.1 * total:
             shares = ", ".join(f"{role} {s / total:.0%}" for role, s in sorted(fronts.items()))

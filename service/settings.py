@@ -42,7 +42,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grpc_compression": GRPC_COMPRESSION,
     "repository_follow_symlinks": ON_OFF,
     "client_shared_memory": ON_OFF,
-    "grpc_gateway": ON_OFF,
+    "grpc_gateway": ("auto", "on", "off"),
 }
 
 
@@ -239,11 +239,13 @@ class Settings:
     )
     grpc_gateway: str = _doc(
         "on: each front end's gRPC port is served by a native gateway (Go) that answers plain "
-        "V2 ModelInfer calls itself, through its own shared memory of --shared-memory-bytes, "
-        "and hands every other call to the front end's Python process; off: Python serves "
-        "the port. Python serves it also while tracing is on or the inference API is "
-        "restricted (only Python traces and checks keys)",
-        default="off",
+        "V2 ModelInfer and Attend calls itself, through its own shared memory of "
+        "--shared-memory-bytes, and hands every other call to the front end's Python "
+        "process; off: Python serves the port; auto: on when the gateway's executable is "
+        "found (make setup and the container image build it), else off. Python serves the "
+        "port also while tracing is on or the inference API is restricted (only Python "
+        "traces and checks keys)",
+        default="auto",
     )
     grpc_gateway_binary: str = _doc(
         "the gateway's executable; empty = attention-gateway beside the Python interpreter "
@@ -418,7 +420,7 @@ class Settings:
             ("repository_follow_symlinks", self.repository_follow_symlinks in ON_OFF, "on or off"),
             ("max_connection_idle_s", self.max_connection_idle_s >= 0, ">= 0"),
             ("client_shared_memory", self.client_shared_memory in ON_OFF, "on or off"),
-            ("grpc_gateway", self.grpc_gateway in ON_OFF, "on or off"),
+            ("grpc_gateway", self.grpc_gateway in CHOICES["grpc_gateway"], "auto, on or off"),
             (
                 "max_client_shared_memory_regions",
                 1 <= self.max_client_shared_memory_regions <= 4096,

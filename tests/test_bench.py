@@ -549,6 +549,9 @@ def test_an_idle_front_end_is_noted() -> None:
                                                       "worker": 3.0}}, "unpinned/x")  # fmt: skip
     runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "frontend-1": 1.5}}, "y")
     runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "worker": 0.0}}, "z")
+    # A gateway's CPU is its front end's: one front end, however its work is split.
+    runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 0.01,
+                                                      "frontend-0-gateway": 2.0}}, "g")  # fmt: skip
     assert len(runner.notes) == 1
     assert "unevenly" in runner.notes[0]
     assert "frontend-1 0%" in runner.notes[0]

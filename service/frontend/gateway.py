@@ -40,14 +40,20 @@ class GatewayError(RuntimeError):
     """The gateway cannot start; the message says why."""
 
 
-def find_binary(configured: str) -> str:
-    """--grpc-gateway-binary, else the one beside this interpreter, else on PATH."""
+def locate_binary(configured: str) -> str | None:
+    """--grpc-gateway-binary, else the one beside this interpreter, else on PATH; None when
+    there is none."""
     if configured:
         return configured
     beside = Path(sys.executable).parent / BINARY
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
-    found = shutil.which(BINARY)
+    return shutil.which(BINARY)
+
+
+def find_binary(configured: str) -> str:
+    """locate_binary's answer, or GatewayError saying where it was looked for."""
+    found = locate_binary(configured)
     if found is None:
         raise GatewayError(
             f"--grpc-gateway on, but no {BINARY} beside {sys.executable} or on PATH "

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import grpc
@@ -18,10 +19,12 @@ from service.frontend import caller
 from service.frontend.attention_servicer import AttentionServicer
 from service.frontend.compression import Unpacker
 from service.frontend.delivery import AnswerBudget, install_disconnect_filter
+from service.frontend.gateway import BINARY as GATEWAY_BINARY
 from service.frontend.gateway import (
     Gateway,
     GatewayError,
     gateway_off_reason,
+    locate_binary,
     undelivered_share,
 )
 from service.frontend.handlers import add_servicer
@@ -179,14 +182,20 @@ class FrontendServer:
         return bound
 
     def _use_gateway(self) -> bool:
-        """--grpc-gateway on, unless a setting needs every call in Python (then the gateway
-        would only add a hop)."""
-        if self._settings.grpc_gateway != "on":
+        """--grpc-gateway on, or auto with the gateway's executable found, unless a setting
+        needs every call in Python (then the gateway would only add a hop)."""
+        mode = self._settings.grpc_gateway
+        if mode == "off":
             return False
         restricted = self._restrictions_in_force.restricted("inference")
         off = gateway_off_reason(self._settings, restricted)
+        if not off and mode == "auto" and locate_binary(self._settings.grpc_gateway_binary) is None:
+            off = f"no {GATEWAY_BINARY} beside {sys.executable} or on PATH (make setup builds it)"
         if off:
-            log.warning("--grpc-gateway on, but Python serves the gRPC port: %s", off)
+            log.log(
+                logging.WARNING if mode == "on" else logging.INFO,
+                "--grpc-gateway %s, but Python serves the gRPC port: %s", mode, off,
+            )  # fmt: skip
         return not off
 
     async def _serve_behind_gateway(

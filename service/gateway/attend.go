@@ -92,25 +92,20 @@ func (req *inferRequest) parseTensor(msg []byte) bool {
 	return err == nil && plain
 }
 
-// attendResponse is the framed AttendResponse (5 bytes of prefix first), its tensors
-// copied once from shared memory; fields as the Python front end writes them.
-func attendResponse(req *inferRequest, p *plan, l *link, regions []region, a answer) []byte {
-	size := 160 + len(req.id) + len(p.model.Name) + int(p.outBytes+p.wBytes)
-	b := (*buffers.Get().(*[]byte))[:0]
-	if cap(b) < size {
-		b = make([]byte, 0, size)
-	}
-	b = append(b, 0, 0, 0, 0, 0)
-	b = appendStringField(b, 3, p.model.Name)
-	b = appendStringField(b, 4, strconv.FormatInt(p.model.Version, 10))
+// attendResponse is the AttendResponse, fields as the Python front end writes them, its
+// tensors' bytes referenced in shared memory.
+func attendResponse(req *inferRequest, p *plan, l *link, regions []region, a answer) [][]byte {
+	m := newMessage()
+	m.built = appendStringField(m.built, 3, p.model.Name)
+	m.built = appendStringField(m.built, 4, strconv.FormatInt(p.model.Version, 10))
 	if req.id != "" {
-		b = appendStringField(b, 5, req.id)
+		m.built = appendStringField(m.built, 5, req.id)
 	}
 	var timing []byte
 	timing = appendVarintField(timing, 1, uint64(math.RoundToEven(a.queueS*1e6)))
 	timing = appendVarintField(timing, 2, uint64(math.RoundToEven(a.computeS*1e6)))
 	timing = appendVarintField(timing, 3, uint64(a.batch))
-	b = appendBytesField(b, 6, timing)
+	m.built = appendBytesField(m.built, 6, timing)
 	n, seq, d := p.shape[0], p.shape[1], p.shape[2]
 	outShape, wShape := []int64{n, seq, d}, []int64{n, p.model.NumHeads, seq, seq}
 	if req.flat {
@@ -120,22 +115,22 @@ func attendResponse(req *inferRequest, p *plan, l *link, regions []region, a ans
 	if p.dtype.size == 2 {
 		outType = dataTypeFloat16
 	}
-	b = appendTensor(b, 1, outShape, outType, l.slab.mem[regions[1].offset:regions[1].offset+int(p.outBytes)])
+	tensor(m, 1, outShape, outType, l.slab.mem[regions[1].offset:regions[1].offset+int(p.outBytes)])
 	if p.weights {
-		b = appendTensor(b, 2, wShape, dataTypeFloat32, l.slab.mem[regions[2].offset:regions[2].offset+int(p.wBytes)])
+		tensor(m, 2, wShape, dataTypeFloat32, l.slab.mem[regions[2].offset:regions[2].offset+int(p.wBytes)])
 	}
-	return b
+	return m.finish()
 }
 
-// appendTensor writes an attention.v1 Tensor as field num: shape, dtype, data.
-func appendTensor(b []byte, num int, shape []int64, dtype uint64, data []byte) []byte {
+// tensor adds an attention.v1 Tensor as field num: shape, dtype, then data referenced.
+func tensor(m *message, num int, shape []int64, dtype uint64, data []byte) {
 	var head []byte
 	head = appendPackedInt64s(head, 1, shape)
 	head = appendVarintField(head, 2, dtype)
-	b = appendTag(b, num, wireBytes)
-	b = appendVarint(b, uint64(len(head)+1+varintSize(uint64(len(data)))+len(data)))
-	b = append(b, head...)
-	return appendBytesField(b, 3, data)
+	m.built = appendTag(m.built, num, wireBytes)
+	m.built = appendVarint(m.built, uint64(len(head)+1+varintSize(uint64(len(data)))+len(data)))
+	m.built = append(m.built, head...)
+	m.bytesField(3, data)
 }
 
 // appendVarintField writes a varint field, left out when zero (proto3's default).

@@ -80,15 +80,51 @@ func writeStatus(w http.ResponseWriter, code int, message string) {
 	w.WriteHeader(http.StatusOK)
 }
 
-// writeMessage sends one message (its 5-byte prefix already at the front of framed) and OK.
-func writeMessage(w http.ResponseWriter, framed []byte) error {
-	binary.BigEndian.PutUint32(framed[1:5], uint32(len(framed)-5))
-	framed[0] = 0 // not compressed
+// message is one response message as segments written in turn: the fields built here,
+// and the tensors' bytes as they lie in shared memory (never copied into this heap: an
+// answer can be hundreds of megabytes).
+type message struct {
+	segments [][]byte
+	built    []byte // fields not yet in segments
+}
+
+func newMessage() *message {
+	return &message{built: make([]byte, 5, 256)} // the 5-byte gRPC prefix first
+}
+
+// bytesField adds a bytes field whose value is data, referenced, not copied.
+func (m *message) bytesField(num int, data []byte) {
+	m.built = appendVarint(appendTag(m.built, num, wireBytes), uint64(len(data)))
+	m.segments = append(m.segments, m.built, data)
+	m.built = make([]byte, 0, 64)
+}
+
+func (m *message) finish() [][]byte {
+	if len(m.built) > 0 {
+		m.segments = append(m.segments, m.built)
+	}
+	return m.segments
+}
+
+// writeMessage sends one message (segments, the first starting with room for the 5-byte
+// prefix) and OK.
+func writeMessage(w http.ResponseWriter, segments [][]byte) error {
+	size := -5
+	for _, s := range segments {
+		size += len(s)
+	}
+	binary.BigEndian.PutUint32(segments[0][1:5], uint32(size))
+	segments[0][0] = 0 // not compressed
 	h := w.Header()
 	h.Set("Content-Type", "application/grpc")
 	h.Set("Trailer", "Grpc-Status")
 	w.WriteHeader(http.StatusOK)
-	_, err := w.Write(framed)
+	var err error
+	for _, s := range segments {
+		if _, err = w.Write(s); err != nil {
+			break
+		}
+	}
 	if err == nil {
 		// Out to the connection before the call counts as answered: a client that resets
 		// before its flow control lets the answer out has it CANCELLED, and the answer's

@@ -352,16 +352,17 @@ func (fp *fastPath) answer(w http.ResponseWriter, r *http.Request, req *inferReq
 		writeStatus(w, code, a.message)
 		return code
 	}
-	var response []byte
+	var response [][]byte
 	if req.api == "attention" {
 		response = attendResponse(req, p, l, regions, a)
 	} else {
-		response = fp.response(req, p, l, regions)
+		response = v2Response(req, p, l, regions)
 	}
-	l.slab.release(regions)
 	*answered = time.Now()
+	// Written from shared memory: the regions are freed once the connection took them (a
+	// slow reader holds them, as its answer's reservation says).
 	err = writeMessage(w, response)
-	buffers.Put(&response) // written (or copied into the connection's buffer) by now
+	l.slab.release(regions)
 	if err != nil {
 		return codeCancelled // the client went away before it read the answer
 	}
@@ -390,19 +391,13 @@ func (fp *fastPath) abandon(l *link, id uint64, call *pending, code int, w http.
 	return code
 }
 
-// response is the framed ModelInferResponse (5 bytes of prefix first), its outputs copied
-// once from shared memory.
-func (fp *fastPath) response(req *inferRequest, p *plan, l *link, regions []region) []byte {
-	size := 128 + len(req.id) + len(p.model.Name) + int(p.outBytes+p.wBytes)
-	b := (*buffers.Get().(*[]byte))[:0]
-	if cap(b) < size {
-		b = make([]byte, 0, size)
-	}
-	b = append(b, 0, 0, 0, 0, 0)
-	b = appendStringField(b, 1, p.model.Name)
-	b = appendStringField(b, 2, strconv.FormatInt(p.model.Version, 10))
+// v2Response is the ModelInferResponse, its outputs referenced in shared memory.
+func v2Response(req *inferRequest, p *plan, l *link, regions []region) [][]byte {
+	m := newMessage()
+	m.built = appendStringField(m.built, 1, p.model.Name)
+	m.built = appendStringField(m.built, 2, strconv.FormatInt(p.model.Version, 10))
 	if req.id != "" {
-		b = appendStringField(b, 3, req.id)
+		m.built = appendStringField(m.built, 3, req.id)
 	}
 	for _, name := range p.outputs {
 		var tensor []byte
@@ -414,16 +409,16 @@ func (fp *fastPath) response(req *inferRequest, p *plan, l *link, regions []regi
 			tensor = appendStringField(tensor, 2, "FP32")
 			tensor = appendPackedInt64s(tensor, 3, []int64{p.shape[0], p.model.NumHeads, p.shape[1], p.shape[1]})
 		}
-		b = appendBytesField(b, 5, tensor)
+		m.built = appendBytesField(m.built, 5, tensor)
 	}
 	for _, name := range p.outputs {
 		r, n := regions[1], p.outBytes
 		if name == weightsName {
 			r, n = regions[2], p.wBytes
 		}
-		b = appendBytesField(b, 6, l.slab.mem[r.offset:r.offset+int(n)])
+		m.bytesField(6, l.slab.mem[r.offset:r.offset+int(n)])
 	}
-	return b
+	return m.finish()
 }
 
 // nanDeadline is "no deadline" in the packed INFER.

@@ -68,7 +68,9 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity") {
 		read, message, ok := g.readUnary(r.Body)
 		if ok && g.fast.serve(w, r, parse(message)) {
-			buffers.Put(&read)
+			if cap(read) <= maxPooledBuffer {
+				buffers.Put(&read)
+			}
 			return
 		}
 		// Not plain, or larger than a message may be: the Python front end decides.
@@ -140,7 +142,10 @@ func (g *gateway) returnMemoryWhenIdle() {
 
 // buffers hold requests' messages between calls: a 256 KiB tensor per call would
 // otherwise be garbage for the collector to chase.
+// Larger ones go back to the collector: a pool would keep one per call at once.
 var buffers = sync.Pool{New: func() any { return new([]byte) }}
+
+const maxPooledBuffer = 1 << 20
 
 // readUnary reads one uncompressed message of at most maxReceive bytes and the end of the
 // body; ok false (with what was read) for anything else.
@@ -240,6 +245,10 @@ func main() {
 	// The heap is mostly short-lived message buffers, bounded by the shared memory and the
 	// answers budget: collect less often than the default (profiled: 8% of CPU in GC).
 	debug.SetGCPercent(400)
+	// But past this much memory, collect as often as it takes: a heap five times the live
+	// one is cheap for small messages and hundreds of megabytes for large ones (measured:
+	// 160-430 MiB resident over bursts of 16-32 MiB calls).
+	debug.SetMemoryLimit(128 << 20)
 	// Die with the Python front end that started this process: its restart starts another.
 	syscall.RawSyscall(syscall.SYS_PRCTL, syscall.PR_SET_PDEATHSIG, uintptr(syscall.SIGKILL), 0)
 	if os.Getppid() == 1 {
