@@ -102,8 +102,8 @@ func attendResponse(req *inferRequest, p *plan, l *link, regions []region, a ans
 		m.built = appendStringField(m.built, 5, req.id)
 	}
 	var timing []byte
-	timing = appendVarintField(timing, 1, uint64(math.RoundToEven(a.queueS*1e6)))
-	timing = appendVarintField(timing, 2, uint64(math.RoundToEven(a.computeS*1e6)))
+	timing = appendVarintField(timing, 1, uint64(int64(math.RoundToEven(a.queueS*1e6))))
+	timing = appendVarintField(timing, 2, uint64(int64(math.RoundToEven(a.computeS*1e6))))
 	timing = appendVarintField(timing, 3, uint64(a.batch))
 	m.built = appendBytesField(m.built, 6, timing)
 	n, seq, d := p.shape[0], p.shape[1], p.shape[2]

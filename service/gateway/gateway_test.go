@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"io"
 	"math"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"testing"
@@ -288,6 +289,29 @@ func TestPlainAttendIsReadAsTheSamePlan(t *testing.T) {
 	for name, msg := range cases {
 		if req := parseAttend(msg); req != nil && req.check(servedMHA(), lim) != nil {
 			t.Errorf("%s: taken by the fast path", name)
+		}
+	}
+}
+
+func TestAMessageIsWrittenWholeAndItsSharedMemoryFreedOnce(t *testing.T) {
+	for _, size := range []int{100, copyWholeBytes + 3*copyChunkBytes/2} {
+		shared := bytes.Repeat([]byte{7}, size)
+		m := newMessage()
+		m.built = appendStringField(m.built, 1, "mha")
+		m.bytesField(6, shared)
+		segments := m.finish()
+		var want []byte
+		for _, s := range segments {
+			want = append(want, s...)
+		}
+		recorder := httptest.NewRecorder()
+		frees := 0
+		if err := writeMessage(recorder, segments, func() { frees++ }); err != nil {
+			t.Fatal(err)
+		}
+		got := recorder.Body.Bytes()
+		if frees != 1 || !bytes.Equal(got[5:], want[5:]) || int(binary.BigEndian.Uint32(got[1:5])) != len(want)-5 {
+			t.Fatalf("size %d: freed %d times, body %d bytes of %d", size, frees, len(got), len(want))
 		}
 	}
 }

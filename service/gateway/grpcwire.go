@@ -8,6 +8,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 )
 
@@ -81,8 +82,8 @@ func writeStatus(w http.ResponseWriter, code int, message string) {
 }
 
 // message is one response message as segments written in turn: the fields built here,
-// and the tensors' bytes as they lie in shared memory (never copied into this heap: an
-// answer can be hundreds of megabytes).
+// and the tensors' bytes referenced where they lie in shared memory until they are copied
+// out (an answer can be hundreds of megabytes: never built whole in this heap).
 type message struct {
 	segments [][]byte
 	built    []byte // fields not yet in segments
@@ -106,35 +107,78 @@ func (m *message) finish() [][]byte {
 	return m.segments
 }
 
+const (
+	// Answers up to this size are copied out of shared memory at once, which is freed
+	// before the first byte goes out: a slow reader holds heap, bounded by its answers'
+	// reservation, not the shared memory every call needs.
+	copyWholeBytes = 4 << 20
+	// Larger ones go out through copies of this size, the shared memory held until the
+	// last is taken. Never a shared-memory slice to the connection itself: net/http may
+	// still be sending a frame when a reset ends the write, and the region is reused.
+	copyChunkBytes = 1 << 20
+)
+
+// chunks are copies of at most copyWholeBytes, reused only after a write that completed
+// (an abandoned frame may still reference a buffer).
+var chunks = sync.Pool{New: func() any { return new([]byte) }}
+
 // writeMessage sends one message (segments, the first starting with room for the 5-byte
-// prefix) and OK.
-func writeMessage(w http.ResponseWriter, segments [][]byte) error {
-	size := -5
+// prefix) and OK. free releases the shared memory the segments reference; it is called
+// once they have been copied out, whatever happens.
+func writeMessage(w http.ResponseWriter, segments [][]byte, free func()) error {
+	freed := false
+	defer func() {
+		if !freed {
+			free()
+		}
+	}()
+	size := 0
 	for _, s := range segments {
 		size += len(s)
 	}
-	binary.BigEndian.PutUint32(segments[0][1:5], uint32(size))
+	binary.BigEndian.PutUint32(segments[0][1:5], uint32(size-5))
 	segments[0][0] = 0 // not compressed
 	h := w.Header()
 	h.Set("Content-Type", "application/grpc")
 	h.Set("Trailer", "Grpc-Status")
 	w.WriteHeader(http.StatusOK)
 	var err error
-	for _, s := range segments {
-		if _, err = w.Write(s); err != nil {
-			break
+	if size <= copyWholeBytes {
+		pooled := chunks.Get().(*[]byte)
+		whole := (*pooled)[:0]
+		for _, s := range segments {
+			whole = append(whole, s...)
 		}
-	}
-	if err == nil {
-		// Out to the connection before the call counts as answered: a client that resets
-		// before its flow control lets the answer out has it CANCELLED, and the answer's
-		// bytes stay reserved until then (a small answer would otherwise sit in the
-		// stream's buffer, counted OK and released).
-		err = http.NewResponseController(w).Flush()
+		free()
+		freed = true
+		if _, err = w.Write(whole); err == nil {
+			err = flush(w)
+		}
+		if err == nil { // net/http is done with it
+			*pooled = whole
+			chunks.Put(pooled)
+		}
+	} else {
+		for _, s := range segments {
+			for len(s) > 0 && err == nil {
+				n := min(len(s), copyChunkBytes)
+				_, err = w.Write(append([]byte(nil), s[:n]...))
+				s = s[n:]
+			}
+		}
+		if err == nil {
+			err = flush(w)
+		}
 	}
 	h.Set("Grpc-Status", "0")
 	return err
 }
+
+// flush sends what is buffered and returns once the client's flow control let it out (or
+// the call ended): a client that resets before that has its call CANCELLED, and the
+// answer's bytes stay reserved until then (a small answer would otherwise sit in the
+// stream's buffer, counted OK and released).
+func flush(w http.ResponseWriter) error { return http.NewResponseController(w).Flush() }
 
 // grpcTimeout reads the grpc-timeout header ("<1-8 digits><unit>"): the timeout, whether
 // there is one, and whether the header is well formed (a malformed one is Python's to

@@ -359,10 +359,8 @@ func (fp *fastPath) answer(w http.ResponseWriter, r *http.Request, req *inferReq
 		response = v2Response(req, p, l, regions)
 	}
 	*answered = time.Now()
-	// Written from shared memory: the regions are freed once the connection took them (a
-	// slow reader holds them, as its answer's reservation says).
-	err = writeMessage(w, response)
-	l.slab.release(regions)
+	l.slab.release(regions[:1]) // the input: read by the worker, not needed any more
+	err = writeMessage(w, response, func() { l.slab.release(regions[1:]) })
 	if err != nil {
 		return codeCancelled // the client went away before it read the answer
 	}

@@ -42,8 +42,8 @@ type gateway struct {
 	fast       *fastPath // nil: every call goes to the Python front end
 	proxy      http.Handler
 	maxReceive int64
-	busy       atomic.Int64 // calls being answered, here or by Python; read by returnMemoryWhenIdle
-	calls      atomic.Int64 // calls ever taken
+	busy       atomic.Int64 // fast-path calls being answered; read by returnMemoryWhenIdle
+	calls      atomic.Int64 // calls ever taken, here or by Python
 }
 
 // agedAtKey holds when a connection is past its age: --max-connection-age-s spread by
@@ -51,9 +51,7 @@ type gateway struct {
 type agedAtKey struct{}
 
 func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	g.busy.Add(1)
-	g.calls.Add(1)
-	defer g.busy.Add(-1)
+	g.calls.Add(1) // busy counts fast-path calls only: an open stream must not stop the trim
 	if aged, ok := r.Context().Value(agedAtKey{}).(time.Time); ok && time.Now().After(aged) {
 		// Past its age: net/http answers "Connection: close" on HTTP/2 with a graceful
 		// GOAWAY, so clients reconnect (and client-side balancing spreads them again)
@@ -67,7 +65,10 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") &&
 		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity") {
 		read, message, ok := g.readUnary(r.Body)
-		if ok && g.fast.serve(w, r, parse(message)) {
+		g.busy.Add(1)
+		served := ok && g.fast.serve(w, r, parse(message))
+		g.busy.Add(-1)
+		if served {
 			if cap(read) <= maxPooledBuffer {
 				buffers.Put(&read)
 			}

@@ -13,6 +13,7 @@ import (
 	"encoding/binary"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -75,8 +76,8 @@ type policedConn struct {
 	net.Conn
 	policy pingPolicy
 
-	prefaceSeen int  // bytes of the client preface checked so far
-	off         bool // not HTTP/2 with prior knowledge or ALPN: nothing to police
+	prefaceSeen int         // bytes of the client preface checked so far
+	off         atomic.Bool // not HTTP/2 with prior knowledge or ALPN: nothing to police
 	in          frameCursor
 	held        []byte // the start of a frame header still arriving
 	pending     []byte // inspected, not yet read (a Read too small for a header)
@@ -97,7 +98,7 @@ func (c *policedConn) Read(p []byte) (int, error) {
 		n := copy(p, c.pending)
 		c.pending = c.pending[n:]
 		return n, nil
-	case c.off:
+	case c.off.Load():
 		return c.Conn.Read(p)
 	case c.in.skip > 0 && len(c.held) == 0: // the rest of a payload: nothing to look at
 		n, err := c.Conn.Read(p[:min(len(p), c.in.skip)])
@@ -141,7 +142,7 @@ func (c *policedConn) inspect(p []byte) int {
 	read, kept := 0, 0
 	for c.prefaceSeen < len(clientPreface) && read < len(p) {
 		if p[read] != clientPreface[c.prefaceSeen] {
-			c.off = true
+			c.off.Store(true)
 			return len(p)
 		}
 		c.prefaceSeen++
@@ -219,18 +220,14 @@ func (c *policedConn) Write(p []byte) (int, error) {
 	if c.goneAway {
 		return 0, net.ErrClosed
 	}
-	if c.off {
+	if c.off.Load() {
 		return c.Conn.Write(p)
-	}
-	if c.goAwayOwed { // finish the frame under way, then go away
-		k := c.out.feed(p, true, c.sent)
-		if _, err := c.Conn.Write(p[:k]); err == nil && c.out.atBoundary() {
-			c.sendAway()
-		}
-		return 0, net.ErrClosed
 	}
 	n, err := c.Conn.Write(p)
 	c.out.feed(p[:n], false, c.sent)
+	if c.goAwayOwed && err == nil && c.out.atBoundary() {
+		c.sendAway()
+	}
 	return n, err
 }
 
