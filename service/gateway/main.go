@@ -1,6 +1,6 @@
-// The gateway: a front end's gRPC port, in Go. It answers plain V2 ModelInfer calls itself,
-// decoding each request's tensor from the wire straight into shared memory and framing the
-// answer straight from it, with the ONNX Runtime worker on the other side of the same link
+// The gateway: a front end's gRPC port, in Go. It answers plain V2 ModelInfer and Attend
+// calls itself, decoding each request's tensor from the wire straight into shared memory
+// and framing the answer from it with one copy, with the ONNX Runtime worker on the other side of the same link
 // a Python front end uses; every other call it hands to its Python front end.
 //
 // Started and watched by the Python front end (service/frontend/gateway.py), which passes
