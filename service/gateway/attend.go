@@ -9,7 +9,6 @@ package main
 import (
 	"math"
 	"strconv"
-	"unicode/utf8"
 )
 
 const attendPath = "/attention.v1.AttentionService/Attend"
@@ -27,16 +26,12 @@ func parseAttend(msg []byte) *inferRequest {
 	plain, embeddings := true, 0
 	err := eachField(msg, func(f field) error {
 		switch f.num {
-		case 1, 2, 5:
-			if f.wire != wireBytes || !utf8.Valid(f.bytes) {
-				plain = false
-			} else if f.num == 1 {
-				req.modelName = string(f.bytes)
-			} else if f.num == 2 {
-				req.modelVersion = string(f.bytes)
-			} else {
-				req.id = string(f.bytes)
-			}
+		case 1:
+			plain = stringField(f, &req.modelName) && plain
+		case 2:
+			plain = stringField(f, &req.modelVersion) && plain
+		case 5:
+			plain = stringField(f, &req.id) && plain
 		case 3:
 			embeddings++
 			plain = plain && f.wire == wireBytes && req.parseTensor(f.bytes)

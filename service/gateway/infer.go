@@ -44,16 +44,12 @@ func parseInfer(msg []byte) *inferRequest {
 	plain := true
 	err := eachField(msg, func(f field) error {
 		switch f.num {
-		case 1, 2, 3:
-			if f.wire != wireBytes || !utf8.Valid(f.bytes) {
-				plain = false
-			} else if f.num == 1 {
-				req.modelName = string(f.bytes)
-			} else if f.num == 2 {
-				req.modelVersion = string(f.bytes)
-			} else {
-				req.id = string(f.bytes)
-			}
+		case 1:
+			plain = stringField(f, &req.modelName) && plain
+		case 2:
+			plain = stringField(f, &req.modelVersion) && plain
+		case 3:
+			plain = stringField(f, &req.id) && plain
 		case 5:
 			inputs++
 			plain = plain && f.wire == wireBytes && req.parseInput(f.bytes)
@@ -76,6 +72,15 @@ func parseInfer(msg []byte) *inferRequest {
 		return nil
 	}
 	return req
+}
+
+// stringField reads a string field into into; false when it is not valid UTF-8 bytes.
+func stringField(f field, into *string) bool {
+	if f.wire != wireBytes || !utf8.Valid(f.bytes) {
+		return false
+	}
+	*into = string(f.bytes)
+	return true
 }
 
 func (req *inferRequest) parseInput(msg []byte) bool {
