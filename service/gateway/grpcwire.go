@@ -8,7 +8,6 @@ import (
 	"math"
 	"net/http"
 	"strconv"
-	"sync"
 	"time"
 )
 
@@ -118,10 +117,6 @@ const (
 	copyChunkBytes = 1 << 20
 )
 
-// chunks are copies of at most copyWholeBytes, reused only after a write that completed
-// (an abandoned frame may still reference a buffer).
-var chunks = sync.Pool{New: func() any { return new([]byte) }}
-
 // writeMessage sends one message (segments, the first starting with room for the 5-byte
 // prefix) and OK. free releases the shared memory the segments reference; it is called
 // once they have been copied out, whatever happens.
@@ -144,7 +139,7 @@ func writeMessage(w http.ResponseWriter, segments [][]byte, free func()) error {
 	w.WriteHeader(http.StatusOK)
 	var err error
 	if size <= copyWholeBytes {
-		pooled := chunks.Get().(*[]byte)
+		pooled := buffers.Get().(*[]byte)
 		whole := (*pooled)[:0]
 		for _, s := range segments {
 			whole = append(whole, s...)
@@ -154,9 +149,11 @@ func writeMessage(w http.ResponseWriter, segments [][]byte, free func()) error {
 		if _, err = w.Write(whole); err == nil {
 			err = flush(w)
 		}
-		if err == nil { // net/http is done with it
+		// Reused only after a write that completed: an abandoned frame may still
+		// reference it.
+		if err == nil && cap(whole) <= maxPooledBuffer {
 			*pooled = whole
-			chunks.Put(pooled)
+			buffers.Put(pooled)
 		}
 	} else {
 		for _, s := range segments {

@@ -42,9 +42,8 @@ type frameCursor struct {
 	have   int // bytes of the next header gathered so far
 }
 
-// feed walks p, calling onHeader at each complete frame header, and returns the bytes it
-// consumed: all of p, or with stopAtBoundary up to the first frame boundary it reaches.
-func (c *frameCursor) feed(p []byte, stopAtBoundary bool, onHeader func(h []byte)) int {
+// feed walks p, calling onHeader at each complete frame header.
+func (c *frameCursor) feed(p []byte, onHeader func(h []byte)) {
 	consumed := 0
 	for consumed < len(p) {
 		if c.skip > 0 {
@@ -61,11 +60,7 @@ func (c *frameCursor) feed(p []byte, stopAtBoundary bool, onHeader func(h []byte
 				onHeader(c.header[:])
 			}
 		}
-		if stopAtBoundary && c.atBoundary() {
-			break
-		}
 	}
-	return consumed
 }
 
 func (c *frameCursor) atBoundary() bool { return c.skip == 0 && c.have == 0 }
@@ -224,7 +219,7 @@ func (c *policedConn) Write(p []byte) (int, error) {
 		return c.Conn.Write(p)
 	}
 	n, err := c.Conn.Write(p)
-	c.out.feed(p[:n], false, c.sent)
+	c.out.feed(p[:n], c.sent)
 	if c.goAwayOwed && err == nil && c.out.atBoundary() {
 		c.sendAway()
 	}
