@@ -75,6 +75,16 @@ class ModelSpec:
     weights_source: str
 
 
+def length_buckets(max_seq_len: int, smallest: int = 16) -> list[int]:
+    """16, 32, 64, ... up to and including max_seq_len."""
+    buckets = []
+    length = smallest
+    while length < max_seq_len:
+        buckets.append(length)
+        length *= 2
+    return [*buckets, max_seq_len]
+
+
 @dataclass(frozen=True)
 class BatchCaps:
     """Ascending (longest sequence length, most sequences) pairs; the last covers the rest."""
@@ -101,6 +111,16 @@ class BatchCaps:
 
     def describe(self) -> str:
         return ", ".join(f"seq<={length}: {size}" for length, size in self.caps)
+
+    def merged(self) -> BatchCaps:
+        """Buckets whose cap equals the next one's dropped: same caps, shorter to read."""
+        kept: list[tuple[int, int]] = []
+        for length, size in self.caps:
+            if kept and kept[-1][1] == size:
+                kept[-1] = (length, size)
+            else:
+                kept.append((length, size))
+        return BatchCaps(tuple(kept))
 
 
 class ServedModel(Protocol):

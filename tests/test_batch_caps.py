@@ -22,7 +22,6 @@ from service.worker.engine.caps import (
     best_batch_size,
     length_buckets,
     measure_caps,
-    merge_equal,
     time_batch,
 )
 from tests.test_batching import RecordingRunner
@@ -147,7 +146,7 @@ def test_timing_takes_the_best_of_repeated_runs() -> None:
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=8), st.integers(1, 2048))
 def test_cap_for_covers_every_length(sizes: list[int], longest: int) -> None:
     lengths = [16 * 2**i for i in range(len(sizes))]
-    caps = BatchCaps(merge_equal(list(zip(lengths, sizes, strict=True))))
+    caps = BatchCaps(tuple(zip(lengths, sizes, strict=True))).merged()
     pairs = zip(lengths, sizes, strict=True)
     expected = next((size for length, size in pairs if longest <= length), sizes[-1])
     assert caps.cap_for(longest) == expected

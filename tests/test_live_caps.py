@@ -71,3 +71,25 @@ def test_the_cap_never_exceeds_max_batch_size() -> None:
     assert caps.cap_for(10) == 16
     _run(caps, lambda size: 1.0 / size, 500)
     assert caps.cap_for(10) <= 16
+
+
+def test_costs_are_compared_per_padded_position() -> None:
+    # Mixed lengths in one bucket: batches of 8 happen to hold shorter sequences than those
+    # of 4. Per position they cost the same, so 8 is no win (per sequence it looks one).
+    changes: list[BatchCaps] = []
+    caps = LiveCaps(BatchCaps(((512, 4),)), MAX, on_change=changes.append)
+    for _ in range(400):
+        size = caps.cap_for(250)
+        longest = 250 if size == 4 else 130
+        caps.observe(longest, size, size * longest * 1e-6)
+    assert caps.cap_for(250) == 4
+    assert not changes
+
+
+def test_buckets_stay_a_power_of_two_wide_where_first_caps_were_merged() -> None:
+    costs = {1: 1.0, 2: 0.8, 4: 0.6, 8: 0.4, 16: 0.6, 32: 0.8}
+    caps = LiveCaps(BatchCaps(((512, 4),)), MAX)
+    _run(caps, costs.__getitem__, 800, seq=100)
+    assert caps.cap_for(100) == 8
+    assert [caps.cap_for(length) for length in (64, 129, 500)] == [4, 4, 4]
+    assert caps.caps() == BatchCaps(((64, 4), (128, 8), (512, 4)))

@@ -116,6 +116,10 @@ class WorkerServer:
             raise StartupError(str(err)) from err
         if providers[0] == CPU:
             self.batcher.compute_short_batches_inline(INLINE_BATCH_S)
+            if settings.intra_op_threads == 1:
+                # ONNX Runtime computes on the calling thread alone: its CPU time is a
+                # batch's cost, whoever else shares the core.
+                self.batcher.time_costs_with(time.thread_time)
         await self._load_models(providers)
         # Front ends connect once the served set is known: they size their limits from it.
         await self._listener.start()

@@ -2,8 +2,12 @@
 
 The caps measured at warm-up are a first guess: a burst of other work at start-up can make
 them differ between starts on one machine. Here every computed batch reports its cost per
-sequence, by length bucket and size class (powers of two); each bucket's cap moves to the
-size class with the lowest cost. Now and then a bucket tries the next size up (bounded
+padded position (sequences x longest length), by length bucket (powers of two: 16, 32, ...)
+and size class (powers of two); each bucket's cap moves to the size class with the lowest
+cost. Per position, so that within a bucket a batch of shorter sequences does not look
+cheaper than one of longer ones; and buckets stay a power of two wide even where the
+warm-up caps merged neighbours with equal caps, since costs per position still differ
+several-fold between length 64 and 512. Now and then a bucket tries the next size up (bounded
 exploration), so a cap set too low at start can grow. Costs are medians of the last few
 batches (robust to a stray slow one), and a change needs a clear win (hysteresis), so caps
 do not flap on noise.
@@ -16,7 +20,7 @@ import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable
 
-from service.catalog import BatchCaps
+from service.catalog import BatchCaps, length_buckets
 
 WINDOW = 9  # batches per (bucket, size) whose median cost is compared
 MIN_SAMPLES = 5  # before a size's cost is trusted
@@ -42,8 +46,8 @@ class LiveCaps:
         max_batch_size: int,
         on_change: Callable[[BatchCaps], None] = lambda caps: None,
     ) -> None:
-        self._lengths = [length for length, _ in initial.caps]
-        self._caps = [min(size, max_batch_size) for _, size in initial.caps]
+        self._lengths = length_buckets(initial.caps[-1][0])
+        self._caps = [min(initial.cap_for(length), max_batch_size) for length in self._lengths]
         self._max = max_batch_size
         self._on_change = on_change
         self._costs: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
@@ -61,13 +65,13 @@ class LiveCaps:
         return cap
 
     def caps(self) -> BatchCaps:
-        return BatchCaps(tuple(zip(self._lengths, self._caps, strict=True)))
+        return BatchCaps(tuple(zip(self._lengths, self._caps, strict=True))).merged()
 
-    def observe(self, longest_seq: int, sequences: int, compute_s: float) -> None:
-        """A batch of sequences (longest longest_seq) took compute_s."""
+    def observe(self, longest_seq: int, sequences: int, cost_s: float) -> None:
+        """A batch of sequences (longest longest_seq, so padded to it) cost cost_s."""
         bucket = self._bucket(longest_seq)
         size = size_class(sequences)
-        self._costs[(bucket, size)].append(compute_s / sequences)
+        self._costs[(bucket, size)].append(cost_s / (sequences * max(1, longest_seq)))
         cap = self._caps[bucket]
         if self._trying[bucket] and size > cap:
             self._trying[bucket] = False  # one batch of the larger size per try

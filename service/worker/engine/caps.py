@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from service.catalog import BatchCaps
+from service.catalog import BatchCaps, length_buckets
 
 # Per-sequence costs within this fraction of the best count as a tie, won by the larger
 # batch: the same compute per sequence, and the server's per-batch work (scheduling, thread
@@ -33,16 +33,6 @@ MIN_REPEATS = 3
 MIN_TIMED_S = 0.01
 LONG_RUN_S = 0.05
 MAX_REPEATS = 20
-
-
-def length_buckets(max_seq_len: int, smallest: int = 16) -> list[int]:
-    """16, 32, 64, ... up to and including max_seq_len."""
-    buckets = []
-    length = smallest
-    while length < max_seq_len:
-        buckets.append(length)
-        length *= 2
-    return [*buckets, max_seq_len]
 
 
 def batch_sizes(max_batch_size: int) -> list[int]:
@@ -158,15 +148,4 @@ def measure_caps(
         timing = measure_bucket(run, length, sizes, give_up, clock, batch_overhead_s)
         best = best_batch_size(timing.costs) if timing.conclusive else shorter
         caps.append((length, min(best, shorter)))
-    return BatchCaps(merge_equal(caps))
-
-
-def merge_equal(caps: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Drop buckets whose cap equals the next one's: same behaviour, shorter to read."""
-    kept: list[tuple[int, int]] = []
-    for length, size in caps:
-        if kept and kept[-1][1] == size:
-            kept[-1] = (length, size)
-        else:
-            kept.append((length, size))
-    return tuple(kept)
+    return BatchCaps(tuple(caps)).merged()
