@@ -27,6 +27,8 @@ from tritonclient.utils import InferenceServerException
 from service.client import attend_request
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from service.generated.inference import grpc_service_pb2 as v2pb
+from service.generated.inference import grpc_service_pb2_grpc as v2grpc
 from tests.reference import attend_alone, layer_for
 from tests.server_process import ServerProcess, child_pids, worker_pid
 
@@ -178,17 +180,94 @@ def test_calls_it_does_not_answer_get_the_python_front_ends_answers(
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_streaming_goes_through(gateway: ServerProcess) -> None:
-    answers: list[object] = []
-    with triton.InferenceServerClient(gateway.target) as client:
-        client.start_stream(callback=lambda result, error: answers.append(error or result))
-        x = rng().standard_normal((1, 6, 512), dtype=np.float32)
-        for index in range(3):
-            tensor = triton.InferInput("embeddings", list(x.shape), "FP32")
-            tensor.set_data_from_numpy(x)
-            client.async_stream_infer("mha", [tensor], request_id=str(index))
-        client.stop_stream()
-    assert sorted(a.get_response().id for a in answers) == ["0", "1", "2"]  # type: ignore[attr-defined]
+def _v2_stream_request(
+    x: np.ndarray, request_id: str, input_name: str = "embeddings"
+) -> v2pb.ModelInferRequest:
+    request = v2pb.ModelInferRequest(model_name="mha", id=request_id)
+    request.inputs.add(name=input_name, datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.tobytes())
+    return request
+
+
+def test_streams_mixing_plain_and_other_messages_answer_each_as_the_python_front_end(
+    gateway: ServerProcess,
+) -> None:
+    """The gateway answers a stream's plain messages and hands the others to the Python front
+    end in one stream of its own: every message gets its answer (torch's numbers) or its
+    error, named by its id, and each is counted under the stream's api."""
+    layer = layer_for(512, 8)
+    xs = [rng(i).standard_normal((1, 3 + i, 512), dtype=np.float32) for i in range(6)]
+    bad = {1: "input name", 4: "shape"}
+    requests = []
+    for i, x in enumerate(xs):
+        if i == 1:
+            requests.append(_v2_stream_request(x, f"r{i}", input_name="nope"))
+        elif i == 4:
+            requests.append(_v2_stream_request(x[..., :7].copy(), f"r{i}"))
+        else:
+            requests.append(_v2_stream_request(x, f"r{i}"))
+    ok = {"model": "mha", "api": "v2_stream", "code": "OK"}
+    invalid = {"model": "mha", "api": "v2_stream", "code": "INVALID_ARGUMENT"}
+    ok_before = gateway.metric("attention_requests_total", **ok)
+    invalid_before = gateway.metric("attention_requests_total", **invalid)
+    with grpc.insecure_channel(gateway.target) as channel:
+        answers = list(v2grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter(requests), timeout=30))  # fmt: skip
+        assert sorted(a.infer_response.id for a in answers) == [f"r{i}" for i in range(6)]
+        for answer in answers:
+            i = int(answer.infer_response.id[1:])
+            assert answer.infer_response.model_name == "mha"
+            if i in bad:
+                assert "expect" in answer.error_message, (bad[i], answer.error_message)
+                continue
+            assert not answer.error_message
+            out = answer.infer_response.outputs[0]
+            assert (out.name, out.datatype, list(out.shape)) == ("output", "FP32", [1, 3 + i, 512])
+            got = np.frombuffer(answer.infer_response.raw_output_contents[0], np.float32)
+            expected, _ = attend_alone(layer, xs[i])
+            np.testing.assert_allclose(got.reshape(xs[i].shape), expected, atol=1e-4, rtol=1e-4)
+        # AttendStream: the same, with its own envelope and error message.
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        attends = [attend_request(xs[0][0]), attend_request(xs[2][0][:, :3].copy()),
+                   attend_request(xs[3][0], return_attention_weights=True)]  # fmt: skip
+        for i, request in enumerate(attends):
+            request.request_id = f"a{i}"
+        replies = {r.request_id: r for r in stub.AttendStream(iter(attends), timeout=30)}
+    assert sorted(replies) == ["a0", "a1", "a2"]
+    assert replies["a1"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "expects d=512" in replies["a1"].error.message
+    for key, x in (("a0", xs[0][0]), ("a2", xs[3][0])):
+        response = replies[key].response
+        expected_out, expected_weights = attend_alone(layer, x)
+        out = np.frombuffer(response.output.data, np.float32).reshape(x.shape)
+        np.testing.assert_allclose(out, expected_out, atol=1e-4, rtol=1e-4)
+        assert response.HasField("attention_weights") == (key == "a2")
+        assert response.timing.compute_us > 0
+    weights = np.frombuffer(replies["a2"].response.attention_weights.data, np.float32)
+    np.testing.assert_allclose(weights.reshape(expected_weights.shape), expected_weights, atol=1e-5)
+    gateway.wait_metric("attention_requests_total", ok_before + 4, **ok)
+    gateway.wait_metric("attention_requests_total", invalid_before + 2, **invalid)
+    assert gateway.metric("attention_inflight_requests", api="v2_stream") == 0
+    assert gateway.metric("attention_undelivered_answer_bytes") == 0
+
+
+def test_a_stream_with_a_message_over_the_size_bound_ends_as_the_python_front_end_ends_it(
+    model_repository: Path,
+) -> None:
+    """A message larger than any legal request (--max-batch-size x --max-seq-len) is not read
+    into the gateway: the Python front end refuses it, and the whole call ends with its
+    status."""
+    flags = ("--grpc-gateway", "on", "--max-batch-size", "1", "--max-seq-len", "64")
+    with (
+        ServerProcess(model_repository, *flags) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        small = _v2_stream_request(np.ones((1, 4, 512), np.float32), "small")
+        large = _v2_stream_request(np.ones((1, 600, 512), np.float32), "large")
+        with pytest.raises(grpc.RpcError) as err:
+            list(v2grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                iter([small, large]), timeout=30))  # fmt: skip
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
 
 
 def test_its_calls_are_counted_in_metrics(

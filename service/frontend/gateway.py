@@ -175,6 +175,8 @@ class Gateway:
             f"--max-connection-idle-s={s.max_connection_idle_s}",
             f"--max-connection-age-s={s.max_connection_age_s}",
             f"--max-concurrent-streams={grpc_options.MAX_CONCURRENT_STREAMS}",
+            f"--max-stream-inflight-requests={s.max_stream_inflight_requests}",
+            f"--max-stream-pending-bytes={s.max_stream_pending_bytes}",
             f"--keepalive-s={grpc_options.KEEPALIVE_TIME_MS / 1000}",
             f"--keepalive-timeout-s={grpc_options.KEEPALIVE_TIMEOUT_MS / 1000}",
             f"--min-client-ping-interval-s={grpc_options.MIN_CLIENT_PING_INTERVAL_MS / 1000}",

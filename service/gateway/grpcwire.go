@@ -121,6 +121,22 @@ const (
 // prefix) and OK. free releases the shared memory the segments reference; it is called
 // once they have been copied out, whatever happens.
 func writeMessage(w http.ResponseWriter, segments [][]byte, free func()) error {
+	h := w.Header()
+	h.Set("Content-Type", "application/grpc")
+	h.Set("Trailer", "Grpc-Status")
+	w.WriteHeader(http.StatusOK)
+	err := writeSegments(w, segments, free)
+	if err == nil {
+		err = flush(w)
+	}
+	h.Set("Grpc-Status", "0")
+	return err
+}
+
+// writeSegments writes one message of a call whose headers are out, without flushing it.
+// free releases the shared memory the segments reference; it is called once they have been
+// copied out, whatever happens.
+func writeSegments(w http.ResponseWriter, segments [][]byte, free func()) error {
 	freed := false
 	defer func() {
 		if !freed {
@@ -133,10 +149,6 @@ func writeMessage(w http.ResponseWriter, segments [][]byte, free func()) error {
 	}
 	binary.BigEndian.PutUint32(segments[0][1:5], uint32(size-5))
 	segments[0][0] = 0 // not compressed
-	h := w.Header()
-	h.Set("Content-Type", "application/grpc")
-	h.Set("Trailer", "Grpc-Status")
-	w.WriteHeader(http.StatusOK)
 	var err error
 	if size <= copyWholeBytes {
 		pooled := buffers.Get().(*[]byte)
@@ -146,28 +158,22 @@ func writeMessage(w http.ResponseWriter, segments [][]byte, free func()) error {
 		}
 		free()
 		freed = true
-		if _, err = w.Write(whole); err == nil {
-			err = flush(w)
-		}
+		_, err = w.Write(whole)
 		// Reused only after a write that completed: an abandoned frame may still
 		// reference it.
 		if err == nil && cap(whole) <= maxPooledBuffer {
 			*pooled = whole
 			buffers.Put(pooled)
 		}
-	} else {
-		for _, s := range segments {
-			for len(s) > 0 && err == nil {
-				n := min(len(s), copyChunkBytes)
-				_, err = w.Write(append([]byte(nil), s[:n]...))
-				s = s[n:]
-			}
-		}
-		if err == nil {
-			err = flush(w)
+		return err
+	}
+	for _, s := range segments {
+		for len(s) > 0 && err == nil {
+			n := min(len(s), copyChunkBytes)
+			_, err = w.Write(append([]byte(nil), s[:n]...))
+			s = s[n:]
 		}
 	}
-	h.Set("Grpc-Status", "0")
 	return err
 }
 

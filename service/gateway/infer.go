@@ -7,6 +7,7 @@ package main
 // the same errors and features as always: one place decides every error message.
 
 import (
+	"context"
 	"encoding/binary"
 	"math"
 	"net/http"
@@ -238,7 +239,9 @@ type fastPath struct {
 	// and it then cancels the call: one cancelled this close to its deadline expired.
 	deadlineSlack time.Duration
 	accepting     atomic.Bool
-	inFlight      sync.WaitGroup
+	closing       chan struct{} // closed when draining starts: streams stop reading
+	streams       streamLimits
+	inFlight      sync.WaitGroup // unary calls and streams
 }
 
 // serve answers a plain call (req, nil when it was not one) and returns true, or returns
@@ -272,52 +275,110 @@ func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, req *inferRequ
 }
 
 func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequest, p *plan, sent func()) (int, time.Time) {
-	var answered time.Time
-	code := fp.answer(w, r, req, p, sent, &answered)
-	if answered.IsZero() {
-		answered = time.Now()
+	if !fp.accepting.Load() { // draining: a stream's messages are still answered
+		sent()
+		writeStatus(w, codeUnavailable, notAccepting)
+		return codeUnavailable, time.Now()
 	}
-	return code, answered
+	deadline := time.Time{}
+	if t, set, _ := grpcTimeout(r.Header.Get("Grpc-Timeout")); set {
+		deadline = time.Now().Add(t)
+	}
+	o := fp.compute(r.Context(), r.RemoteAddr, req, p, deadline, sent)
+	defer o.release()
+	if o.code != codeOK {
+		if o.code != codeCancelled { // a cancelled call's client has gone
+			writeStatus(w, o.code, o.message)
+		}
+		return o.code, o.answered
+	}
+	if err := writeMessage(w, o.segments, o.takeFree()); err != nil {
+		return codeCancelled, o.answered // the client went away before it read the answer
+	}
+	return codeOK, o.answered
 }
 
-// answer computes and writes the call's answer; its status code, and in answered when the
-// answer existed (before a slow reader took it).
-func (fp *fastPath) answer(w http.ResponseWriter, r *http.Request, req *inferRequest, p *plan, sent func(), answered *time.Time) int {
-	if !fp.accepting.Load() {
-		writeStatus(w, codeUnavailable, notAccepting)
-		return codeUnavailable
+// outcome is a computed call: its status, and for OK its answer and what that holds.
+type outcome struct {
+	code     int
+	message  string    // the status message, when not OK
+	answered time.Time // when the answer (or the error) existed
+	segments [][]byte  // OK: the answer, room for the 5-byte gRPC prefix first
+	free     func()    // OK: gives back the shared memory the segments reference
+	hold     *reservation
+}
+
+// takeFree hands over the duty to free the answer's shared memory (writeMessage's).
+func (o *outcome) takeFree() func() {
+	free := o.free
+	o.free = nil
+	if free == nil {
+		return func() {}
 	}
+	return free
+}
+
+// release gives back what the outcome holds: once its answer was written, or never will be.
+func (o *outcome) release() {
+	o.takeFree()()
+	if o.hold != nil {
+		o.hold.release()
+		o.hold = nil
+	}
+}
+
+func failed(code int, message string) outcome {
+	return outcome{code: code, message: message, answered: time.Now()}
+}
+
+// compute runs a plain call through the worker (ctx ends it early: the client cancelled or
+// went away; deadline, when not zero, is the caller's). sent is called once its INFER is
+// on its way to the worker (or never will be).
+func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest, p *plan, deadline time.Time, sent func()) outcome {
 	l := fp.worker.use()
 	if l == nil {
-		writeStatus(w, codeUnavailable, workerStarting)
-		return codeUnavailable
+		sent()
+		return failed(codeUnavailable, workerStarting)
 	}
-	defer l.done()
+	linkHeld := true
+	defer func() {
+		if linkHeld {
+			l.done()
+		}
+	}()
 	answerBytes := p.outBytes + p.wBytes
-	reservation, refusal := fp.answers.reserve(r.RemoteAddr, answerBytes)
+	hold, refusal := fp.answers.reserve(peer, answerBytes)
 	if refusal != "" {
-		writeStatus(w, codeResourceExhausted, refusal)
-		return codeResourceExhausted
+		sent()
+		return failed(codeResourceExhausted, refusal)
 	}
-	defer reservation.release()
+	holdKept := false
+	defer func() {
+		if !holdKept {
+			hold.release()
+		}
+	}()
 	sizes := []int{len(req.raw), int(p.outBytes)}
 	if p.weights {
 		sizes = append(sizes, int(p.wBytes))
 	}
 	regions, err := l.slab.alloc(sizes)
 	if err != nil {
-		writeStatus(w, codeResourceExhausted, err.Error())
-		return codeResourceExhausted
+		sent()
+		return failed(codeResourceExhausted, err.Error())
 	}
 	copy(l.slab.mem[regions[0].offset:], req.raw)
 	at := [3]int64{int64(regions[0].offset), int64(regions[1].offset), -1}
 	if p.weights {
 		at[2] = int64(regions[2].offset)
 	}
-	arrived := time.Now()
-	deadline, timeout := nanDeadline(), time.Duration(0)
-	if t, set, _ := grpcTimeout(r.Header.Get("Grpc-Timeout")); set {
-		deadline, timeout = monotonic()+t.Seconds(), t
+	workerDeadline := nanDeadline()
+	var expired <-chan time.Time
+	if !deadline.IsZero() {
+		workerDeadline = monotonic() + time.Until(deadline).Seconds()
+		timer := time.NewTimer(time.Until(deadline))
+		defer timer.Stop()
+		expired = timer.C
 	}
 	call := &pending{done: make(chan answer, 1), regions: regions}
 	l.mu.Lock()
@@ -325,37 +386,28 @@ func (fp *fastPath) answer(w http.ResponseWriter, r *http.Request, req *inferReq
 	id := fp.worker.nextID
 	l.calls[id] = call
 	l.mu.Unlock()
-	message := inferMessage(id, p.weights, p.shape, at, deadline, p.model.Key, p.dtype.numpy)
+	message := inferMessage(id, p.weights, p.shape, at, workerDeadline, p.model.Key, p.dtype.numpy)
 	if !l.send(message) {
 		sent()
 		l.slab.release(regions)
-		writeStatus(w, codeUnavailable, workerGone)
-		return codeUnavailable
+		return failed(codeUnavailable, workerGone)
 	}
 	sent()
-	var expired <-chan time.Time
-	if timeout > 0 {
-		timer := time.NewTimer(timeout)
-		defer timer.Stop()
-		expired = timer.C
-	}
 	var a answer
 	select {
 	case a = <-call.done:
-	case <-r.Context().Done():
+	case <-ctx.Done():
 		code := codeCancelled
-		if timeout > 0 && time.Since(arrived) >= timeout-fp.deadlineSlack {
+		if !deadline.IsZero() && time.Until(deadline) <= fp.deadlineSlack {
 			code = codeDeadlineExceeded
 		}
-		return fp.abandon(l, id, call, code, w)
+		return fp.abandon(l, id, call, code)
 	case <-expired:
-		return fp.abandon(l, id, call, codeDeadlineExceeded, w)
+		return fp.abandon(l, id, call, codeDeadlineExceeded)
 	}
 	if a.kind != "" {
 		l.slab.release(regions)
-		code := codeOfKind(a.kind)
-		writeStatus(w, code, a.message)
-		return code
+		return failed(codeOfKind(a.kind), a.message)
 	}
 	var response [][]byte
 	if req.api == "attention" {
@@ -363,18 +415,15 @@ func (fp *fastPath) answer(w http.ResponseWriter, r *http.Request, req *inferReq
 	} else {
 		response = v2Response(req, p, l, regions)
 	}
-	*answered = time.Now()
 	l.slab.release(regions[:1]) // the input: read by the worker, not needed any more
-	err = writeMessage(w, response, func() { l.slab.release(regions[1:]) })
-	if err != nil {
-		return codeCancelled // the client went away before it read the answer
-	}
-	return codeOK
+	linkHeld, holdKept = false, true
+	return outcome{code: codeOK, answered: time.Now(), segments: response, hold: hold,
+		free: func() { l.slab.release(regions[1:]); l.done() }}
 }
 
 // abandon gives up on a call: the worker drops it (or has computed it), and its regions
 // are freed once the worker's final answer says it wrote nothing more into them.
-func (fp *fastPath) abandon(l *link, id uint64, call *pending, code int, w http.ResponseWriter) int {
+func (fp *fastPath) abandon(l *link, id uint64, call *pending, code int) outcome {
 	l.mu.Lock()
 	_, waiting := l.calls[id]
 	if waiting {
@@ -389,9 +438,9 @@ func (fp *fastPath) abandon(l *link, id uint64, call *pending, code int, w http.
 		l.slab.release(call.regions)
 	}
 	if code == codeDeadlineExceeded {
-		writeStatus(w, code, "Deadline Exceeded")
+		return failed(code, "Deadline Exceeded")
 	}
-	return code
+	return failed(code, "")
 }
 
 // v2Response is the ModelInferResponse, its outputs referenced in shared memory.

@@ -41,6 +41,7 @@ var fastMethods = map[string]func([]byte) *inferRequest{modelInferPath: parseInf
 type gateway struct {
 	fast       *fastPath // nil: every call goes to the Python front end
 	proxy      http.Handler
+	backend    *http.Transport // to the Python front end
 	maxReceive int64
 	busy       atomic.Int64 // fast-path calls being answered; read by returnMemoryWhenIdle
 	calls      atomic.Int64 // calls ever taken, here or by Python
@@ -59,11 +60,16 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Connection", "close")
 	}
 	_, _, timeoutValid := grpcTimeout(r.Header.Get("Grpc-Timeout"))
-	// RequestURI is the :path as sent: a query or percent-encoding is not this method.
-	parse := fastMethods[r.RequestURI]
-	if g.fast != nil && parse != nil && r.Method == http.MethodPost && timeoutValid &&
+	plainCall := g.fast != nil && r.Method == http.MethodPost && timeoutValid &&
 		strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") &&
-		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity") {
+		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity")
+	// RequestURI is the :path as sent: a query or percent-encoding is not this method.
+	if method := streamMethods[r.RequestURI]; plainCall && method != nil && g.fast.accepting.Load() {
+		g.serveStream(w, r, method)
+		return
+	}
+	parse := fastMethods[r.RequestURI]
+	if plainCall && parse != nil {
 		read, message, ok := g.readUnary(r.Body)
 		g.busy.Add(1)
 		served := ok && g.fast.serve(w, r, parse(message))
@@ -189,6 +195,7 @@ type options struct {
 	maxSeqLen, maxBatchSize, maxReceive             int64
 	maxUndelivered, maxUndeliveredPerConnection     int64
 	maxStreams                                      int
+	streams                                         streamLimits
 	pings                                           pingPolicy
 	keepalive, keepaliveTimeout, deadlineSlack      time.Duration
 	refuseLinger                                    time.Duration
@@ -217,6 +224,8 @@ func parseOptions() options {
 	flag.Float64Var(&idleS, "max-connection-idle-s", 60, "")
 	flag.Float64Var(&ageS, "max-connection-age-s", 300, "0: no limit")
 	flag.IntVar(&o.maxStreams, "max-concurrent-streams", 1024, "calls at once on one connection")
+	flag.IntVar(&o.streams.maxInflight, "max-stream-inflight-requests", 256, "unanswered messages of one streaming call")
+	flag.Int64Var(&o.streams.maxPending, "max-stream-pending-bytes", 64<<20, "answers' bytes one streaming call may hold unread")
 	flag.Float64Var(&keepaliveS, "keepalive-s", 60, "ping a connection silent this long")
 	flag.Float64Var(&keepaliveTimeoutS, "keepalive-timeout-s", 20, "close it when the ping goes unanswered this long")
 	var minPingS float64
@@ -263,7 +272,8 @@ func main() {
 }
 
 func run(o options) error {
-	g := &gateway{proxy: newProxy(o.backend, 1<<20), maxReceive: o.maxReceive}
+	backend := newBackend(o.backend, 1<<20)
+	g := &gateway{proxy: newProxy(backend), backend: backend, maxReceive: o.maxReceive}
 	if o.fastPath {
 		var spec metricsSpec
 		if err := json.Unmarshal([]byte(os.Getenv("ATTENTION_GATEWAY_METRICS")), &spec); err != nil {
@@ -277,8 +287,8 @@ func run(o options) error {
 		welcomed := make(chan struct{})
 		go w.connectForever(welcomed)
 		g.fast = &fastPath{worker: w, limits: limits{o.maxSeqLen, o.maxBatchSize}, metrics: m,
-			deadlineSlack: o.deadlineSlack,
-			answers:       newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection, m)}
+			deadlineSlack: o.deadlineSlack, closing: make(chan struct{}), streams: o.streams,
+			answers: newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection, m)}
 		g.fast.accepting.Store(true)
 	}
 	go g.returnMemoryWhenIdle()
@@ -347,6 +357,7 @@ func drain(server *http.Server, fast *fastPath, o options) error {
 	time.Sleep(min(o.notServing, time.Until(deadline)))
 	if fast != nil {
 		fast.accepting.Store(false)
+		close(fast.closing)
 		idle := make(chan struct{})
 		go func() { fast.inFlight.Wait(); close(idle) }()
 		select {

@@ -34,10 +34,11 @@ func grpcPeer(remote string) string {
 	return "ipv4:" + remote
 }
 
-func newProxy(socketPath string, maxResponseHeaderBytes int64) *httputil.ReverseProxy {
+// newBackend is the HTTP/2 transport to this front end's Python process.
+func newBackend(socketPath string, maxResponseHeaderBytes int64) *http.Transport {
 	var protocols http.Protocols
 	protocols.SetUnencryptedHTTP2(true)
-	transport := &http.Transport{
+	return &http.Transport{
 		Protocols: &protocols,
 		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 			var dialer net.Dialer
@@ -54,19 +55,27 @@ func newProxy(socketPath string, maxResponseHeaderBytes int64) *httputil.Reverse
 			MaxReceiveBufferPerConnection: proxyConnectionWindow,
 		},
 	}
-	target := &url.URL{Scheme: "http", Host: "frontend"}
+}
+
+var backendURL = &url.URL{Scheme: "http", Host: "frontend"}
+
+// tellCaller sets who called on a request to the Python front end, for its per-connection
+// bounds and its logs (service/frontend/caller.py); never what a client claims.
+func tellCaller(out http.Header, in *http.Request) {
+	out.Del(peerHeader)
+	out.Del(subjectHeader)
+	out.Set(peerHeader, grpcPeer(in.RemoteAddr))
+	if in.TLS != nil && len(in.TLS.PeerCertificates) > 0 {
+		out.Set(subjectHeader, in.TLS.PeerCertificates[0].Subject.String())
+	}
+}
+
+func newProxy(transport *http.Transport) *httputil.ReverseProxy {
 	return &httputil.ReverseProxy{
 		Rewrite: func(r *httputil.ProxyRequest) {
-			r.SetURL(target)
+			r.SetURL(backendURL)
 			r.Out.Host = r.In.Host
-			// Who called, for the Python front end's per-connection bounds and its logs
-			// (service/frontend/caller.py); never what a client claims.
-			r.Out.Header.Del(peerHeader)
-			r.Out.Header.Del(subjectHeader)
-			r.Out.Header.Set(peerHeader, grpcPeer(r.In.RemoteAddr))
-			if r.In.TLS != nil && len(r.In.TLS.PeerCertificates) > 0 {
-				r.Out.Header.Set(subjectHeader, r.In.TLS.PeerCertificates[0].Subject.String())
-			}
+			tellCaller(r.Out.Header, r.In)
 		},
 		Transport:      transport,
 		ModifyResponse: trailersOnlyToTrailers,

@@ -1,0 +1,547 @@
+package main
+
+// Streaming calls on the fast path: V2 ModelStreamInfer and attention.v1 AttendStream. The
+// gateway owns the stream. A plain message is answered here exactly as a plain unary call
+// is; any other message goes, as it came, into one stream of the same method that the
+// gateway opens to the Python front end when first needed, and Python's answers join the
+// client's stream. As the Python front end's streams (service/frontend/streaming.py):
+//   - answers go out in completion order, each as the method's stream response; an error
+//     is a message of its own and the stream goes on;
+//   - at most --max-stream-inflight-requests messages are unanswered, and their answers'
+//     bytes stay under --max-stream-pending-bytes: past either, reading stops and HTTP/2
+//     flow control holds the client back;
+//   - the call's deadline is every message's; a call that ends early (cancelled, client
+//     gone, deadline) drops its messages in the worker before compute;
+//   - on shutdown a stream stops reading, answers what it read, and ends UNAVAILABLE.
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+)
+
+const (
+	modelStreamInferPath = "/inference.GRPCInferenceService/ModelStreamInfer"
+	attendStreamPath     = "/attention.v1.AttentionService/AttendStream"
+	streamClosed         = "server shutting down: every request read from this stream was " +
+		"answered; send the rest to another replica"
+)
+
+// streamMethod is what one streaming method plugs in.
+type streamMethod struct {
+	api   string // the metrics' label of each message
+	parse func([]byte) *inferRequest
+	// ok wraps a unary answer as the stream's response; failure is one message's error.
+	ok      func(req *inferRequest, answer [][]byte) [][]byte
+	failure func(req *inferRequest, code int, message string) [][]byte
+}
+
+var streamMethods = map[string]*streamMethod{
+	modelStreamInferPath: {api: "v2_stream", parse: parseInfer, ok: v2StreamAnswer, failure: v2StreamError},
+	attendStreamPath:     {api: "attention_stream", parse: parseAttend, ok: attendStreamAnswer, failure: attendStreamError},
+}
+
+// streamLimits are the per-stream bounds.
+type streamLimits struct {
+	maxInflight int
+	maxPending  int64
+}
+
+// stream is one streaming call being served.
+type stream struct {
+	fp      *fastPath
+	gateway *gateway
+	method  *streamMethod
+	r       *http.Request
+	limits  streamLimits
+	// ctx ends when the client goes, at the deadline, or when Python's part of the
+	// stream fails (its cause then says how the call ends).
+	ctx      context.Context
+	end      context.CancelCauseFunc
+	deadline time.Time // zero: none
+	answers  chan streamAnswer
+	room     chan struct{} // an answer was written: reading may go on
+	readDone chan struct{}
+
+	mu       sync.Mutex // the fields below
+	inflight int        // messages read here and not yet written
+	pending  int64      // their answers' bytes
+	stopped  bool       // no more messages are taken
+	closed   bool       // stopped by shutdown
+	python   *pythonPart
+	tasks    sync.WaitGroup
+}
+
+// streamAnswer is one message for the client, with what it holds until written.
+type streamAnswer struct {
+	segments    [][]byte // the message, the first segment starting with the 5-byte prefix
+	free        func()   // shared memory the segments reference; nil: none
+	hold        *reservation
+	bytes       int64          // in the stream's pending bound (0: Python's answer)
+	count       func(code int) // counts an OK answer once its fate is known; nil: not here
+	undelivered int            // a Python answer's bytes in the undelivered gauge
+	metrics     *metrics
+}
+
+// pythonFailed is Python's part of a stream ending with an error: the whole call ends so.
+type pythonFailed struct{ status, message string }
+
+func (p pythonFailed) Error() string { return "python: grpc-status " + p.status }
+
+func (g *gateway) serveStream(w http.ResponseWriter, r *http.Request, method *streamMethod) {
+	fp := g.fast
+	fp.inFlight.Add(1)
+	defer fp.inFlight.Done()
+	ctx, end := context.WithCancelCause(r.Context())
+	defer end(nil)
+	s := &stream{fp: fp, gateway: g, method: method, r: r, limits: fp.streams, ctx: ctx, end: end,
+		answers: make(chan streamAnswer, fp.streams.maxInflight), room: make(chan struct{}, 1),
+		readDone: make(chan struct{})}
+	if t, set, _ := grpcTimeout(r.Header.Get("Grpc-Timeout")); set {
+		s.deadline = time.Now().Add(t)
+		var cancel context.CancelFunc
+		s.ctx, cancel = context.WithDeadline(ctx, s.deadline)
+		defer cancel()
+		// A client that stops reading must not hold the handler long past the deadline
+		// (net/http resets the stream then: a second later, so the status goes first).
+		_ = http.NewResponseController(w).SetWriteDeadline(s.deadline.Add(time.Second))
+	}
+	go s.read(r.Body)
+	go s.finish()
+	s.write(w)
+}
+
+// finish ends the stream's input once the client half-closed, the call ended or the server
+// shuts down; then waits for every answer, and closes the answers.
+func (s *stream) finish() {
+	select {
+	case <-s.readDone:
+	case <-s.ctx.Done():
+	case <-s.fp.closing:
+	}
+	s.mu.Lock()
+	s.stopped = true
+	select {
+	case <-s.readDone:
+	default:
+		s.closed = s.ctx.Err() == nil // stopped by shutdown, not by the call's end
+	}
+	python := s.python
+	s.mu.Unlock()
+	s.tasks.Wait()
+	if python != nil {
+		python.pipe.Close() // half-closes Python's part: it answers what it has, then ends
+		<-python.done
+	}
+	close(s.answers)
+}
+
+// write sends the answers as they come, then the call's status.
+func (s *stream) write(w http.ResponseWriter) {
+	started, broken := false, false
+	for a := range s.answers {
+		if !broken {
+			if !started {
+				h := w.Header()
+				h.Set("Content-Type", "application/grpc")
+				h.Set("Trailer", "Grpc-Status, Grpc-Message")
+				w.WriteHeader(http.StatusOK)
+				started = true
+			}
+			err := writeSegments(w, a.segments, a.takeFree())
+			if err == nil && len(s.answers) == 0 {
+				err = flush(w) // more answers ready go out with this one
+			}
+			broken = err != nil
+		}
+		a.settle(!broken)
+		s.written(a.bytes)
+	}
+	code, message := s.status()
+	if s.r.Context().Err() != nil {
+		return // the client has gone: no one to tell
+	}
+	h := w.Header()
+	h.Set("Content-Type", "application/grpc")
+	h.Set("Grpc-Status", strconv.Itoa(code))
+	if message != "" {
+		h.Set("Grpc-Message", message)
+	}
+	if !started {
+		w.WriteHeader(http.StatusOK) // trailers-only
+	}
+}
+
+// status is how the call ends: its code and grpc-message (already percent-encoded).
+func (s *stream) status() (int, string) {
+	var failure pythonFailed
+	cause := context.Cause(s.ctx)
+	switch {
+	case errors.Is(cause, context.DeadlineExceeded):
+		return codeDeadlineExceeded, grpcMessage("Deadline Exceeded")
+	case errors.As(cause, &failure):
+		code, err := strconv.Atoi(failure.status)
+		if err != nil {
+			return codeInternal, grpcMessage("the stream's protocol process ended it without a status")
+		}
+		return code, failure.message
+	}
+	s.mu.Lock()
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		return codeUnavailable, grpcMessage(streamClosed)
+	}
+	return codeOK, ""
+}
+
+func (a *streamAnswer) takeFree() func() {
+	free := a.free
+	a.free = nil
+	if free == nil {
+		return func() {}
+	}
+	return free
+}
+
+// settle gives back what the answer held; an OK answer counts now, OK if it was written.
+func (a *streamAnswer) settle(written bool) {
+	a.takeFree()()
+	if a.hold != nil {
+		a.hold.release()
+		a.hold = nil
+	}
+	if a.undelivered != 0 {
+		a.metrics.undelivered(-float64(a.undelivered))
+		a.undelivered = 0
+	}
+	if a.count != nil {
+		if written {
+			a.count(codeOK)
+		} else {
+			a.count(codeCancelled)
+		}
+		a.count = nil
+	}
+}
+
+// written frees a message's place in the stream's bounds.
+func (s *stream) written(answerBytes int64) {
+	if answerBytes == 0 {
+		return
+	}
+	s.mu.Lock()
+	s.inflight--
+	s.pending -= answerBytes
+	s.mu.Unlock()
+	select {
+	case s.room <- struct{}{}:
+	default:
+	}
+}
+
+// read takes the client's messages until it half-closes, the call ends or the stream stops.
+func (s *stream) read(body io.Reader) {
+	defer close(s.readDone)
+	for s.waitForRoom() {
+		var prefix [5]byte
+		if n, err := io.ReadFull(body, prefix[:]); err != nil {
+			if errors.Is(err, io.ErrUnexpectedEOF) {
+				s.forward(prefix[:n]) // Python's part says what a torn message is
+			}
+			return
+		}
+		length := int64(binary.BigEndian.Uint32(prefix[1:5]))
+		if prefix[0] != 0 || length > s.gateway.maxReceive {
+			// Compressed, or larger than a message may be: Python's part refuses it as
+			// the Python front end refuses it, without this process holding it.
+			if !s.forward(prefix[:], io.LimitReader(body, length)) {
+				return
+			}
+			continue
+		}
+		buffer, ok := s.readMessage(body, prefix[:], int(length))
+		if !ok {
+			s.forward(buffer)
+			return
+		}
+		if !s.take(buffer) {
+			return
+		}
+	}
+}
+
+// readMessage reads a message's bytes after its prefix into a pooled buffer, grown as the
+// bytes arrive: a prefix alone never makes this process hold the size it declares.
+func (s *stream) readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
+	need := 5 + length
+	buffer := append((*buffers.Get().(*[]byte))[:0], prefix...)
+	for len(buffer) < need {
+		if len(buffer) == cap(buffer) {
+			grown := make([]byte, len(buffer), min(need, max(2*cap(buffer), 64<<10)))
+			copy(grown, buffer)
+			buffer = grown
+		}
+		n, err := body.Read(buffer[len(buffer):min(cap(buffer), need)])
+		buffer = buffer[:len(buffer)+n]
+		if err != nil && len(buffer) < need {
+			return buffer, false
+		}
+	}
+	return buffer, true
+}
+
+// take answers a plain message here and hands any other to Python's part; false when the
+// stream takes no more.
+func (s *stream) take(buffer []byte) bool {
+	req := s.method.parse(buffer[5:])
+	order := &s.fp.worker.order
+	order.RLock()
+	var p *plan
+	if req != nil {
+		p = req.check(s.fp.worker.snapshot(), s.fp.limits)
+	}
+	if p == nil {
+		order.RUnlock()
+		ok := s.forward(buffer)
+		recycle(buffer)
+		return ok
+	}
+	answerBytes := max(1, p.outBytes+p.wBytes)
+	s.mu.Lock()
+	if s.stopped {
+		s.mu.Unlock()
+		order.RUnlock()
+		return false
+	}
+	s.inflight++
+	s.pending += answerBytes
+	s.tasks.Add(1)
+	s.mu.Unlock()
+	go s.answer(req, p, buffer, answerBytes, sync.OnceFunc(order.RUnlock))
+	return true
+}
+
+func recycle(buffer []byte) {
+	if cap(buffer) <= maxPooledBuffer {
+		buffers.Put(&buffer)
+	}
+}
+
+// waitForRoom returns once another message may be read (false: the stream takes no more).
+func (s *stream) waitForRoom() bool {
+	for {
+		s.mu.Lock()
+		stopped := s.stopped
+		room := s.inflight < s.limits.maxInflight && s.pending < s.limits.maxPending
+		s.mu.Unlock()
+		if stopped {
+			return false
+		}
+		if room {
+			return true
+		}
+		select {
+		case <-s.room:
+		case <-s.ctx.Done():
+			return false
+		case <-s.fp.closing:
+			return false
+		}
+	}
+}
+
+// answer computes one plain message and queues its answer for the writer.
+func (s *stream) answer(req *inferRequest, p *plan, buffer []byte, answerBytes int64, sent func()) {
+	defer s.tasks.Done()
+	api := s.method.api
+	started := time.Now()
+	s.gateway.busy.Add(1)
+	s.fp.metrics.inFlight(api, 1)
+	o := s.fp.compute(s.ctx, s.r.RemoteAddr, req, p, s.deadline, sent)
+	s.fp.metrics.inFlight(api, -1)
+	s.gateway.busy.Add(-1)
+	recycle(buffer) // its tensor is in shared memory by now (or never will be)
+	seconds := o.answered.Sub(started).Seconds()
+	count := func(code int) { s.fp.metrics.finished(p.model.Name, api, code, seconds) }
+	a := streamAnswer{bytes: answerBytes}
+	switch {
+	case o.code == codeOK:
+		a.segments, a.free, a.hold, a.count = s.method.ok(req, o.segments), o.takeFree(), o.hold, count
+		o.hold = nil
+	case s.ctx.Err() != nil: // the call has ended: nothing is written
+		count(o.code)
+		o.release()
+		s.written(answerBytes)
+		return
+	default:
+		count(o.code) // an error counts at once, as the Python front end counts it
+		a.segments = s.method.failure(req, o.code, o.message)
+		o.release()
+	}
+	select {
+	case s.answers <- a:
+	case <-s.ctx.Done():
+		a.settle(false)
+		s.written(answerBytes)
+	}
+}
+
+// pythonPart is the stream of the same method opened to the Python front end for the
+// messages this process does not answer.
+type pythonPart struct {
+	pipe *io.PipeWriter
+	done chan struct{}
+}
+
+// forward writes message bytes into Python's part, opening it first; false once it has
+// ended.
+func (s *stream) forward(parts ...any) bool {
+	s.mu.Lock()
+	if s.stopped && s.python == nil {
+		s.mu.Unlock()
+		return false
+	}
+	if s.python == nil {
+		s.python = s.openPython()
+	}
+	python := s.python
+	s.mu.Unlock()
+	for _, part := range parts {
+		var err error
+		switch part := part.(type) {
+		case []byte:
+			_, err = python.pipe.Write(part)
+		case io.Reader:
+			_, err = io.Copy(python.pipe, part)
+		}
+		if err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+func (s *stream) openPython() *pythonPart {
+	body, pipe := io.Pipe()
+	out, _ := http.NewRequestWithContext(s.ctx, http.MethodPost, backendURL.String()+s.r.URL.Path, body)
+	out.Host = s.r.Host
+	out.Header = s.r.Header.Clone()
+	tellCaller(out.Header, s.r)
+	if !s.deadline.IsZero() {
+		out.Header.Set("Grpc-Timeout", formatTimeout(time.Until(s.deadline)))
+	}
+	python := &pythonPart{pipe: pipe, done: make(chan struct{})}
+	go s.relayPython(out, body, python.done)
+	return python
+}
+
+// relayPython queues Python's answers for the writer and ends the call with Python's
+// status when that is an error.
+func (s *stream) relayPython(out *http.Request, body *io.PipeReader, done chan<- struct{}) {
+	defer close(done)
+	resp, err := s.gateway.backend.RoundTrip(out)
+	if err != nil {
+		body.CloseWithError(err)
+		if s.ctx.Err() == nil {
+			s.end(pythonFailed{strconv.Itoa(codeUnavailable), grpcMessage(backendGone)})
+		}
+		return
+	}
+	defer resp.Body.Close()
+	for {
+		var prefix [5]byte
+		if _, err := io.ReadFull(resp.Body, prefix[:]); err != nil {
+			break
+		}
+		message := make([]byte, 5+int(binary.BigEndian.Uint32(prefix[1:5])))
+		copy(message, prefix[:])
+		if _, err := io.ReadFull(resp.Body, message[5:]); err != nil {
+			break
+		}
+		s.fp.metrics.undelivered(float64(len(message)))
+		a := streamAnswer{segments: [][]byte{message}, undelivered: len(message), metrics: s.fp.metrics}
+		select {
+		case s.answers <- a:
+		case <-s.ctx.Done():
+			a.settle(false)
+			return
+		}
+	}
+	status := resp.Trailer.Get("Grpc-Status")
+	message := resp.Trailer.Get("Grpc-Message")
+	if status == "" { // trailers-only
+		status, message = resp.Header.Get("Grpc-Status"), resp.Header.Get("Grpc-Message")
+	}
+	if status != "0" && s.ctx.Err() == nil {
+		s.end(pythonFailed{status, message})
+	}
+}
+
+// formatTimeout writes a grpc-timeout header value (at most 8 digits).
+func formatTimeout(d time.Duration) string {
+	d = max(d, time.Microsecond)
+	for _, unit := range []struct {
+		size time.Duration
+		name string
+	}{{time.Microsecond, "u"}, {time.Millisecond, "m"}, {time.Second, "S"}, {time.Hour, "H"}} {
+		if amount := (d + unit.size - 1) / unit.size; amount < 100_000_000 {
+			return strconv.FormatInt(int64(amount), 10) + unit.name
+		}
+	}
+	return "99999999H"
+}
+
+// v2StreamAnswer is a ModelStreamInferResponse holding the ModelInferResponse.
+func v2StreamAnswer(_ *inferRequest, answer [][]byte) [][]byte { return nested(nil, 2, answer) }
+
+// v2StreamError is Triton's stream error: the message, and the request's id and model so
+// the client can tell which request failed.
+func v2StreamError(req *inferRequest, _ int, message string) [][]byte {
+	var inner []byte
+	inner = appendNonEmpty(inner, 1, req.modelName)
+	inner = appendNonEmpty(inner, 2, req.modelVersion)
+	inner = appendNonEmpty(inner, 3, req.id)
+	m := appendNonEmpty(make([]byte, 5, 5+len(message)+len(inner)+16), 1, message)
+	return [][]byte{appendBytesField(m, 2, inner)}
+}
+
+// attendStreamAnswer is an AttendStreamResponse holding the AttendResponse.
+func attendStreamAnswer(req *inferRequest, answer [][]byte) [][]byte {
+	return nested(appendNonEmpty(nil, 1, req.id), 2, answer)
+}
+
+func attendStreamError(req *inferRequest, code int, message string) [][]byte {
+	var inner []byte
+	inner = appendVarintField(inner, 1, uint64(code))
+	inner = appendNonEmpty(inner, 2, message)
+	m := appendNonEmpty(make([]byte, 5, 5+len(message)+len(req.id)+16), 1, req.id)
+	return [][]byte{appendBytesField(m, 3, inner)}
+}
+
+// nested is a message of the fields head, then inner (segments, the first with room for
+// the 5-byte prefix) as field num; inner's segments are kept, not copied.
+func nested(head []byte, num int, inner [][]byte) [][]byte {
+	size := -5
+	for _, s := range inner {
+		size += len(s)
+	}
+	first := make([]byte, 5, 5+len(head)+16+len(inner[0]))
+	first = append(first, head...)
+	first = appendVarint(appendTag(first, num, wireBytes), uint64(size))
+	first = append(first, inner[0][5:]...)
+	return append([][]byte{first}, inner[1:]...)
+}
+
+// appendNonEmpty writes a string field, left out when empty (proto3's default).
+func appendNonEmpty(b []byte, num int, value string) []byte {
+	if value == "" {
+		return b
+	}
+	return appendStringField(b, num, value)
+}
