@@ -315,3 +315,71 @@ func TestAMessageIsWrittenWholeAndItsSharedMemoryFreedOnce(t *testing.T) {
 		}
 	}
 }
+
+func TestTimeoutsForwardedToPythonRoundUpWithinEightDigits(t *testing.T) {
+	for _, c := range []struct {
+		d    time.Duration
+		want string
+	}{
+		{1500 * time.Nanosecond, "2u"}, {0, "1u"}, {-time.Second, "1u"},
+		{99 * time.Second, "99000000u"}, {100 * time.Second, "100000m"},
+		{1000 * time.Hour, "3600000S"},
+	} {
+		if got := formatTimeout(c.d); got != c.want {
+			t.Errorf("formatTimeout(%v) = %q, want %q", c.d, got, c.want)
+		}
+		if back, set, valid := grpcTimeout(formatTimeout(c.d)); !set || !valid || back < c.d {
+			t.Errorf("%q reads back as %v (set %v, valid %v)", formatTimeout(c.d), back, set, valid)
+		}
+	}
+}
+
+func TestStreamEnvelopesNestTheAnswerWithoutCopyingItsTensors(t *testing.T) {
+	tensor := []byte("0123456789")
+	inner := newMessage()
+	inner.built = appendStringField(inner.built, 1, "mha")
+	inner.bytesField(6, tensor)
+	segments := attendStreamAnswer(&inferRequest{id: "a1"}, inner.finish())
+	if &segments[len(segments)-1][0] != &tensor[0] {
+		t.Fatal("the tensor's bytes were copied")
+	}
+	var whole []byte
+	for _, s := range segments {
+		whole = append(whole, s...)
+	}
+	var id string
+	var response []byte
+	if err := eachField(whole[5:], func(f field) error {
+		switch f.num {
+		case 1:
+			id = string(f.bytes)
+		case 2:
+			response = f.bytes
+		default:
+			t.Errorf("unexpected field %d", f.num)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if id != "a1" || !bytes.Equal(response, append(appendStringField(nil, 1, "mha"), append([]byte{6<<3 | 2, 10}, tensor...)...)) {
+		t.Fatalf("id %q, response %q", id, response)
+	}
+	failure := v2StreamError(&inferRequest{modelName: "mha", id: "r3"}, codeInvalidArgument, "bad")
+	var message string
+	var named []byte
+	if err := eachField(failure[0][5:], func(f field) error {
+		if f.num == 1 {
+			message = string(f.bytes)
+		} else {
+			named = f.bytes
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	want := appendStringField(appendStringField(nil, 1, "mha"), 3, "r3")
+	if message != "bad" || !bytes.Equal(named, want) {
+		t.Fatalf("message %q, infer_response %q", message, named)
+	}
+}

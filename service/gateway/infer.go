@@ -309,13 +309,16 @@ type outcome struct {
 }
 
 // takeFree hands over the duty to free the answer's shared memory (writeMessage's).
-func (o *outcome) takeFree() func() {
-	free := o.free
-	o.free = nil
-	if free == nil {
+func (o *outcome) takeFree() func() { return take(&o.free) }
+
+// take hands over the duty to call *f (nil: nothing to do), which is then nobody else's.
+func take(f *func()) func() {
+	duty := *f
+	*f = nil
+	if duty == nil {
 		return func() {}
 	}
-	return free
+	return duty
 }
 
 // release gives back what the outcome holds: once its answer was written, or never will be.

@@ -165,21 +165,9 @@ func (g *gateway) readUnary(body io.Reader) (read, message []byte, ok bool) {
 	if prefix[0] != 0 || length > g.maxReceive {
 		return prefix[:5], nil, false
 	}
-	// Grown as the bytes arrive, never sized by the prefix alone: a client that declares a
-	// large message and sends five bytes must not make this process hold the large size.
-	need := int(5 + length)
-	buffer := append((*buffers.Get().(*[]byte))[:0], prefix[:5]...)
-	for len(buffer) < need {
-		if len(buffer) == cap(buffer) {
-			grown := make([]byte, len(buffer), min(need, max(2*cap(buffer), 64<<10)))
-			copy(grown, buffer)
-			buffer = grown
-		}
-		n, err := body.Read(buffer[len(buffer):min(cap(buffer), need)])
-		buffer = buffer[:len(buffer)+n]
-		if err != nil && len(buffer) < need {
-			return buffer, nil, false
-		}
+	buffer, complete := readMessage(body, prefix[:5], int(length))
+	if !complete {
+		return buffer, nil, false
 	}
 	if n, _ := body.Read(prefix[5:]); n > 0 { // more than one message: not unary
 		return append(buffer, prefix[5]), nil, false

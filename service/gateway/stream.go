@@ -200,14 +200,7 @@ func (s *stream) status() (int, string) {
 	return codeOK, ""
 }
 
-func (a *streamAnswer) takeFree() func() {
-	free := a.free
-	a.free = nil
-	if free == nil {
-		return func() {}
-	}
-	return free
-}
+func (a *streamAnswer) takeFree() func() { return take(&a.free) }
 
 // settle gives back what the answer held; an OK answer counts now, OK if it was written.
 func (a *streamAnswer) settle(written bool) {
@@ -265,7 +258,7 @@ func (s *stream) read(body io.Reader) {
 			}
 			continue
 		}
-		buffer, ok := s.readMessage(body, prefix[:], int(length))
+		buffer, ok := readMessage(body, prefix[:], int(length))
 		if !ok {
 			s.forward(buffer)
 			return
@@ -277,8 +270,9 @@ func (s *stream) read(body io.Reader) {
 }
 
 // readMessage reads a message's bytes after its prefix into a pooled buffer, grown as the
-// bytes arrive: a prefix alone never makes this process hold the size it declares.
-func (s *stream) readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
+// bytes arrive: a client that declares a large message and sends five bytes must not make
+// this process hold the large size. false (with what was read) when the body ended first.
+func readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
 	need := 5 + length
 	buffer := append((*buffers.Get().(*[]byte))[:0], prefix...)
 	for len(buffer) < need {
