@@ -29,6 +29,7 @@ from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2 as v2pb
 from service.generated.inference import grpc_service_pb2_grpc as v2grpc
+from tests.h2_raw import RawGrpc
 from tests.reference import attend_alone, layer_for
 from tests.server_process import ServerProcess, child_pids, worker_pid
 
@@ -264,10 +265,38 @@ def test_a_stream_with_a_message_over_the_size_bound_ends_as_the_python_front_en
     ):
         small = _v2_stream_request(np.ones((1, 4, 512), np.float32), "small")
         large = _v2_stream_request(np.ones((1, 600, 512), np.float32), "large")
+        after = _v2_stream_request(np.ones((1, 4, 512), np.float32), "after")
         with pytest.raises(grpc.RpcError) as err:
             list(v2grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-                iter([small, large]), timeout=30))  # fmt: skip
+                iter([small, large, after]), timeout=30))  # fmt: skip
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        # Nothing after the refused message was read: no third request counted.
+        counted = sum(server.metric("attention_requests_total", model="mha", api="v2_stream",
+                                    code=code) for code in ("OK", "CANCELLED"))  # fmt: skip
+        assert counted <= 1
+
+
+def test_a_malformed_deadline_fails_only_its_own_call(gateway: ServerProcess) -> None:
+    """A grpc-timeout gRPC cannot parse is answered INTERNAL, as gRPC's server answers it;
+    calls after it (which the gateway hands to Python on one shared connection) still work."""
+    connection = RawGrpc(gateway.grpc_port, read=True)
+    try:
+        stream = connection.call("/inference.GRPCInferenceService/ModelMetadata", b"",
+                                 metadata={"grpc-timeout": "abc"})  # fmt: skip
+        state = connection.wait(stream)
+    finally:
+        connection.close()
+    assert state.headers.get("grpc-status") == str(grpc.StatusCode.INTERNAL.value[0])
+    assert "grpc-timeout" in state.headers.get("grpc-message", "")
+    with grpc.insecure_channel(gateway.target) as channel:
+        stub = v2grpc.GRPCInferenceServiceStub(channel)
+        not_plain = _v2_stream_request(np.ones((1, 4, 512), np.float32), "u", input_name="x")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ModelInfer(not_plain, timeout=20)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert stub.ModelMetadata(v2pb.ModelMetadataRequest(name="mha"), timeout=20).name == "mha"
+        answers = list(stub.ModelStreamInfer(iter([not_plain]), timeout=20))
+        assert "unexpected inference input" in answers[0].error_message
 
 
 def test_its_calls_are_counted_in_metrics(

@@ -32,7 +32,10 @@ import (
 	"time"
 )
 
-const modelInferPath = "/inference.GRPCInferenceService/ModelInfer"
+const (
+	modelInferPath = "/inference.GRPCInferenceService/ModelInfer"
+	badTimeout     = "Error parsing 'grpc-timeout' metadata"
+)
 
 // fastMethods are the unary methods answered here when a call is plain: each reads its
 // request into the same terms (nil: not plain).
@@ -59,8 +62,14 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// while this call and the others in flight finish.
 		w.Header().Set("Connection", "close")
 	}
-	_, _, timeoutValid := grpcTimeout(r.Header.Get("Grpc-Timeout"))
-	plainCall := g.fast != nil && r.Method == http.MethodPost && timeoutValid &&
+	if _, _, valid := grpcTimeout(r.Header.Get("Grpc-Timeout")); !valid {
+		// Answered here, as gRPC's server answers it, and never passed on: gRPC core's
+		// header decoder fails on it without taking it into its header table, and every
+		// later call on the shared connection to Python then failed the same way.
+		writeStatus(w, codeInternal, badTimeout)
+		return
+	}
+	plainCall := g.fast != nil && r.Method == http.MethodPost &&
 		strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") &&
 		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity")
 	// RequestURI is the :path as sent: a query or percent-encoding is not this method.

@@ -53,6 +53,11 @@ func newBackend(socketPath string, maxResponseHeaderBytes int64) *http.Transport
 			// HTTP/2's default windows would buffer megabytes per stalled call here.
 			MaxReceiveBufferPerStream:     proxyStreamWindow,
 			MaxReceiveBufferPerConnection: proxyConnectionWindow,
+			// No HPACK dynamic table towards Python: every call shares this connection,
+			// and a header that gRPC core's decoder refuses without indexing it would
+			// leave the two tables out of step, failing every later call (seen with a
+			// malformed grpc-timeout). Headers on a local socket need no compression.
+			MaxEncoderHeaderTableSize: 1,
 		},
 	}
 }

@@ -145,6 +145,8 @@ func (s *stream) finish() {
 func (s *stream) write(w http.ResponseWriter) {
 	started, broken := false, false
 	for a := range s.answers {
+		// Once the call has ended (deadline, Python's part failed) what is left is dropped.
+		broken = broken || s.ctx.Err() != nil
 		if !broken {
 			if !started {
 				h := w.Header()
@@ -252,11 +254,10 @@ func (s *stream) read(body io.Reader) {
 		length := int64(binary.BigEndian.Uint32(prefix[1:5]))
 		if prefix[0] != 0 || length > s.gateway.maxReceive {
 			// Compressed, or larger than a message may be: Python's part refuses it as
-			// the Python front end refuses it, without this process holding it.
-			if !s.forward(prefix[:], io.LimitReader(body, length)) {
-				return
-			}
-			continue
+			// the Python front end refuses it, without this process holding it, and
+			// that ends the call: nothing after it is read.
+			s.forward(prefix[:], io.LimitReader(body, length))
+			return
 		}
 		buffer, ok := readMessage(body, prefix[:], int(length))
 		if !ok {
