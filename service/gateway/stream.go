@@ -183,21 +183,20 @@ func (s *stream) write(w http.ResponseWriter) {
 func (s *stream) status() (int, string) {
 	var failure pythonFailed
 	cause := context.Cause(s.ctx)
+	s.mu.Lock()
+	closed := s.closed // by shutdown, while the call was live: Python's part may then end torn
+	s.mu.Unlock()
 	switch {
 	case errors.Is(cause, context.DeadlineExceeded):
 		return codeDeadlineExceeded, grpcMessage("Deadline Exceeded")
+	case closed:
+		return codeUnavailable, grpcMessage(streamClosed)
 	case errors.As(cause, &failure):
 		code, err := strconv.Atoi(failure.status)
 		if err != nil {
 			return codeInternal, grpcMessage("the stream's protocol process ended it without a status")
 		}
 		return code, failure.message
-	}
-	s.mu.Lock()
-	closed := s.closed
-	s.mu.Unlock()
-	if closed {
-		return codeUnavailable, grpcMessage(streamClosed)
 	}
 	return codeOK, ""
 }
