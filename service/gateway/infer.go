@@ -335,12 +335,12 @@ func failed(code int, message string) outcome {
 }
 
 // compute runs a plain call through the worker (ctx ends it early: the client cancelled or
-// went away; deadline, when not zero, is the caller's). sent is called once its INFER is
-// on its way to the worker (or never will be).
+// went away; deadline, when not zero, is the caller's). sent, which may be called more than
+// once, is called once its INFER is on its way to the worker (or never will be).
 func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest, p *plan, deadline time.Time, sent func()) outcome {
+	defer sent()
 	l := fp.worker.use()
 	if l == nil {
-		sent()
 		return failed(codeUnavailable, workerStarting)
 	}
 	linkHeld := true
@@ -352,7 +352,6 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	answerBytes := p.outBytes + p.wBytes
 	hold, refusal := fp.answers.reserve(peer, answerBytes)
 	if refusal != "" {
-		sent()
 		return failed(codeResourceExhausted, refusal)
 	}
 	holdKept := false
@@ -367,7 +366,6 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	}
 	regions, err := l.slab.alloc(sizes)
 	if err != nil {
-		sent()
 		return failed(codeResourceExhausted, err.Error())
 	}
 	copy(l.slab.mem[regions[0].offset:], req.raw)
@@ -391,7 +389,6 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	l.mu.Unlock()
 	message := inferMessage(id, p.weights, p.shape, at, workerDeadline, p.model.Key, p.dtype.numpy)
 	if !l.send(message) {
-		sent()
 		l.slab.release(regions)
 		return failed(codeUnavailable, workerGone)
 	}

@@ -15,6 +15,7 @@ package main
 //   - on shutdown a stream stops reading, answers what it read, and ends UNAVAILABLE.
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -246,7 +247,7 @@ func (s *stream) read(body io.Reader) {
 		var prefix [5]byte
 		if n, err := io.ReadFull(body, prefix[:]); err != nil {
 			if errors.Is(err, io.ErrUnexpectedEOF) {
-				s.forward(prefix[:n]) // Python's part says what a torn message is
+				s.forward(bytes.NewReader(prefix[:n])) // Python's part says what a torn message is
 			}
 			return
 		}
@@ -255,12 +256,12 @@ func (s *stream) read(body io.Reader) {
 			// Compressed, or larger than a message may be: Python's part refuses it as
 			// the Python front end refuses it, without this process holding it, and
 			// that ends the call: nothing after it is read.
-			s.forward(prefix[:], io.LimitReader(body, length))
+			s.forward(io.MultiReader(bytes.NewReader(prefix[:]), io.LimitReader(body, length)))
 			return
 		}
 		buffer, ok := readMessage(body, prefix[:], int(length))
 		if !ok {
-			s.forward(buffer)
+			s.forward(bytes.NewReader(buffer))
 			return
 		}
 		if !s.take(buffer) {
@@ -302,7 +303,7 @@ func (s *stream) take(buffer []byte) bool {
 	}
 	if p == nil {
 		order.RUnlock()
-		ok := s.forward(buffer)
+		ok := s.forward(bytes.NewReader(buffer))
 		recycle(buffer)
 		return ok
 	}
@@ -395,7 +396,7 @@ type pythonPart struct {
 
 // forward writes message bytes into Python's part, opening it first; false once it has
 // ended.
-func (s *stream) forward(parts ...any) bool {
+func (s *stream) forward(message io.Reader) bool {
 	s.mu.Lock()
 	if s.stopped && s.python == nil {
 		s.mu.Unlock()
@@ -406,19 +407,8 @@ func (s *stream) forward(parts ...any) bool {
 	}
 	python := s.python
 	s.mu.Unlock()
-	for _, part := range parts {
-		var err error
-		switch part := part.(type) {
-		case []byte:
-			_, err = python.pipe.Write(part)
-		case io.Reader:
-			_, err = io.Copy(python.pipe, part)
-		}
-		if err != nil {
-			return false
-		}
-	}
-	return true
+	_, err := io.Copy(python.pipe, message)
+	return err == nil
 }
 
 func (s *stream) openPython() *pythonPart {
