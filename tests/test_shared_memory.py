@@ -493,3 +493,175 @@ def test_rest_answers_nobody_reads_stay_within_the_budget(
     while shm_server.metric("attention_undelivered_answer_bytes") > 0:
         assert time.monotonic() < give_up, "the budget was not given back"
         time.sleep(0.05)
+
+
+def _param(parameters, name: str, kind: str, value) -> None:
+    cast = {"string_param": str, "double_param": float}.get(kind, int)
+    setattr(parameters[name], kind, cast(value))
+
+
+def _refs(parameters, region="io", offset=0, nbytes=IN_BYTES, kinds=("int64_param",) * 2):
+    _param(parameters, "shared_memory_region", "string_param", region)
+    if offset is not None:
+        _param(parameters, "shared_memory_offset", kinds[0], offset)
+    if nbytes is not None:
+        _param(parameters, "shared_memory_byte_size", kinds[1], nbytes)
+
+
+def _v2_cases(x: np.ndarray) -> dict[str, v2.ModelInferRequest]:
+    """ModelInfer requests with tensors in region 'io' (input at 0, output after it, weights
+    after that), good and bad in every way a reference can be."""
+
+    def request(*, input_refs=True, raw=False, outputs=(("output", IN_BYTES),), **refs):
+        message = v2.ModelInferRequest(model_name="small", id="shm-1")
+        tensor = message.inputs.add(name="embeddings", datatype="FP32", shape=[N, SEQ, D])
+        if input_refs:
+            _refs(tensor.parameters, **refs)
+        if raw or not input_refs:
+            message.raw_input_contents.append(x.tobytes())
+        for name, offset in outputs:
+            output = message.outputs.add(name=name)
+            if offset is not None:
+                _refs(output.parameters, offset=offset, nbytes=IN_BYTES if name == "output"
+                      else WEIGHTS_BYTES)  # fmt: skip
+        return message
+
+    weights_at = 2 * IN_BYTES
+    cases = {
+        "input and output": request(),
+        "input alone": request(outputs=()),
+        "output alone": request(input_refs=False),
+        "weights and output in regions": request(
+            outputs=(("attention_weights", weights_at), ("output", IN_BYTES))
+        ),
+        "weights in the message": request(
+            outputs=(("output", IN_BYTES), ("attention_weights", None))
+        ),
+        "uint64 counts": request(kinds=("uint64_param", "uint64_param")),
+        "no offset": request(offset=None),
+        "no byte size": request(nbytes=None),
+        "negative offset": request(offset=-64),
+        "offset as a string": request(kinds=("string_param", "int64_param")),
+        "byte size as a double": request(kinds=("int64_param", "double_param")),
+        "unknown region": request(region="nope"),
+        "an offset inside": request(offset=64),
+        "past the end": request(offset=IN_BYTES + WEIGHTS_BYTES + 64),
+        "wrong size": request(nbytes=IN_BYTES - 4),
+        "raw data as well": request(raw=True),
+        "wrong shape": request(nbytes=IN_BYTES),
+    }
+    cases["wrong shape"].inputs[0].shape[:] = [N, SEQ, D + 1]
+    tolerated = request()
+    tolerated.inputs[0].parameters["binary_data_size"].int64_param = IN_BYTES
+    tolerated.outputs[0].parameters["binary_data"].bool_param = True
+    cases["tolerated parameters"] = tolerated
+    unknown = request()
+    unknown.outputs[0].parameters["classification"].int64_param = 3
+    cases["an unknown parameter"] = unknown
+    region_as_int = request()
+    region_as_int.inputs[0].parameters["shared_memory_region"].int64_param = 1
+    cases["region as an integer"] = region_as_int
+    small_output = request()
+    small_output.outputs[0].parameters["shared_memory_byte_size"].int64_param = IN_BYTES - 4
+    cases["output region too small"] = small_output
+    return cases
+
+
+def _attend_cases() -> dict[str, pb.AttendRequest]:
+    def request(**fields) -> pb.AttendRequest:
+        message = pb.AttendRequest(
+            model="small", request_id="attend-shm",
+            embeddings=pb.Tensor(shape=[N, SEQ, D], dtype=pb.FLOAT32),
+            embeddings_region=pb.SharedMemoryRef(region="io", byte_size=IN_BYTES),
+            output_region=pb.SharedMemoryRef(region="io", offset=IN_BYTES, byte_size=IN_BYTES),
+        )  # fmt: skip
+        for name, value in fields.items():
+            if value is None:
+                message.ClearField(name)
+            elif isinstance(value, pb.SharedMemoryRef | pb.Tensor):
+                getattr(message, name).CopyFrom(value)
+            else:
+                setattr(message, name, value)
+        return message
+
+    weights = pb.SharedMemoryRef(region="io", offset=2 * IN_BYTES, byte_size=WEIGHTS_BYTES)
+    flat = request(embeddings=pb.Tensor(shape=[SEQ, D], dtype=pb.FLOAT32),
+                   embeddings_region=pb.SharedMemoryRef(region="io", byte_size=SEQ * D * 4),
+                   output_region=pb.SharedMemoryRef(region="io", offset=IN_BYTES,
+                                                    byte_size=SEQ * D * 4))  # fmt: skip
+    with_data = request()
+    with_data.embeddings.data = b"\0" * IN_BYTES
+    return {
+        "attend in and out": request(),
+        "attend with weights in a region": request(
+            return_attention_weights=True, attention_weights_region=weights
+        ),
+        "attend weights region without weights": request(attention_weights_region=weights),
+        "attend output in the message": request(output_region=None),
+        "attend [seq, d]": flat,
+        "attend unknown region": request(
+            embeddings_region=pb.SharedMemoryRef(region="nope", byte_size=IN_BYTES)
+        ),
+        "attend wrong size": request(
+            embeddings_region=pb.SharedMemoryRef(region="io", byte_size=IN_BYTES + 4)
+        ),
+        "attend data as well": with_data,
+    }
+
+
+def _outcome(call, request, region: shm.SharedMemoryRegion, size: int):
+    """What one call gave: its status and message, or its answer (timing left out) and the
+    region's bytes after it."""
+    shm.set_shared_memory_region(region, [np.zeros(size, np.uint8)])  # no stale answer
+    shm.set_shared_memory_region(region, [_X])
+    try:
+        response = call(request, timeout=30)
+    except grpc.RpcError as err:
+        return (err.code(), err.details())
+    if isinstance(response, pb.AttendResponse):
+        response.ClearField("timing")
+    stored = shm.get_contents_as_numpy(region, np.uint8, [size]).copy()
+    return (response.SerializeToString(deterministic=True), stored.tobytes())
+
+
+_X = np.random.default_rng(11).standard_normal((N, SEQ, D), dtype=np.float32)
+
+
+def test_the_gateway_answers_region_references_as_the_python_front_end(
+    repository: Path,
+) -> None:
+    """Every call naming client shared memory, good or bad, gets the same answer (fields,
+    region bytes) or the same status and message whether the gateway serves the port (its
+    fast path reads the references) or the Python front end does."""
+    made = Objects()
+    size = 2 * IN_BYTES + WEIGHTS_BYTES
+    flags = ("--default-model", "small", "--client-shared-memory", "on")
+    outcomes: dict[str, dict[str, object]] = {}
+    try:
+        region, key = made.make("io", size)
+        for gateway in ("on", "off"):
+            with (
+                ServerProcess(repository, *flags, "--grpc-gateway", gateway) as server,
+                grpc.insecure_channel(server.target) as channel,
+            ):
+                control = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                control.SystemSharedMemoryRegister(v2.SystemSharedMemoryRegisterRequest(
+                    name="io", key=key, byte_size=size))  # fmt: skip
+                attend = attention_pb2_grpc.AttentionServiceStub(channel).Attend
+                calls = {**{name: (control.ModelInfer, message)
+                            for name, message in _v2_cases(_X).items()},
+                         **{name: (attend, message)
+                            for name, message in _attend_cases().items()}}  # fmt: skip
+                outcomes[gateway] = {name: _outcome(call, message, region, size)
+                                     for name, (call, message) in calls.items()}  # fmt: skip
+    finally:
+        for handle in list(made.handles):
+            made.destroy(handle)
+    on, off = outcomes["on"], outcomes["off"]
+    for name in off:
+        assert on[name] == off[name], name
+    answered = [name for name, got in off.items() if isinstance(got[0], bytes)]
+    assert len(answered) >= 10, off  # the good ones were answered, not all refused
+    response = v2.ModelInferResponse.FromString(off["input and output"][0])
+    assert response.outputs[0].parameters["shared_memory_region"].string_param == "io"
+    assert response.raw_output_contents == [b""]

@@ -169,6 +169,7 @@ class Gateway:
             f"--slab-bytes={self._slab_bytes}",
             f"--max-seq-len={s.max_seq_len}",
             f"--max-batch-size={s.max_batch_size}",
+            f"--client-shared-memory={'true' if s.client_shared_memory == 'on' else 'false'}",
             f"--max-receive-bytes={self._receive_bytes}",
             f"--max-undelivered-bytes={share}",
             f"--max-undelivered-bytes-per-connection={share_connection}",

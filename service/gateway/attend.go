@@ -1,8 +1,8 @@
 package main
 
 // attention.v1 Attend on the fast path: a plain AttendRequest (a served model, the
-// embeddings' bytes in the message in the model's dtype, [seq, d] or [n, seq, d], finite;
-// no client shared memory) goes through the same plan and worker call as a plain V2
+// embeddings' bytes in the message or in a client's shared-memory region, in the model's
+// dtype, [seq, d] or [n, seq, d], finite) goes through the same plan and worker call as a plain V2
 // ModelInfer, and its AttendResponse is framed here from shared memory. Anything else goes
 // to the Python front end, which answers it as always.
 
@@ -12,6 +12,12 @@ import (
 )
 
 const attendPath = "/attention.v1.AttentionService/Attend"
+
+// regionFields name AttendRequest's region fields, as the worker's errors name them.
+var regionFields = map[int]string{6: "embeddings_region", 7: "output_region", 8: "attention_weights_region"}
+
+// regionOutputs are the outputs AttendRequest's output region fields are for.
+var regionOutputs = map[int]string{7: outputName, 8: weightsName}
 
 // The attention.v1 DataType values a plain request may name (0 reads as FLOAT32).
 const (
@@ -39,11 +45,21 @@ func parseAttend(msg []byte) *inferRequest {
 			plain = plain && f.wire == wireVarint
 			req.weights = f.value != 0
 		case 6, 7, 8: // client shared memory
-			plain = false
+			ref, ok := attendRef(f, regionFields[f.num])
+			plain = plain && ok
+			if f.num == 6 {
+				req.inRef = ref
+			} else {
+				if req.outRefs == nil {
+					req.outRefs = map[string]*shmRef{}
+				}
+				req.outRefs[regionOutputs[f.num]] = ref
+			}
 		}
 		return nil
 	})
-	if err != nil || !plain || embeddings != 1 {
+	// The embeddings' bytes in the message or in a region, not both (Python says so).
+	if err != nil || !plain || embeddings != 1 || (req.inRef != nil && len(req.raw) > 0) {
 		return nil
 	}
 	switch len(req.shape) {
@@ -89,7 +105,7 @@ func (req *inferRequest) parseTensor(msg []byte) bool {
 
 // attendResponse is the AttendResponse, fields as the Python front end writes them, its
 // tensors' bytes referenced in shared memory.
-func attendResponse(req *inferRequest, p *plan, l *link, regions []region, a answer) [][]byte {
+func attendResponse(req *inferRequest, p *plan, answers answerTensors, a answer) [][]byte {
 	m := newMessage()
 	m.built = appendStringField(m.built, 3, p.model.Name)
 	m.built = appendStringField(m.built, 4, strconv.FormatInt(p.model.Version, 10))
@@ -110,18 +126,23 @@ func attendResponse(req *inferRequest, p *plan, l *link, regions []region, a ans
 	if p.dtype.size == 2 {
 		outType = dataTypeFloat16
 	}
-	tensor(m, 1, outShape, outType, l.slab.mem[regions[1].offset:regions[1].offset+int(p.outBytes)])
+	tensor(m, 1, outShape, outType, answers.out)
 	if p.weights {
-		tensor(m, 2, wShape, dataTypeFloat32, l.slab.mem[regions[2].offset:regions[2].offset+int(p.wBytes)])
+		tensor(m, 2, wShape, dataTypeFloat32, answers.weights)
 	}
 	return m.finish()
 }
 
-// tensor adds an attention.v1 Tensor as field num: shape, dtype, then data referenced.
+// tensor adds an attention.v1 Tensor as field num: shape, dtype, then data referenced;
+// no data (nil) for one written into a client's region.
 func tensor(m *message, num int, shape []int64, dtype uint64, data []byte) {
 	var head []byte
 	head = appendPackedInt64s(head, 1, shape)
 	head = appendVarintField(head, 2, dtype)
+	if data == nil {
+		m.built = appendBytesField(m.built, num, head)
+		return
+	}
 	m.built = appendTag(m.built, num, wireBytes)
 	m.built = appendVarint(m.built, uint64(len(head)+1+varintSize(uint64(len(data)))+len(data)))
 	m.built = append(m.built, head...)

@@ -383,3 +383,75 @@ func TestStreamEnvelopesNestTheAnswerWithoutCopyingItsTensors(t *testing.T) {
 		t.Fatalf("message %q, infer_response %q", message, named)
 	}
 }
+
+// param is one parameters map entry as field num (4 of an input, 2 of an output).
+func param(num int, key string, value []byte) []byte {
+	return appendBytesField(nil, num, appendBytesField(appendStringField(nil, 1, key), 2, value))
+}
+
+func count(kind int, v uint64) []byte { return appendVarint(appendTag(nil, kind, wireVarint), v) }
+
+// shmRequest is a plain request with its input and output in region "io"; extra parameters
+// (map entries) are added to the input's.
+func shmRequest(extra ...[]byte) []byte {
+	var input []byte
+	input = appendStringField(input, 1, inputName)
+	input = appendStringField(input, 2, "FP32")
+	input = appendPackedInt64s(input, 3, []int64{1, 2, 2})
+	input = append(input, param(4, paramRegion, appendStringField(nil, paramString, "io"))...)
+	input = append(input, param(4, paramOffset, count(paramInt64, 0))...)
+	input = append(input, param(4, paramByteSize, count(paramUint64, 16))...)
+	for _, p := range extra {
+		input = append(input, p...)
+	}
+	output := appendStringField(nil, 1, outputName)
+	output = append(output, param(2, paramRegion, appendStringField(nil, paramString, "io"))...)
+	output = append(output, param(2, paramByteSize, count(paramInt64, 16))...)
+	var msg []byte
+	msg = appendStringField(msg, 1, "mha")
+	msg = appendBytesField(msg, 5, input)
+	return appendBytesField(msg, 6, output)
+}
+
+func TestRegionReferencesAreReadAsPythonReadsThem(t *testing.T) {
+	on := limits{maxSeqLen: 8, maxBatchSize: 4, clientSharedMemory: true}
+	p := parseInfer(shmRequest()).check(servedMHA(), on)
+	if p == nil || p.inRef == nil || p.outRef == nil || p.answerBytes() != 0 {
+		t.Fatalf("plan %+v", p)
+	}
+	if *p.inRef != (shmRef{"io", 0, 16, "input 'embeddings'"}) || p.outRef.where != "output 'output'" {
+		t.Fatalf("refs %+v %+v", *p.inRef, *p.outRef)
+	}
+	if sizes := p.slabSizes(0); sizes != [3]int{-1, -1, -1} {
+		t.Fatalf("slab sizes %v", sizes)
+	}
+	var message map[string]any
+	if err := json.Unmarshal(inferRefsMessage(7, p, [3]int64{-1, -1, -1}, nanDeadline()), &message); err != nil {
+		t.Fatal(err)
+	}
+	if _, has := message["deadline"]; has || message["t"] != "infer" || len(message["iref"].([]any)) != 5 {
+		t.Fatalf("INFER %v", message)
+	}
+	if parseInfer(shmRequest()).check(servedMHA(), limits{maxSeqLen: 8, maxBatchSize: 4}) != nil {
+		t.Error("taken with client shared memory off")
+	}
+	tolerated := param(4, "binary_data_size", count(paramInt64, 16))
+	if parseInfer(shmRequest(tolerated)) == nil {
+		t.Error("binary_data_size made it not plain")
+	}
+	notPlain := map[string][]byte{
+		"negative offset": param(4, paramOffset, count(paramInt64, math.MaxUint64)),
+		"string size":     param(4, paramByteSize, appendStringField(nil, paramString, "16")),
+		"region as int":   param(4, paramRegion, count(paramInt64, 1)),
+		"unknown":         param(4, "priority", count(paramInt64, 1)),
+	}
+	for name, extra := range notPlain {
+		if parseInfer(shmRequest(extra)) != nil {
+			t.Errorf("%s: taken by the fast path", name)
+		}
+	}
+	withRaw := appendBytesField(shmRequest(), 7, floats(1, 2, 3, 4))
+	if parseInfer(withRaw) != nil {
+		t.Error("a region and raw bytes taken by the fast path")
+	}
+}

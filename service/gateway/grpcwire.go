@@ -13,40 +13,42 @@ import (
 
 // gRPC status codes used here, and their names as the metrics label them.
 const (
-	codeOK                = 0
-	codeCancelled         = 1
-	codeInvalidArgument   = 3
-	codeDeadlineExceeded  = 4
-	codeNotFound          = 5
-	codeResourceExhausted = 8
-	codeUnimplemented     = 12
-	codeInternal          = 13
-	codeUnavailable       = 14
+	codeOK                 = 0
+	codeCancelled          = 1
+	codeInvalidArgument    = 3
+	codeDeadlineExceeded   = 4
+	codeNotFound           = 5
+	codeAlreadyExists      = 6
+	codeResourceExhausted  = 8
+	codeFailedPrecondition = 9
+	codeUnimplemented      = 12
+	codeInternal           = 13
+	codeUnavailable        = 14
 )
 
 var codeNames = map[int]string{
 	codeOK: "OK", codeCancelled: "CANCELLED", codeInvalidArgument: "INVALID_ARGUMENT",
 	codeDeadlineExceeded: "DEADLINE_EXCEEDED", codeNotFound: "NOT_FOUND",
+	codeAlreadyExists: "ALREADY_EXISTS", codeFailedPrecondition: "FAILED_PRECONDITION",
 	codeResourceExhausted: "RESOURCE_EXHAUSTED", codeUnimplemented: "UNIMPLEMENTED",
 	codeInternal: "INTERNAL", codeUnavailable: "UNAVAILABLE",
 }
 
-// codeOfKind maps the worker's error kinds (service/ipc/messages.py) to status codes, as
-// service/frontend/status.py does.
+// kindCodes map the worker's error kinds (service/ipc/messages.py ERRORS) to status codes,
+// as service/frontend/status.py does (tests/test_gateway.py compares the two).
+var kindCodes = map[string]int{
+	"InvalidInput": codeInvalidArgument, "NonFiniteOutput": codeInvalidArgument,
+	"ModelLoadFailed": codeInvalidArgument, "ModelNotFound": codeNotFound,
+	"QueueFull": codeResourceExhausted, "DeadlineExpired": codeDeadlineExceeded,
+	"ShuttingDown": codeUnavailable, "NotSupported": codeUnimplemented,
+	"ModelControlDisabled": codeFailedPrecondition, "RegionNotFound": codeNotFound,
+	"RegionExists": codeAlreadyExists, "RegionsExhausted": codeResourceExhausted,
+}
+
+// codeOfKind is the status of a worker's error kind; INTERNAL for one not known.
 func codeOfKind(kind string) int {
-	switch kind {
-	case "InvalidInput", "NonFiniteOutput":
-		return codeInvalidArgument
-	case "ModelNotFound":
-		return codeNotFound
-	case "QueueFull":
-		return codeResourceExhausted
-	case "DeadlineExpired":
-		return codeDeadlineExceeded
-	case "ShuttingDown":
-		return codeUnavailable
-	case "NotSupported":
-		return codeUnimplemented
+	if code, known := kindCodes[kind]; known {
+		return code
 	}
 	return codeInternal
 }
@@ -94,6 +96,10 @@ func newMessage() *message {
 
 // bytesField adds a bytes field whose value is data, referenced, not copied.
 func (m *message) bytesField(num int, data []byte) {
+	if len(data) == 0 {
+		m.built = appendBytesField(m.built, num, nil)
+		return
+	}
 	m.built = appendVarint(appendTag(m.built, num, wireBytes), uint64(len(data)))
 	m.segments = append(m.segments, m.built, data)
 	m.built = make([]byte, 0, 64)

@@ -1,9 +1,10 @@
 package main
 
 // V2 ModelInfer on the fast path: a request this gateway can answer exactly as the Python
-// front end would (a served model, raw FP32/FP16 bytes of the model's dtype, the right
-// shape, finite values, no parameters) is decoded from the wire into shared memory and
-// answered from it here. Anything else goes to the Python front end, which answers it with
+// front end would (a served model, raw FP32/FP16 bytes of the model's dtype or a client
+// shared-memory region holding them, the right shape, finite values, no parameters but
+// the region references) is decoded from the wire into shared memory and answered from it
+// here. Anything else goes to the Python front end, which answers it with
 // the same errors and features as always: one place decides every error message.
 
 import (
@@ -33,8 +34,10 @@ type inferRequest struct {
 	shape                       []int64
 	raw                         []byte
 	outputs                     []string
-	weights                     bool // Attend: return_attention_weights
-	flat                        bool // Attend: [seq, d] in, [seq, d] out
+	inRef                       *shmRef            // the input in a client's region
+	outRefs                     map[string]*shmRef // outputs asked for in a client's region
+	weights                     bool               // Attend: return_attention_weights
+	flat                        bool               // Attend: [seq, d] in, [seq, d] out
 }
 
 // parseInfer reads a ModelInferRequest; nil when it is not plain (the Python front end
@@ -55,9 +58,15 @@ func parseInfer(msg []byte) *inferRequest {
 			inputs++
 			plain = plain && f.wire == wireBytes && req.parseInput(f.bytes)
 		case 6:
-			name, ok := parseOutput(f)
+			name, ref, ok := parseOutput(f)
 			plain = plain && ok
 			req.outputs = append(req.outputs, name)
+			if ref != nil {
+				if req.outRefs == nil {
+					req.outRefs = map[string]*shmRef{}
+				}
+				req.outRefs[name] = ref
+			}
 		case 7:
 			raws++
 			if f.wire != wireBytes {
@@ -69,7 +78,8 @@ func parseInfer(msg []byte) *inferRequest {
 		}
 		return nil
 	})
-	if err != nil || !plain || inputs != 1 || raws != 1 {
+	// The input's bytes in the message, or in a client's region and not in the message.
+	if err != nil || !plain || inputs != 1 || raws != btoi(req.inRef == nil) {
 		return nil
 	}
 	return req
@@ -84,8 +94,16 @@ func stringField(f field, into *string) bool {
 	return true
 }
 
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
 func (req *inferRequest) parseInput(msg []byte) bool {
 	plain := true
+	params := newRefParams()
 	err := eachField(msg, func(f field) error {
 		var err error
 		switch f.num {
@@ -96,30 +114,37 @@ func (req *inferRequest) parseInput(msg []byte) bool {
 			req.datatype = string(f.bytes)
 		case 3:
 			req.shape, err = readInt64s(f, req.shape)
-		case 4, 5: // parameters (shared memory, ...) or typed contents
+		case 4:
+			params.add(f, toleratedInputParams)
+		case 5: // typed contents
 			plain = false
 		}
 		return err
 	})
-	return err == nil && plain
+	ref, ok := params.ref("input '" + inputName + "'")
+	req.inRef = ref
+	return err == nil && plain && ok
 }
 
-func parseOutput(f field) (string, bool) {
+// parseOutput reads a requested output: its name and any region it is to be written into.
+func parseOutput(f field) (string, *shmRef, bool) {
 	if f.wire != wireBytes {
-		return "", false
+		return "", nil, false
 	}
 	name, plain := "", true
+	params := newRefParams()
 	err := eachField(f.bytes, func(g field) error {
 		switch g.num {
 		case 1:
 			plain = plain && g.wire == wireBytes && utf8.Valid(g.bytes)
 			name = string(g.bytes)
 		case 2:
-			plain = false
+			params.add(g, toleratedOutputParams)
 		}
 		return nil
 	})
-	return name, err == nil && plain && (name == outputName || name == weightsName)
+	ref, ok := params.ref("output '" + name + "'") // the names allowed need no escaping
+	return name, ref, err == nil && plain && ok && (name == outputName || name == weightsName)
 }
 
 type dtypeInfo struct {
@@ -129,8 +154,12 @@ type dtypeInfo struct {
 
 var dtypes = map[string]dtypeInfo{"float32": {"FP32", "<f4", 4}, "float16": {"FP16", "<f2", 2}}
 
-// limits are the Python front end's input bounds (--max-seq-len, --max-batch-size).
-type limits struct{ maxSeqLen, maxBatchSize int64 }
+// limits are the Python front end's input bounds (--max-seq-len, --max-batch-size), and
+// whether tensors may be in client shared memory (--client-shared-memory).
+type limits struct {
+	maxSeqLen, maxBatchSize int64
+	clientSharedMemory      bool
+}
 
 // resolve finds the model version a plain request names: empty name = the default model,
 // empty version = the newest; nil when it names none (the Python front end says so).
@@ -182,6 +211,39 @@ type plan struct {
 	outputs  []string
 	outBytes int64
 	wBytes   int64
+	// Tensors in a client's region (nil: in the message and in this front end's slab).
+	inRef, outRef, wRef *shmRef
+}
+
+// inRegions is whether any tensor of the call is in a client's region.
+func (p *plan) inRegions() bool { return p.inRef != nil || p.outRef != nil || p.wRef != nil }
+
+// answerBytes are the tensor bytes the answer carries in its message.
+func (p *plan) answerBytes() int64 {
+	n := int64(0)
+	if p.outRef == nil {
+		n += p.outBytes
+	}
+	if p.weights && p.wRef == nil {
+		n += p.wBytes
+	}
+	return n
+}
+
+// slabSizes are the bytes each tensor takes in the slab, in the order input, output,
+// weights; -1 for one not there (in a client's region, or weights not asked for).
+func (p *plan) slabSizes(rawBytes int) [3]int {
+	sizes := [3]int{-1, -1, -1}
+	if p.inRef == nil {
+		sizes[0] = rawBytes
+	}
+	if p.outRef == nil {
+		sizes[1] = int(p.outBytes)
+	}
+	if p.weights && p.wRef == nil {
+		sizes[2] = int(p.wBytes)
+	}
+	return sizes
 }
 
 func (req *inferRequest) check(s *served, lim limits) *plan {
@@ -197,10 +259,16 @@ func (req *inferRequest) check(s *served, lim limits) *plan {
 	if n < 1 || seq < 1 || d != model.EmbedDim || n > lim.maxBatchSize || seq > lim.maxSeqLen {
 		return nil
 	}
-	if int64(len(req.raw)) != n*seq*d*dtype.size || !finite(req.raw, dtype.size) {
+	if req.inRef != nil || req.outRefs != nil {
+		if !lim.clientSharedMemory {
+			return nil
+		}
+	}
+	// An input in a client's region: the worker checks its size and values once it reads it.
+	if req.inRef == nil && (int64(len(req.raw)) != n*seq*d*dtype.size || !finite(req.raw, dtype.size)) {
 		return nil
 	}
-	p := &plan{model: model, dtype: dtype, shape: [3]int64{n, seq, d}}
+	p := &plan{model: model, dtype: dtype, shape: [3]int64{n, seq, d}, inRef: req.inRef}
 	for _, name := range req.outputs {
 		if !contains(p.outputs, name) {
 			p.outputs = append(p.outputs, name)
@@ -212,6 +280,12 @@ func (req *inferRequest) check(s *served, lim limits) *plan {
 	p.weights = contains(p.outputs, weightsName)
 	if p.weights && !model.HasWeightsGraph {
 		return nil
+	}
+	p.outRef = req.outRefs[outputName]
+	if p.weights {
+		p.wRef = req.outRefs[weightsName]
+	} else if req.outRefs[weightsName] != nil {
+		return nil // a region for weights not asked for: the Python front end refuses it
 	}
 	p.outBytes = n * seq * d * dtype.size
 	if p.weights {
@@ -349,8 +423,7 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 			l.done()
 		}
 	}()
-	answerBytes := p.outBytes + p.wBytes
-	hold, refusal := fp.answers.reserve(peer, answerBytes)
+	hold, refusal := fp.answers.reserve(peer, p.answerBytes())
 	if refusal != "" {
 		return failed(codeResourceExhausted, refusal)
 	}
@@ -360,18 +433,27 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 			hold.release()
 		}
 	}()
-	sizes := []int{len(req.raw), int(p.outBytes)}
-	if p.weights {
-		sizes = append(sizes, int(p.wBytes))
+	want := p.slabSizes(len(req.raw))
+	sizes := make([]int, 0, 3)
+	for _, size := range want {
+		if size >= 0 {
+			sizes = append(sizes, size)
+		}
 	}
 	regions, err := l.slab.alloc(sizes)
 	if err != nil {
 		return failed(codeResourceExhausted, err.Error())
 	}
-	copy(l.slab.mem[regions[0].offset:], req.raw)
-	at := [3]int64{int64(regions[0].offset), int64(regions[1].offset), -1}
-	if p.weights {
-		at[2] = int64(regions[2].offset)
+	at := [3]int64{-1, -1, -1} // offsets of input, output, weights in the slab
+	for i, j := 0, 0; i < len(want); i++ {
+		if want[i] >= 0 {
+			at[i] = int64(regions[j].offset)
+			j++
+		}
+	}
+	inputParts := btoi(at[0] >= 0) // regions[:inputParts] hold the input
+	if at[0] >= 0 {
+		copy(l.slab.mem[at[0]:], req.raw)
 	}
 	workerDeadline := nanDeadline()
 	var expired <-chan time.Time
@@ -387,7 +469,12 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	id := fp.worker.nextID
 	l.calls[id] = call
 	l.mu.Unlock()
-	message := inferMessage(id, p.weights, p.shape, at, workerDeadline, p.model.Key, p.dtype.numpy)
+	var message []byte
+	if p.inRegions() {
+		message = inferRefsMessage(id, p, at, workerDeadline)
+	} else {
+		message = inferMessage(id, p.weights, p.shape, at, workerDeadline, p.model.Key, p.dtype.numpy)
+	}
 	if !l.send(message) {
 		l.slab.release(regions)
 		return failed(codeUnavailable, workerGone)
@@ -409,16 +496,17 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 		l.slab.release(regions)
 		return failed(codeOfKind(a.kind), a.message)
 	}
+	answers := answerTensors{out: l.slab.span(at[1], p.outBytes), weights: l.slab.span(at[2], p.wBytes)}
 	var response [][]byte
 	if req.api == "attention" {
-		response = attendResponse(req, p, l, regions, a)
+		response = attendResponse(req, p, answers, a)
 	} else {
-		response = v2Response(req, p, l, regions)
+		response = v2Response(req, p, answers)
 	}
-	l.slab.release(regions[:1]) // the input: read by the worker, not needed any more
+	l.slab.release(regions[:inputParts]) // the input: read by the worker, not needed any more
 	linkHeld, holdKept = false, true
 	return outcome{code: codeOK, answered: time.Now(), segments: response, hold: hold,
-		free: func() { l.slab.release(regions[1:]); l.done() }}
+		free: func() { l.slab.release(regions[inputParts:]); l.done() }}
 }
 
 // abandon gives up on a call: the worker drops it (or has computed it), and its regions
@@ -443,8 +531,13 @@ func (fp *fastPath) abandon(l *link, id uint64, call *pending, code int) outcome
 	return failed(code, "")
 }
 
-// v2Response is the ModelInferResponse, its outputs referenced in shared memory.
-func v2Response(req *inferRequest, p *plan, l *link, regions []region) [][]byte {
+// answerTensors are the answer's bytes in the slab; nil for one in a client's region (or
+// not computed).
+type answerTensors struct{ out, weights []byte }
+
+// v2Response is the ModelInferResponse, its outputs referenced in shared memory; one
+// written into a client's region names it in its parameters and has no bytes here.
+func v2Response(req *inferRequest, p *plan, answers answerTensors) [][]byte {
 	m := newMessage()
 	m.built = appendStringField(m.built, 1, p.model.Name)
 	m.built = appendStringField(m.built, 2, strconv.FormatInt(p.model.Version, 10))
@@ -461,16 +554,28 @@ func v2Response(req *inferRequest, p *plan, l *link, regions []region) [][]byte 
 			tensor = appendStringField(tensor, 2, "FP32")
 			tensor = appendPackedInt64s(tensor, 3, []int64{p.shape[0], p.model.NumHeads, p.shape[1], p.shape[1]})
 		}
+		if ref := p.refOf(name); ref != nil {
+			tensor = appendRefParameters(tensor, 4, ref)
+		}
 		m.built = appendBytesField(m.built, 5, tensor)
 	}
 	for _, name := range p.outputs {
-		r, n := regions[1], p.outBytes
+		// raw_output_contents pair with outputs by position: empty for one in a region.
+		data := answers.out
 		if name == weightsName {
-			r, n = regions[2], p.wBytes
+			data = answers.weights
 		}
-		m.bytesField(6, l.slab.mem[r.offset:r.offset+int(n)])
+		m.bytesField(6, data)
 	}
 	return m.finish()
+}
+
+// refOf is the client region output name is written into; nil when none.
+func (p *plan) refOf(name string) *shmRef {
+	if name == weightsName {
+		return p.wRef
+	}
+	return p.outRef
 }
 
 // nanDeadline is "no deadline" in the packed INFER.

@@ -190,6 +190,7 @@ type options struct {
 	fastPath                                        bool
 	slabBytes                                       int
 	maxSeqLen, maxBatchSize, maxReceive             int64
+	clientSharedMemory                              bool
 	maxUndelivered, maxUndeliveredPerConnection     int64
 	maxStreams                                      int
 	streams                                         streamLimits
@@ -214,6 +215,7 @@ func parseOptions() options {
 	flag.StringVar(&fast, "fast-path", "on", "on: answer plain ModelInfer calls here; off: hand every call on")
 	flag.IntVar(&o.slabBytes, "slab-bytes", 64<<20, "shared memory for tensors in flight")
 	flag.Int64Var(&o.maxSeqLen, "max-seq-len", 512, "")
+	flag.BoolVar(&o.clientSharedMemory, "client-shared-memory", false, "tensors may be in clients' shared-memory regions (the worker holds them)")
 	flag.Int64Var(&o.maxBatchSize, "max-batch-size", 32, "")
 	flag.Int64Var(&o.maxReceive, "max-receive-bytes", 64<<20, "largest request message")
 	flag.Int64Var(&o.maxUndelivered, "max-undelivered-bytes", 1<<30, "this front end's share")
@@ -283,7 +285,7 @@ func run(o options) error {
 		w := newWorker(o.workerSocket, o.name, o.slabBytes)
 		welcomed := make(chan struct{})
 		go w.connectForever(welcomed)
-		g.fast = &fastPath{worker: w, limits: limits{o.maxSeqLen, o.maxBatchSize}, metrics: m,
+		g.fast = &fastPath{worker: w, limits: limits{o.maxSeqLen, o.maxBatchSize, o.clientSharedMemory}, metrics: m,
 			deadlineSlack: o.deadlineSlack, closing: make(chan struct{}), streams: o.streams,
 			answers: newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection, m)}
 		g.fast.accepting.Store(true)

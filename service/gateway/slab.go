@@ -56,6 +56,14 @@ func (s *slab) closeFd() {
 
 func (s *slab) unmap() { syscall.Munmap(s.mem) }
 
+// span is n bytes at offset; nil for offset -1 (a tensor not in the slab).
+func (s *slab) span(offset, n int64) []byte {
+	if offset < 0 {
+		return nil
+	}
+	return s.mem[offset : offset+n]
+}
+
 func aligned(n int) int {
 	if n < slabAlign {
 		return slabAlign

@@ -307,7 +307,7 @@ func (s *stream) take(buffer []byte) bool {
 		recycle(buffer)
 		return ok
 	}
-	answerBytes := max(1, p.outBytes+p.wBytes)
+	answerBytes := max(1, p.answerBytes())
 	s.mu.Lock()
 	if s.stopped {
 		s.mu.Unlock()
