@@ -29,6 +29,9 @@ from service.worker.engine.onnx_model import OnnxModel
 
 log = logging.getLogger(__name__)
 SYNC_TIMEOUT_S = 5.0
+# An input in a client's region up to this size is read on the loop, in the turn that got
+# its INFER (tens of microseconds); a larger one on the reader thread, the loop free meanwhile.
+INLINE_READ_BYTES = 256 << 10
 
 Call = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
@@ -128,10 +131,11 @@ class FrontendLink:
         """Queue one request now, in the turn that read it: a CANCEL read in the same turn
         then finds it (and drops it before it is computed). The batch writes the
         answer straight into the front end's regions (or the client's); the DONE that
-        follows tells it so. An input in a client's region is read on the reader thread
-        first (a large one would hold this loop, and every front end's requests, for
-        milliseconds); a CANCEL meanwhile drops it once read."""
+        follows tells it so. An input in a client's region is read first: a small one here,
+        a large one on the reader thread (it would hold this loop, and every front end's
+        requests, for milliseconds); a CANCEL meanwhile drops that once read."""
         request_id = int(message["id"])
+        read: Callable[[], np.ndarray] | None = None  # a large input, read on the thread
         try:
             model = self._resolve(str(message["model"]))
             dtype = np.dtype(message["dtype"])
@@ -139,17 +143,22 @@ class FrontendLink:
             if len(shape) != 3:
                 raise ValueError(f"shape {shape} is not [n, seq, d]")
             if message.get("iref") is not None:
-                read = self._client_input(message["iref"], shape, model)
+                reader, nbytes = self._client_input(message["iref"], shape, model)
+                if nbytes <= INLINE_READ_BYTES:
+                    embeddings = reader()
+                else:
+                    read = reader
             else:
                 embeddings = self._slab.array(int(message["in"]), shape, dtype)
         except ServingError as err:
             self._fail(request_id, err)
             return
-        except (KeyError, TypeError, ValueError) as err:
-            log.error("front end %s sent a malformed request %d: %s", self.name, request_id, err)
+        except (KeyError, TypeError, ValueError, OSError) as err:
+            log.error("request %d from front end %s could not be read: %s", request_id,
+                      self.name, err)  # fmt: skip
             self._fail(request_id, err)
             return
-        if message.get("iref") is None:
+        if read is None:
             self._queue(request_id, message, model, embeddings)
             return
         reading = asyncio.get_running_loop().run_in_executor(self._region_reader, read)
@@ -230,9 +239,9 @@ class FrontendLink:
 
     def _client_input(
         self, ref: list[Any], shape: tuple[int, ...], model: OnnxModel
-    ) -> Callable[[], np.ndarray]:
+    ) -> tuple[Callable[[], np.ndarray], int]:
         """Check an input's reference now; what reads it (one copy), checks its values and
-        casts it to the model's dtype, on the reader thread. The region is held until then
+        casts it to the model's dtype, and its size. The region is held until it is read
         (an unregister meanwhile cannot close its descriptor under the read)."""
         region_ref = _region_ref(ref)
         dtype = np.dtype(ref[4])  # as the client wrote it
@@ -255,7 +264,7 @@ class FrontendLink:
                 with contextlib.suppress(RuntimeError):  # a loop already closed: exiting
                     loop.call_soon_threadsafe(region.release)
 
-        return read
+        return read, need
 
     def _writer_for(
         self, ref: list[Any], shape: tuple[int, ...], writers: list[RegionWriter]
