@@ -138,6 +138,22 @@ def test_grpc_inputs_and_outputs_in_shared_memory_equal_torch(
     del got_output, got_weights  # views of the mapping, which destroy() closes
 
 
+def test_a_large_input_in_shared_memory_equals_torch(
+    shm_server: ServerProcess, objects: Objects, reference
+) -> None:
+    """Inputs past the size the worker reads on its loop go through its reader thread."""
+    shape = (4, 300, D)  # 300 KiB: read on the worker's reader thread
+    x = np.random.default_rng(9).standard_normal(shape, dtype=np.float32)
+    handle, key = objects.make("large", x.nbytes)
+    shm.set_shared_memory_region(handle, [x])
+    tensor = triton.InferInput("embeddings", list(shape), "FP32")
+    tensor.set_shared_memory("large", x.nbytes)
+    with triton.InferenceServerClient(shm_server.target) as client:
+        client.register_system_shared_memory("large", key, x.nbytes)
+        got = client.infer("small", [tensor]).as_numpy("output")
+    np.testing.assert_allclose(got, attend_alone(reference, x)[0], atol=1e-5, rtol=0)
+
+
 def test_http_shared_memory_and_mixed_outputs_equal_torch(
     shm_server: ServerProcess, objects: Objects, reference
 ) -> None:
