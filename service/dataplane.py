@@ -12,6 +12,16 @@ from typing import Protocol
 import numpy as np
 
 from service.catalog import ModelRegistry, ServedModel
+from service.errors import RegionNotFound
+from service.text import shown
+
+# Longest region name (and key) a client may register: NAME_MAX. A reference to a longer
+# name is refused in the front end, never sent to the worker (nothing can match it).
+MAX_REGION_NAME_CHARS = 255
+
+
+def region_not_found(name: str) -> RegionNotFound:
+    return RegionNotFound(f"no shared-memory region {shown(name)} is registered; register it first")
 
 
 def _nothing() -> None:

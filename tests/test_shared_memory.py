@@ -580,10 +580,19 @@ def _v2_cases(x: np.ndarray) -> dict[str, v2.ModelInferRequest]:
     small_output = request()
     small_output.outputs[0].parameters["shared_memory_byte_size"].int64_param = IN_BYTES - 4
     cases["output region too small"] = small_output
+    long_name = request(region="r" * 300)  # no region can have it (registration refuses it)
+    long_name.outputs[0].parameters["shared_memory_region"].string_param = "r" * 300
+    cases["a name longer than any region's"] = long_name
+    # A field of the wrong wire type is an unknown field to protobuf: it changes nothing.
+    region_and_varint = v2.InferParameter()
+    region_and_varint.MergeFromString(b"\x1a\x02io" + b"\x18\x01")  # string 'io', varint 3
+    odd_wire = request()
+    odd_wire.inputs[0].parameters["shared_memory_region"].CopyFrom(region_and_varint)
+    cases["a string parameter's field also as a varint"] = odd_wire
     return cases
 
 
-def _attend_cases() -> dict[str, pb.AttendRequest]:
+def _attend_cases() -> dict[str, pb.AttendRequest | bytes]:
     def request(**fields) -> pb.AttendRequest:
         message = pb.AttendRequest(
             model="small", request_id="attend-shm",
@@ -607,7 +616,15 @@ def _attend_cases() -> dict[str, pb.AttendRequest]:
                                                     byte_size=SEQ * D * 4))  # fmt: skip
     with_data = request()
     with_data.embeddings.data = b"\0" * IN_BYTES
+    # A message field given twice is merged: the second output_region keeps the first's offset.
+    twice = (
+        request().SerializeToString()
+        + pb.AttendRequest(
+            output_region=pb.SharedMemoryRef(region="io", byte_size=IN_BYTES)
+        ).SerializeToString()
+    )
     return {
+        "attend output region given twice": twice,
         "attend in and out": request(),
         "attend with weights in a region": request(
             return_attention_weights=True, attention_weights_region=weights
@@ -623,6 +640,10 @@ def _attend_cases() -> dict[str, pb.AttendRequest]:
         ),
         "attend data as well": with_data,
     }
+
+
+def _serialized(message: pb.AttendRequest | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def _outcome(call, request, region: shm.SharedMemoryRegion, size: int):
@@ -663,7 +684,12 @@ def test_the_gateway_answers_region_references_as_the_python_front_end(
                 control = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
                 control.SystemSharedMemoryRegister(v2.SystemSharedMemoryRegisterRequest(
                     name="io", key=key, byte_size=size))  # fmt: skip
-                attend = attention_pb2_grpc.AttentionServiceStub(channel).Attend
+                # Sent as bytes: a case may be bytes no message object would serialize to.
+                attend = channel.unary_unary(
+                    "/attention.v1.AttentionService/Attend",
+                    request_serializer=_serialized,
+                    response_deserializer=pb.AttendResponse.FromString,
+                )
                 calls = {**{name: (control.ModelInfer, message)
                             for name, message in _v2_cases(_X).items()},
                          **{name: (attend, message)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from service.dataplane import RegionRef, RegionTensor
+from service.dataplane import MAX_REGION_NAME_CHARS, RegionRef, RegionTensor, region_not_found
 from service.errors import InvalidInput
 from service.generated.inference import grpc_service_pb2 as v2
 
@@ -63,6 +63,8 @@ def reference(
 def region_ref(name: str, offset: int, byte_size: int, where: str, enabled: bool) -> RegionRef:
     if not enabled:
         raise InvalidInput(f"{where}: {OFF}")
+    if len(name) > MAX_REGION_NAME_CHARS:  # registration refuses it: no region has this name
+        raise region_not_found(name)
     return RegionRef(name, offset, byte_size, where)
 
 

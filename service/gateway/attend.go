@@ -30,6 +30,7 @@ const (
 func parseAttend(msg []byte) *inferRequest {
 	req := &inferRequest{api: "attention", datatype: "FP32"}
 	plain, embeddings := true, 0
+	seen := map[int]bool{} // region fields: protobuf merges a repeated one, Python answers it
 	err := eachField(msg, func(f field) error {
 		switch f.num {
 		case 1:
@@ -46,7 +47,8 @@ func parseAttend(msg []byte) *inferRequest {
 			req.weights = f.value != 0
 		case 6, 7, 8: // client shared memory
 			ref, ok := attendRef(f, regionFields[f.num])
-			plain = plain && ok
+			plain = plain && ok && !seen[f.num]
+			seen[f.num] = true
 			if f.num == 6 {
 				req.inRef = ref
 			} else {

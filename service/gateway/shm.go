@@ -14,6 +14,10 @@ import (
 	"unicode/utf8"
 )
 
+// maxRegionNameChars is the longest region name a client may register (Python's
+// MAX_REGION_NAME_CHARS).
+const maxRegionNameChars = 255
+
 // The V2 tensor parameters that name a region, as Triton spells them.
 const (
 	paramRegion   = "shared_memory_region"
@@ -99,7 +103,7 @@ func (rp *refParams) ref(where string) (*shmRef, bool) {
 	if !rp.anyShm {
 		return nil, true
 	}
-	if !rp.named || !rp.sized {
+	if !rp.named || !rp.sized || !registrable(rp.region) {
 		return nil, false
 	}
 	return &shmRef{region: rp.region, offset: rp.offset, byteSize: rp.byteSize, where: where}, true
@@ -112,12 +116,17 @@ const (
 	paramUint64 = 5
 )
 
+// parameterWires are the wire types of InferParameter's oneof fields; a field of another
+// wire type is an unknown field to protobuf, skipped.
+var parameterWires = map[int]int{1: wireVarint, paramInt64: wireVarint, paramString: wireBytes,
+	4: wireFixed64, paramUint64: wireVarint}
+
 // parameterValue is the InferParameter's choice: the last of its oneof fields, as protobuf
 // reads a oneof.
 func parameterValue(msg []byte) (int, field) {
 	kind, value := 0, field{}
 	err := eachField(msg, func(f field) error {
-		if f.num >= 1 && f.num <= 5 {
+		if wire, known := parameterWires[f.num]; known && f.wire == wire {
 			kind, value = f.num, f
 		}
 		return nil
@@ -158,8 +167,12 @@ func attendRef(f field, where string) (*shmRef, bool) {
 		}
 		return nil
 	})
-	return ref, err == nil && plain
+	return ref, err == nil && plain && registrable(ref.region)
 }
+
+// registrable is whether a region of this name can exist: a longer name is refused by
+// Python (its INFER would carry a name no region has, however long).
+func registrable(name string) bool { return utf8.RuneCountInString(name) <= maxRegionNameChars }
 
 // refJSON is a reference as the INFER carries it: region, offset, byte size, where, dtype.
 func (r *shmRef) refJSON(dtype string) []any {

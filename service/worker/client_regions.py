@@ -27,13 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from service.dataplane import RegionRef
+from service.dataplane import MAX_REGION_NAME_CHARS, RegionRef, region_not_found
 from service.errors import InvalidInput, RegionExists, RegionNotFound, RegionsExhausted
 from service.text import shown
 
 log = logging.getLogger(__name__)
 SHM_ROOT = Path("/dev/shm")
-MAX_NAME_CHARS = 255  # NAME_MAX, for keys and region names alike
+MAX_NAME_CHARS = MAX_REGION_NAME_CHARS  # NAME_MAX, for keys and region names alike
 KEY = re.compile(r"/?([A-Za-z0-9_.+-]{1,255})")
 
 
@@ -249,9 +249,7 @@ class ClientRegions:
     def get(self, name: str) -> ClientRegion:
         region = self._regions.get(name)
         if region is None:
-            raise RegionNotFound(
-                f"no shared-memory region {shown(name)} is registered; register it first"
-            )
+            raise region_not_found(name)
         return region
 
     def checked(self, ref: RegionRef) -> ClientRegion:
