@@ -871,3 +871,15 @@ def test_the_worker_alone_is_driven_over_its_own_channel(model_repository: Path)
         result = asyncio.run(worker_alone.measure(args))
         assert result["requests"] == 800
         assert result["worker_cpu_us_per_request"] > 0
+
+
+def test_the_worker_parts_are_timed_in_one_process(model_repository: Path) -> None:
+    """bench.worker_parts times ONNX Runtime's run and the batcher around it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.worker_parts", "--model-repository",
+         str(model_repository), "--requests", "50"],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, check=True,
+    )  # fmt: skip
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (result["model"], result["requests"]) == ("mha/1", 50)
+    assert 0 < result["onnx_runtime_run_us"] < result["batcher_one_at_a_time_us"]

@@ -524,7 +524,25 @@ def _refs(parameters, region="io", offset=0, nbytes=IN_BYTES, kinds=("int64_para
         _param(parameters, "shared_memory_byte_size", kinds[1], nbytes)
 
 
-def _v2_cases(x: np.ndarray) -> dict[str, v2.ModelInferRequest]:
+def _with_input_entry(message: v2.ModelInferRequest, entry: bytes) -> bytes:
+    """message on the wire with entry (raw bytes of one parameters map entry, which no
+    message object would write) added to its input's parameters."""
+    tensor = message.inputs[0].SerializeToString() + b"\x22" + _varint(len(entry)) + entry
+    rest = v2.ModelInferRequest()
+    rest.CopyFrom(message)
+    del rest.inputs[:]
+    return rest.SerializeToString() + b"\x2a" + _varint(len(tensor)) + tensor
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def _v2_cases(x: np.ndarray) -> dict[str, v2.ModelInferRequest | bytes]:
     """ModelInfer requests with tensors in region 'io' (input at 0, output after it, weights
     after that), good and bad in every way a reference can be."""
 
@@ -589,6 +607,18 @@ def _v2_cases(x: np.ndarray) -> dict[str, v2.ModelInferRequest]:
     odd_wire = request()
     odd_wire.inputs[0].parameters["shared_memory_region"].CopyFrom(region_and_varint)
     cases["a string parameter's field also as a varint"] = odd_wire
+    # Protobuf refuses a string that is not UTF-8 (the whole request), and keeps a map entry
+    # with a field besides key and value out of the map.
+    key = b"\x0a\x10binary_data_size"
+    cases["a tolerated parameter not UTF-8"] = _with_input_entry(
+        request(), key + b"\x12\x03\x1a\x01\xff"
+    )
+    size = b"\x10" + _varint(IN_BYTES)  # int64_param
+    sized = b"\x0a\x17shared_memory_byte_size\x12" + _varint(len(size)) + size
+    cases["a map entry with a third field"] = _with_input_entry(
+        request(nbytes=None), sized + b"\x18\x01"
+    )
+    cases["a map entry of two fields (control)"] = _with_input_entry(request(nbytes=None), sized)
     return cases
 
 
@@ -642,7 +672,7 @@ def _attend_cases() -> dict[str, pb.AttendRequest | bytes]:
     }
 
 
-def _serialized(message: pb.AttendRequest | bytes) -> bytes:
+def _serialized(message: pb.AttendRequest | v2.ModelInferRequest | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
@@ -690,7 +720,12 @@ def test_the_gateway_answers_region_references_as_the_python_front_end(
                     request_serializer=_serialized,
                     response_deserializer=pb.AttendResponse.FromString,
                 )
-                calls = {**{name: (control.ModelInfer, message)
+                infer = channel.unary_unary(
+                    "/inference.GRPCInferenceService/ModelInfer",
+                    request_serializer=_serialized,
+                    response_deserializer=v2.ModelInferResponse.FromString,
+                )
+                calls = {**{name: (infer, message)
                             for name, message in _v2_cases(_X).items()},
                          **{name: (attend, message)
                             for name, message in _attend_cases().items()}}  # fmt: skip
@@ -703,6 +738,8 @@ def test_the_gateway_answers_region_references_as_the_python_front_end(
     for name in off:
         assert on[name] == off[name], name
     answered = [name for name, got in off.items() if isinstance(got[0], bytes)]
+    assert "a map entry of two fields (control)" in answered
+    assert "a map entry with a third field" not in answered
     assert len(answered) >= 10, off  # the good ones were answered, not all refused
     response = v2.ModelInferResponse.FromString(off["input and output"][0])
     assert response.outputs[0].parameters["shared_memory_region"].string_param == "io"

@@ -455,3 +455,18 @@ func TestRegionReferencesAreReadAsPythonReadsThem(t *testing.T) {
 		t.Error("a region and raw bytes taken by the fast path")
 	}
 }
+
+func TestParametersProtobufWouldRefuseAreLeftToPython(t *testing.T) {
+	badString := param(4, "binary_data_size", appendStringField(nil, paramString, "\xff"))
+	entry := appendStringField(nil, 1, paramRegion)
+	entry = appendBytesField(entry, 2, appendStringField(nil, paramString, "io"))
+	twoValues := appendBytesField(nil, 4, appendBytesField(entry, 2, appendStringField(nil, paramString, "\xff")))
+	extraField := appendBytesField(nil, 4, append(appendBytesField(appendStringField(nil, 1, "binary_data_size"), 2,
+		count(paramInt64, 1)), count(3, 1)...))
+	for name, extra := range map[string][]byte{"invalid UTF-8 in a tolerated value": badString,
+		"a second value": twoValues, "an entry with a third field": extraField} {
+		if parseInfer(shmRequest(extra)) != nil {
+			t.Errorf("%s: taken by the fast path", name)
+		}
+	}
+}

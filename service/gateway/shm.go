@@ -63,10 +63,13 @@ func (rp *refParams) add(f field, tolerated map[string]bool) {
 				rp.ok = false
 			}
 		case 2:
-			if g.wire != wireBytes {
+			// Every value given is parsed (and merged) by protobuf: each must be valid.
+			if g.wire != wireBytes || !validParameter(g.bytes) {
 				rp.ok = false
 			}
 			value = g.bytes
+		default: // protobuf keeps such an entry out of the map
+			rp.ok = false
 		}
 		return nil
 	})
@@ -135,6 +138,19 @@ func parameterValue(msg []byte) (int, field) {
 		return 0, field{}
 	}
 	return kind, value
+}
+
+// validParameter is whether protobuf would parse an InferParameter: a well-formed message
+// whose string fields are valid UTF-8 (a string that is not fails the whole request).
+func validParameter(msg []byte) bool {
+	valid := true
+	err := eachField(msg, func(f field) error {
+		if f.num == paramString && f.wire == wireBytes && !utf8.Valid(f.bytes) {
+			valid = false
+		}
+		return nil
+	})
+	return err == nil && valid
 }
 
 // byteCount reads a byte count as the Python front end does: an int64 or uint64 choice, not
