@@ -30,7 +30,6 @@ const (
 func parseAttend(msg []byte) *inferRequest {
 	req := &inferRequest{api: "attention", datatype: "FP32"}
 	plain, embeddings := true, 0
-	seen := map[int]bool{} // region fields: protobuf merges a repeated one, Python answers it
 	err := eachField(msg, func(f field) error {
 		switch f.num {
 		case 1:
@@ -47,14 +46,15 @@ func parseAttend(msg []byte) *inferRequest {
 			req.weights = f.value != 0
 		case 6, 7, 8: // client shared memory
 			ref, ok := attendRef(f, regionFields[f.num])
-			plain = plain && ok && !seen[f.num]
-			seen[f.num] = true
+			plain = plain && ok
 			if f.num == 6 {
+				plain = plain && req.inRef == nil // given twice: protobuf merges, Python answers
 				req.inRef = ref
 			} else {
 				if req.outRefs == nil {
 					req.outRefs = map[string]*shmRef{}
 				}
+				plain = plain && req.outRefs[regionOutputs[f.num]] == nil // likewise
 				req.outRefs[regionOutputs[f.num]] = ref
 			}
 		}

@@ -259,10 +259,8 @@ func (req *inferRequest) check(s *served, lim limits) *plan {
 	if n < 1 || seq < 1 || d != model.EmbedDim || n > lim.maxBatchSize || seq > lim.maxSeqLen {
 		return nil
 	}
-	if req.inRef != nil || req.outRefs != nil {
-		if !lim.clientSharedMemory {
-			return nil
-		}
+	if (req.inRef != nil || req.outRefs != nil) && !lim.clientSharedMemory {
+		return nil
 	}
 	// An input in a client's region: the worker checks its size and values once it reads it.
 	if req.inRef == nil && (int64(len(req.raw)) != n*seq*d*dtype.size || !finite(req.raw, dtype.size)) {
@@ -433,11 +431,10 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 			hold.release()
 		}
 	}()
-	want := p.slabSizes(len(req.raw))
-	sizes := make([]int, 0, 3)
-	for _, size := range want {
+	sizes, slots := make([]int, 0, 3), make([]int, 0, 3) // slots: which tensor each is
+	for slot, size := range p.slabSizes(len(req.raw)) {
 		if size >= 0 {
-			sizes = append(sizes, size)
+			sizes, slots = append(sizes, size), append(slots, slot)
 		}
 	}
 	regions, err := l.slab.alloc(sizes)
@@ -445,11 +442,8 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 		return failed(codeResourceExhausted, err.Error())
 	}
 	at := [3]int64{-1, -1, -1} // offsets of input, output, weights in the slab
-	for i, j := 0, 0; i < len(want); i++ {
-		if want[i] >= 0 {
-			at[i] = int64(regions[j].offset)
-			j++
-		}
+	for j, slot := range slots {
+		at[slot] = int64(regions[j].offset)
 	}
 	inputParts := btoi(at[0] >= 0) // regions[:inputParts] hold the input
 	if at[0] >= 0 {

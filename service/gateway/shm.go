@@ -55,7 +55,8 @@ func (rp *refParams) add(f field, tolerated map[string]bool) {
 		return
 	}
 	var key string
-	var value []byte
+	var kind int
+	var value field
 	err := eachField(f.bytes, func(g field) error {
 		switch g.num {
 		case 1:
@@ -64,10 +65,11 @@ func (rp *refParams) add(f field, tolerated map[string]bool) {
 			}
 		case 2:
 			// Every value given is parsed (and merged) by protobuf: each must be valid.
-			if g.wire != wireBytes || !validParameter(g.bytes) {
-				rp.ok = false
+			valid := false
+			if g.wire == wireBytes {
+				kind, value, valid = parameterValue(g.bytes)
 			}
-			value = g.bytes
+			rp.ok = rp.ok && valid
 		default: // protobuf keeps such an entry out of the map
 			rp.ok = false
 		}
@@ -80,13 +82,11 @@ func (rp *refParams) add(f field, tolerated map[string]bool) {
 	switch key {
 	case paramRegion:
 		rp.anyShm = true
-		rp.named = false
-		if kind, v := parameterValue(value); kind == paramString && utf8.Valid(v.bytes) {
-			rp.region, rp.named = string(v.bytes), true
-		}
+		rp.named = kind == paramString
+		rp.region = string(value.bytes)
 	case paramOffset, paramByteSize:
 		rp.anyShm = true
-		count, valid := byteCount(value)
+		count, valid := byteCount(kind, value)
 		if key == paramOffset {
 			rp.offset = count
 			rp.ok = rp.ok && valid
@@ -124,40 +124,25 @@ const (
 var parameterWires = map[int]int{1: wireVarint, paramInt64: wireVarint, paramString: wireBytes,
 	4: wireFixed64, paramUint64: wireVarint}
 
-// parameterValue is the InferParameter's choice: the last of its oneof fields, as protobuf
-// reads a oneof.
-func parameterValue(msg []byte) (int, field) {
-	kind, value := 0, field{}
+// parameterValue is an InferParameter's choice: the last of its oneof fields, as protobuf
+// reads a oneof; valid is whether protobuf would parse it at all (well formed, every string
+// field valid UTF-8: one that is not fails the whole request).
+func parameterValue(msg []byte) (kind int, value field, valid bool) {
+	valid = true
 	err := eachField(msg, func(f field) error {
 		if wire, known := parameterWires[f.num]; known && f.wire == wire {
 			kind, value = f.num, f
+			valid = valid && (f.num != paramString || utf8.Valid(f.bytes))
 		}
 		return nil
 	})
-	if err != nil {
-		return 0, field{}
-	}
-	return kind, value
-}
-
-// validParameter is whether protobuf would parse an InferParameter: a well-formed message
-// whose string fields are valid UTF-8 (a string that is not fails the whole request).
-func validParameter(msg []byte) bool {
-	valid := true
-	err := eachField(msg, func(f field) error {
-		if f.num == paramString && f.wire == wireBytes && !utf8.Valid(f.bytes) {
-			valid = false
-		}
-		return nil
-	})
-	return err == nil && valid
+	return kind, value, err == nil && valid
 }
 
 // byteCount reads a byte count as the Python front end does: an int64 or uint64 choice, not
 // negative (and, here, within int64).
-func byteCount(msg []byte) (int64, bool) {
-	kind, v := parameterValue(msg)
-	if (kind != paramInt64 && kind != paramUint64) || v.wire != wireVarint || v.value > math.MaxInt64 {
+func byteCount(kind int, v field) (int64, bool) {
+	if (kind != paramInt64 && kind != paramUint64) || v.value > math.MaxInt64 {
 		return 0, false
 	}
 	return int64(v.value), true

@@ -33,17 +33,16 @@ from service.text import shown
 
 log = logging.getLogger(__name__)
 SHM_ROOT = Path("/dev/shm")
-MAX_NAME_CHARS = MAX_REGION_NAME_CHARS  # NAME_MAX, for keys and region names alike
 KEY = re.compile(r"/?([A-Za-z0-9_.+-]{1,255})")
 
 
 def object_path(key: str) -> Path:
     """The /dev/shm path a key names; InvalidInput for anything but one plain name."""
-    match = KEY.fullmatch(key) if len(key) <= MAX_NAME_CHARS + 1 else None
+    match = KEY.fullmatch(key) if len(key) <= MAX_REGION_NAME_CHARS + 1 else None
     if match is None or match[1] in (".", ".."):
         raise InvalidInput(
             f"shared-memory key {shown(key)} is not a POSIX shared-memory name; expected one "
-            f"name of at most {MAX_NAME_CHARS} letters, digits or . _ + - (optionally after "
+            f"name of at most {MAX_REGION_NAME_CHARS} letters, digits or . _ + - (optionally after "
             "one leading '/'), naming an object directly under /dev/shm"
         )
     return SHM_ROOT / match[1]
@@ -208,9 +207,10 @@ class ClientRegions:
         self._max_bytes = max_bytes
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        if not name or len(name) > MAX_NAME_CHARS:
+        if not name or len(name) > MAX_REGION_NAME_CHARS:
             raise InvalidInput(
-                f"shared-memory region name {shown(name)} must be 1..{MAX_NAME_CHARS} characters"
+                f"shared-memory region name {shown(name)} must be 1..{MAX_REGION_NAME_CHARS} "
+                "characters"
             )
         if name in self._regions:
             raise RegionExists(

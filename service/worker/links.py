@@ -135,7 +135,7 @@ class FrontendLink:
         a large one on the reader thread (it would hold this loop, and every front end's
         requests, for milliseconds); a CANCEL meanwhile drops that once read."""
         request_id = int(message["id"])
-        read: Callable[[], np.ndarray] | None = None  # a large input, read on the thread
+        read: Callable[[bool], np.ndarray] | None = None  # a large input, read on the thread
         try:
             model = self._resolve(str(message["model"]))
             dtype = np.dtype(message["dtype"])
@@ -145,7 +145,7 @@ class FrontendLink:
             if message.get("iref") is not None:
                 reader, nbytes = self._client_input(message["iref"], shape, model)
                 if nbytes <= INLINE_READ_BYTES:
-                    embeddings = reader()
+                    embeddings = reader(True)
                 else:
                     read = reader
             else:
@@ -161,7 +161,7 @@ class FrontendLink:
         if read is None:
             self._queue(request_id, message, model, embeddings)
             return
-        reading = asyncio.get_running_loop().run_in_executor(self._region_reader, read)
+        reading = asyncio.get_running_loop().run_in_executor(self._region_reader, read, False)
         self._reading[request_id] = reading
         reading.add_done_callback(functools.partial(self._read, request_id, message, model))
 
@@ -239,10 +239,11 @@ class FrontendLink:
 
     def _client_input(
         self, ref: list[Any], shape: tuple[int, ...], model: OnnxModel
-    ) -> tuple[Callable[[], np.ndarray], int]:
+    ) -> tuple[Callable[[bool], np.ndarray], int]:
         """Check an input's reference now; what reads it (one copy), checks its values and
-        casts it to the model's dtype, and its size. The region is held until it is read
-        (an unregister meanwhile cannot close its descriptor under the read)."""
+        casts it to the model's dtype (called with on_loop: on this loop, or on a thread),
+        and its size. The region is held until it is read (an unregister meanwhile cannot
+        close its descriptor under the read)."""
         region_ref = _region_ref(ref)
         dtype = np.dtype(ref[4])  # as the client wrote it
         region = self._regions().checked(region_ref)
@@ -255,14 +256,17 @@ class FrontendLink:
         region.retain()
         loop = asyncio.get_running_loop()
 
-        def read() -> np.ndarray:
+        def read(on_loop: bool) -> np.ndarray:
             try:
                 batch = region.read(region_ref.offset, need).view(dtype).reshape(shape)
                 check_finite(batch)
                 return in_model_dtype(batch, model.spec.dtype, model.spec.name)
             finally:
-                with contextlib.suppress(RuntimeError):  # a loop already closed: exiting
-                    loop.call_soon_threadsafe(region.release)
+                if on_loop:
+                    region.release()
+                else:
+                    with contextlib.suppress(RuntimeError):  # a loop already closed: exiting
+                        loop.call_soon_threadsafe(region.release)
 
         return read, need
 
