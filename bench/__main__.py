@@ -208,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(config)
     log(f"groups {sorted(groups)}; {config.pinning.describe()}")
     scenarios.run(runner, groups)
-    # Grouped as the scenarios are listed (stable: a group keeps its order of measurement).
-    order = {group: index for index, group in enumerate(scenarios.GROUPS)}
+    # Grouped as the scenarios are listed (stable: a group keeps its order of measurement);
+    # the peers' side-by-side rounds last.
+    order = {group: index for index, group in enumerate((*scenarios.GROUPS, report.HEAD_TO_HEAD))}
     rows = sorted(runner.rows + report.ceiling_rows(runner.rows), key=lambda r: order[r["group"]])
     found = ratios.all_ratios(rows, config.api, groups, pinned=config.pinning.pinned)
     about = machine(config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from bench.payloads import REST, SHM, family
@@ -12,6 +13,7 @@ from bench.report import (
     GROUPING_OFF_FALLBACK,
     GROUPING_ON,
     GRPC_FLOOR,
+    HEAD_TO_HEAD,
     MIXED,
     SEQS,
     TRACING_ON,
@@ -109,22 +111,7 @@ def batching(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
             out.append(
                 entry(f"seq {seq} {load}: batching on / off", value, ">= 1.0", at_least(value, 1.0))
             )
-    c1 = measured(c1_row(rows, pinned))
-    limit = measured(find(rows, group="headline", target="in-process", seq="16", pinned=pinned))
-    points = (limit or {}).get("points") or []
-    p50 = (c1 or {}).get("p50_ms")
-    extra = None
-    if points and p50 is not None and not math.isnan(p50):
-        extra = p50 - points[0]["ms_per_batch"]  # batch size 1: one call
-    out.append(
-        entry(
-            C1_LATENCY,
-            extra,
-            "<= 0.5",
-            None if extra is None else extra <= 0.5,
-        )
-    )
-    return out
+    return out + one_caller(rows, pinned)
 
 
 C1_LATENCY = "seq 16 c=1: server p50 - in-process call (ms)"
@@ -137,9 +124,31 @@ def c1_row(rows: list[Row], pinned: bool) -> Row | None:
     ) or find(rows, group="headline", target="server", seq="16", load="c=1", pinned=pinned)
 
 
+def one_caller(rows: list[Row], pinned: bool) -> list[Row]:
+    """The c=1 target, and the same figure for the bare gRPC server and the echo floor: what
+    the load generator's client and gRPC alone, then the server without the model, add."""
+    limit = measured(find(rows, group="headline", target="in-process", seq="16", pinned=pinned))
+    points = (limit or {}).get("points") or []
+    call_ms = points[0]["ms_per_batch"] if points else None  # batch size 1: one call
+
+    def over_call(row: Row | None) -> float | None:
+        p50 = (measured(row) or {}).get("p50_ms")
+        if call_ms is None or p50 is None or math.isnan(p50):
+            return None
+        return float(p50) - call_ms
+
+    extra = over_call(c1_row(rows, pinned))
+    out = [entry(C1_LATENCY, extra, "<= 0.5", None if extra is None else extra <= 0.5)]
+    for target, label in ((GRPC_FLOOR, "bare gRPC server"), ("echo", "echo floor")):
+        floor = find(rows, group="headline", target=target, seq="16", load="c=1", pinned=pinned)
+        if floor is not None:
+            out.append(entry(f"seq 16 c=1: {label} p50 - in-process call (ms)", over_call(floor)))
+    return out
+
+
 def c1_latency(rows: list[Row], pinned: bool = True) -> list[Row]:
     """The c=1 target alone (the batching section has it too), for runs without that group."""
-    return [item for item in batching(rows, "", pinned) if item["name"].startswith(C1_LATENCY)]
+    return one_caller(rows, pinned)
 
 
 def mixed(rows: list[Row], pinned: bool = True) -> list[Row]:
@@ -267,6 +276,28 @@ def peers(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
     return out
 
 
+def head_to_head(rows: list[Row]) -> list[Row]:
+    """Our server / Triton from windows next to each other (bench/peers/triton.py): the
+    median of the rounds' ratios is the target's figure, their range beside it."""
+    out = []
+    for seq, goal in PEER_GOALS["triton"].items():
+        ratios = []
+        for ours in (r for r in rows if r["group"] == HEAD_TO_HEAD and r["seq"] == seq
+                     and r["target"] == "server"):  # fmt: skip
+            peer = find(rows, group=HEAD_TO_HEAD, target="triton", seq=seq, name=ours["name"])
+            value = ratio(seq_per_s(measured(ours)), seq_per_s(measured(peer)))
+            if value is not None:
+                ratios.append(value)
+        if not ratios:
+            continue
+        value = statistics.median(ratios)
+        label = f"seq {seq}" if seq != MIXED else "mixed"
+        spread = f"{min(ratios):.2f}..{max(ratios):.2f}"
+        name = f"{label}: server / triton, side by side ({len(ratios)} rounds {spread})"
+        out.append(entry(name, value, f">= {goal}", at_least(value, goal)))
+    return out
+
+
 def open_loop(rows: list[Row], pinned: bool = True) -> list[Row]:
     """Each open-loop rate: what the load generator rejected itself (at --max-outstanding)
     apart from what the server failed (a gRPC status other than OK)."""
@@ -362,7 +393,7 @@ def all_ratios(rows: list[Row], unary: str, groups: set[str], pinned: bool = Tru
         "open": lambda: open_loop(rows, pinned),
         "shm": lambda: shared_memory(rows, pinned),
         "unpinned": lambda: unpinned(rows),
-        "peers": lambda: peers(rows, unary, pinned),
+        "peers": lambda: peers(rows, unary, pinned) + head_to_head(rows),
     }
     found = [item for name, make in sections.items() if name in groups for item in make()]
     if "headline" in groups and "batching" not in groups:

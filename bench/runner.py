@@ -287,7 +287,9 @@ class Runner:
         """Store a result as a row; the scenario's labels (seq as text) win over its keys."""
         row = {**result, **labels}
         self.rows.append(row)
-        log(f"{row['group']}/{row['name']} {row['api']} seq={row['seq']} {row['load']}: "
+        name, target = row["name"], row["target"]
+        who = name if name.startswith(target) else f"{target} {name}"
+        log(f"{row['group']}/{who} {row['api']} seq={row['seq']} {row['load']}: "
             f"{describe(row)}")  # fmt: skip
         return row
 

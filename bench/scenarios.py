@@ -107,6 +107,9 @@ def echo(r: Runner, groups: set[str]) -> None:
                     seq=seq,
                     pinning=r.config.pinning,
                 )
+        # Beside the c=1 target: the server without the model, for one caller.
+        r.load(service, group="headline", target="echo", name="echo", api=unary,
+               seq=SEQS[0], concurrency=1, pinning=r.config.pinning)  # fmt: skip
 
 
 def grpc_floor(r: Runner, groups: set[str]) -> None:
@@ -122,6 +125,9 @@ def grpc_floor(r: Runner, groups: set[str]) -> None:
         for seq in SEQS:
             r.load(service, group="headline", target=GRPC_FLOOR, name=GRPC_FLOOR,
                    api=r.config.api, seq=seq, pinning=pinning)  # fmt: skip
+        # Beside the c=1 target: what the load generator's client and gRPC alone take.
+        r.load(service, group="headline", target=GRPC_FLOOR, name=GRPC_FLOOR,
+               api=r.config.api, seq=SEQS[0], concurrency=1, pinning=pinning)  # fmt: skip
 
 
 def default_server(r: Runner, groups: set[str]) -> None:

@@ -401,6 +401,24 @@ def test_the_bare_grpc_floor_sets_the_echo_front_ends_cost_against_the_library()
     assert found["seq 128: echo front end / bare gRPC server, CPU per request"]["value"] is None
 
 
+def test_one_caller_sets_the_server_beside_the_grpc_and_echo_floors() -> None:
+    rows = _rows()
+    one = {"load": "c=1", "p50_ms": 2.5}
+    rows += [{**rows[2], **one, "p50_ms": 3.0},
+             {**rows[1], **one, "p50_ms": 1.75},
+             {**rows[1], **one, "target": report.GRPC_FLOOR, "name": report.GRPC_FLOOR,
+              "p50_ms": 1.25}]  # fmt: skip
+    assert len(report.ceiling_rows(rows)) == 1  # a c=1 echo row is a latency, not a ceiling
+    found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline"})}
+    assert found[ratios.C1_LATENCY]["value"] == pytest.approx(2.5)  # the b=1 call is 0.5 ms
+    assert found["seq 16 c=1: bare gRPC server p50 - in-process call (ms)"]["value"] == (
+        pytest.approx(0.75)
+    )
+    assert found["seq 16 c=1: echo floor p50 - in-process call (ms)"]["value"] == (
+        pytest.approx(1.25)
+    )
+
+
 def test_shared_memory_ratios_compare_the_same_server_and_triton() -> None:
     rows = _rows()
 
@@ -698,6 +716,34 @@ def test_triton_peer_that_cannot_be_built_is_failed_rows(tmp_path: Path, interpr
     assert table.count("FAIL") == 2 * len(runner.rows)
     found = {r["name"]: r for r in ratios.peers(runner.rows, "v2")}
     assert found["seq 16: server / triton (seq/s)"]["met"] is None  # not measured, not MISSED
+
+
+def test_side_by_side_rounds_give_the_median_ratio_and_its_range() -> None:
+    def row(target: str, round_: int, seq: str, value: float) -> dict:
+        return {"group": report.HEAD_TO_HEAD, "target": target, "name": f"round {round_}",
+                "api": "v2", "seq": seq, "sequences_per_s": value}  # fmt: skip
+
+    rows = [row("server", 1, "16", 1300.0), row("triton", 1, "16", 1000.0),
+            row("triton", 2, "16", 1000.0), row("server", 2, "16", 1100.0),
+            row("server", 3, "16", 1500.0), row("triton", 3, "16", 1000.0),
+            row("server", 1, "128", 150.0), {**row("triton", 1, "128", 0.0), "failed": "x"}]  # fmt: skip
+    found = {r["name"]: r for r in ratios.head_to_head(rows)}
+    median = found["seq 16: server / triton, side by side (3 rounds 1.10..1.50)"]
+    assert median["value"] == pytest.approx(1.3)
+    assert median["met"] is True
+    assert not [name for name in found if name.startswith(("seq 128", "mixed"))]  # no pair
+
+
+def test_the_side_by_side_triton_is_the_delay_that_won_most_lengths() -> None:
+    runner = FakeRunner(_config())
+    for delay, served in ((0, (900.0, 140.0, 80.0)), (1000, (950.0, 120.0, 70.0))):
+        for seq, value in zip(triton.LENGTHS, served, strict=True):
+            runner.rows.append({"group": "peers", "target": "triton", "seq": seq,
+                                "name": triton.config_name(delay), "sequences_per_s": value})  # fmt: skip
+    assert triton.best_delay(runner) == 0
+    failed = FakeRunner(_config())
+    triton.failed_rows(failed, "triton", "no venv")
+    assert triton.best_delay(failed) is None  # then no side-by-side rounds run
 
 
 def test_a_peer_that_fails_to_set_up_costs_its_rows_not_the_run(

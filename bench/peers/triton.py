@@ -2,7 +2,8 @@
 virtualenv of its own made from /usr/bin/python3.11, serving the same ONNX graph from a Python
 callable with one ONNX Runtime thread (bench/peers/triton_ort/serve.py). Triton's dynamic
 batcher (max batch 32) is tried at two queue delays; the report keeps the best. Same load
-generator (V2 over gRPC), same pinning, same run as our server.
+generator (V2 over gRPC), same pinning, same run as our server. Then the best delay and our
+server run side by side, their load windows alternating (head_to_head).
 
 Triton's Python-backend stub links the system libpython3.11 (Debian's): a virtualenv made from
 another 3.11 build fails at model load (`'_thread.RLock' object has no attribute
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from bench.launcher import REPO_ROOT, Service, free_port
 from bench.payloads import SHM
-from bench.report import MIXED, SEQS
+from bench.report import HEAD_TO_HEAD, MIXED, SEQS
 from bench.runner import Runner, log
 
 HERE = Path(__file__).resolve().parent
@@ -29,6 +30,7 @@ PACKAGES = ("nvidia-pytriton==0.7.0", "onnxruntime==1.31.1")
 MAX_BATCH_SIZE = 32
 QUEUE_DELAYS_US = (0, 1000)
 LENGTHS = (*SEQS, MIXED)
+ROUNDS = 3  # of the head-to-head: each length measured on each server this many times
 
 
 class PeerUnavailable(RuntimeError):
@@ -116,6 +118,53 @@ def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER, *,
                            seq=seq, pinning=pinning)  # fmt: skip
         except (RuntimeError, OSError) as err:
             failed_rows(r, name, short(str(err)))
+    best = best_delay(r)
+    if best is not None:
+        head_to_head(r, python, best)
+
+
+def best_delay(r: Runner) -> int | None:
+    """The queue delay whose configuration served the most sequences/s at most lengths."""
+    wins = dict.fromkeys(QUEUE_DELAYS_US, 0)
+    for seq in LENGTHS:
+        served = {
+            delay: row["sequences_per_s"]
+            for delay in QUEUE_DELAYS_US
+            for row in r.rows
+            if row["group"] == "peers" and row["name"] == config_name(delay)
+            and row["seq"] == seq and row.get("sequences_per_s")
+        }  # fmt: skip
+        if served:
+            wins[max(served, key=lambda delay: served[delay])] += 1
+    best = max(wins, key=lambda delay: wins[delay])
+    return best if wins[best] else None
+
+
+def head_to_head(r: Runner, python: Path, delay: int) -> None:
+    """Our server (default flags) and Triton up together on the same pinned CPUs: a load
+    window on one, then the same on the other, each length, for ROUNDS rounds (who goes
+    first swaps each round). Minutes apart, the same comparison moved with the host (one
+    day's runs: 0.95x to 1.26x Triton at seq 128); windows next to each other meet the same
+    host. The server not under load idles (ours: 3 CPU ticks in 10 s)."""
+    pinning = r.config.pinning
+    name = config_name(delay)
+    command, grpc_port = serve_command(r, python, delay)
+    try:
+        with (
+            r.server("server", [], pinning) as ours,
+            Service(name, command, grpc_port=grpc_port, cwd=r.scratch) as triton,
+        ):
+            triton.wait_ready(r.config.ready_timeout_s, model=r.config.model)
+            log(f"head to head: our server pid {ours.pid}, {name} pid {triton.pid}")
+            for round_ in range(1, ROUNDS + 1):
+                pair = [("server", ours), ("triton", triton)]
+                for seq in LENGTHS:
+                    for target, service in pair if round_ % 2 else pair[::-1]:
+                        r.load(service, group=HEAD_TO_HEAD, target=target,
+                               name=f"round {round_}", api="v2", seq=seq,
+                               pinning=pinning)  # fmt: skip
+    except (RuntimeError, OSError) as err:
+        r.note(f"head to head with {name} not measured: {short(str(err))}")
 
 
 def short(text: str, lines: int = 3) -> str:

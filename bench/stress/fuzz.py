@@ -52,7 +52,7 @@ def attend_requests(draw: st.DrawFn, served: list[str]) -> bytes:
     """AttendRequest with arbitrary shapes (zero, negative, huge), dtypes, byte counts,
     values, model names, versions and request ids."""
     shape = draw(st.lists(st.one_of(st.integers(-2, 70), st.sampled_from(HUGE_DIMS)), max_size=5))
-    dtype = draw(st.integers(0, 4))
+    dtype = draw(st.integers(0, 4))  # raw enum numbers: unknown ones too
     elements = math.prod(shape) if shape and all(d >= 0 for d in shape) else 0
     itemsize = 2 if dtype == pb.FLOAT16 else 4
     size = max(0, min(elements * itemsize, 1 << 20) + draw(st.integers(-8, 8)))
@@ -61,7 +61,7 @@ def attend_requests(draw: st.DrawFn, served: list[str]) -> bytes:
         model=draw(_models(served)),
         model_version=draw(_versions()),
         request_id=draw(st.text(max_size=300)),
-        embeddings=pb.Tensor(shape=shape, dtype=dtype, data=data),
+        embeddings=pb.Tensor(shape=shape, dtype=dtype, data=data),  # type: ignore[arg-type]
         return_attention_weights=draw(st.booleans()),
     ).SerializeToString()
 
