@@ -14,12 +14,20 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on servers and in CI
 import matplotlib.pyplot as plt
 
+from bench.report import HEAD_TO_HEAD, ONE_CALLER
+
 Row = dict[str, Any]
 
 
 def load_rows(document: dict[str, Any]) -> list[Row]:
-    """Rows measured with the load generator that completed requests."""
-    return [r for r in document["rows"] if "p99_ms" in r and r.get("requests")]
+    """Rows measured with the load generator that completed requests, but the side-by-side
+    rounds (repeats of the peers' points) and the floors' one-caller points."""
+    return [
+        r
+        for r in document["rows"]
+        if "p99_ms" in r and r.get("requests") and r["group"] != HEAD_TO_HEAD
+        and not r["name"].endswith(ONE_CALLER)
+    ]  # fmt: skip
 
 
 def series(rows: list[Row]) -> dict[str, dict[str, list[tuple[float, float]]]]:

@@ -14,7 +14,9 @@ from bench.report import (
     GROUPING_ON,
     GRPC_FLOOR,
     HEAD_TO_HEAD,
+    HEAD_TO_HEAD_ROUNDS,
     MIXED,
+    ONE_CALLER,
     SEQS,
     TRACING_ON,
     Row,
@@ -68,7 +70,7 @@ def headline(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
                 )
             )
             echo = measured(
-                find(rows, group="headline", target="echo", api=api, seq=seq, pinned=pinned)
+                find(rows, group="headline", name="echo", api=api, seq=seq, pinned=pinned)
             )
             if echo and echo.get("requests") and echo.get("server_cpu_ms_per_request") is not None:
                 out.append(
@@ -125,30 +127,28 @@ def c1_row(rows: list[Row], pinned: bool) -> Row | None:
 
 
 def one_caller(rows: list[Row], pinned: bool) -> list[Row]:
-    """The c=1 target, and the same figure for the bare gRPC server and the echo floor: what
-    the load generator's client and gRPC alone, then the server without the model, add."""
+    """The c=1 target, and beside it the p50 of each layer at one caller: the load
+    generator's client with a bare gRPC server, this server with a zero-compute model, this
+    server, and the in-process call the target is stated against."""
     limit = measured(find(rows, group="headline", target="in-process", seq="16", pinned=pinned))
     points = (limit or {}).get("points") or []
     call_ms = points[0]["ms_per_batch"] if points else None  # batch size 1: one call
 
-    def over_call(row: Row | None) -> float | None:
-        p50 = (measured(row) or {}).get("p50_ms")
-        if call_ms is None or p50 is None or math.isnan(p50):
-            return None
-        return float(p50) - call_ms
+    def p50(row: Row | None) -> float | None:
+        value = (measured(row) or {}).get("p50_ms")
+        return None if value is None or math.isnan(value) else float(value)
 
-    extra = over_call(c1_row(rows, pinned))
+    server = p50(c1_row(rows, pinned))
+    extra = None if server is None or call_ms is None else server - call_ms
     out = [entry(C1_LATENCY, extra, "<= 0.5", None if extra is None else extra <= 0.5)]
-    for target, label in ((GRPC_FLOOR, "bare gRPC server"), ("echo", "echo floor")):
-        floor = find(rows, group="headline", target=target, seq="16", load="c=1", pinned=pinned)
+    for name, label in ((GRPC_FLOOR, "bare gRPC server"), ("echo", "echo floor")):
+        floor = find(rows, group="headline", name=f"{name}, {ONE_CALLER}", pinned=pinned)
         if floor is not None:
-            out.append(entry(f"seq 16 c=1: {label} p50 - in-process call (ms)", over_call(floor)))
+            out.append(entry(f"seq 16 c=1: {label} p50 (ms)", p50(floor)))
+    if out[1:]:
+        out.append(entry("seq 16 c=1: server p50 (ms)", server))
+        out.append(entry("seq 16 c=1: in-process call (ms)", call_ms))
     return out
-
-
-def c1_latency(rows: list[Row], pinned: bool = True) -> list[Row]:
-    """The c=1 target alone (the batching section has it too), for runs without that group."""
-    return one_caller(rows, pinned)
 
 
 def mixed(rows: list[Row], pinned: bool = True) -> list[Row]:
@@ -277,24 +277,27 @@ def peers(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
 
 
 def head_to_head(rows: list[Row]) -> list[Row]:
-    """Our server / Triton from windows next to each other (bench/peers/triton.py): the
-    median of the rounds' ratios is the target's figure, their range beside it."""
+    """Our server / Triton from windows next to each other (bench/peers/triton.py), paired by
+    round: the median of the rounds' ratios, their range in the name. Printed when the
+    rounds did not run too ("not measured"); a verdict only when every round gave a pair."""
     out = []
     for seq, goal in PEER_GOALS["triton"].items():
         ratios = []
         for ours in (r for r in rows if r["group"] == HEAD_TO_HEAD and r["seq"] == seq
                      and r["target"] == "server"):  # fmt: skip
-            peer = find(rows, group=HEAD_TO_HEAD, target="triton", seq=seq, name=ours["name"])
+            round_ = ours["name"].rpartition(", ")[2]
+            peer = next((r for r in rows if r["group"] == HEAD_TO_HEAD and r["seq"] == seq
+                         and r["target"] == "triton"
+                         and r["name"].rpartition(", ")[2] == round_), None)  # fmt: skip
             value = ratio(seq_per_s(measured(ours)), seq_per_s(measured(peer)))
             if value is not None:
                 ratios.append(value)
-        if not ratios:
-            continue
-        value = statistics.median(ratios)
         label = f"seq {seq}" if seq != MIXED else "mixed"
-        spread = f"{min(ratios):.2f}..{max(ratios):.2f}"
+        value = statistics.median(ratios) if ratios else None
+        spread = f"{min(ratios):.2f}..{max(ratios):.2f}" if ratios else "none"
         name = f"{label}: server / triton, side by side ({len(ratios)} rounds {spread})"
-        out.append(entry(name, value, f">= {goal}", at_least(value, goal)))
+        complete = len(ratios) >= HEAD_TO_HEAD_ROUNDS
+        out.append(entry(name, value, f">= {goal}", at_least(value, goal) if complete else None))
     return out
 
 
@@ -339,9 +342,9 @@ def protocols(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
             out.append(entry(f"seq {seq}: REST / gRPC front-end CPU per request",
                              ratio(frontend_us(rest), frontend_us(grpc_row))))  # fmt: skip
     for seq in SEQS:
-        floor = measured(find(rows, group="headline", target=GRPC_FLOOR, api=unary, seq=seq,
+        floor = measured(find(rows, group="headline", name=GRPC_FLOOR, api=unary, seq=seq,
                               load="c=64", pinned=pinned))  # fmt: skip
-        echo = measured(find(rows, group="headline", target="echo", api=unary, seq=seq,
+        echo = measured(find(rows, group="headline", name="echo", api=unary, seq=seq,
                              load="c=64", pinned=pinned))  # fmt: skip
         floor_ms = floor.get("server_cpu_ms_per_request") if floor else None
         floor_us = None if floor_ms is None else floor_ms * 1000
@@ -397,7 +400,7 @@ def all_ratios(rows: list[Row], unary: str, groups: set[str], pinned: bool = Tru
     }
     found = [item for name, make in sections.items() if name in groups for item in make()]
     if "headline" in groups and "batching" not in groups:
-        found += c1_latency(rows, pinned)
+        found += one_caller(rows, pinned)
     return found
 
 

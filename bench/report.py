@@ -19,6 +19,9 @@ GROUPING_OFF_FALLBACK = "grouping ~off (pad 1.0)"
 FRONTENDS = (1, 2)  # --frontends of the unpinned runs
 GRPC_FLOOR = "grpc floor"  # a bare grpc.aio server answering with its input (bench/grpc_floor.py)
 HEAD_TO_HEAD = "rounds"  # group of the rows of our server and Triton measured side by side
+# Rounds of it per length; even, so each server goes first as often as the other.
+HEAD_TO_HEAD_ROUNDS = 4
+ONE_CALLER = "one caller"  # ends the names of the floors' c=1 rows (latencies, not capacities)
 TRACING_ON = "tracing on"  # the default server with every request traced and exported
 
 
@@ -43,9 +46,9 @@ def failed(row: Row | None) -> bool:
 
 def ceiling_rows(rows: list[Row]) -> list[Row]:
     """A stack-ceiling row for each echo row that has a pinned in-process limit beside it
-    (the echo floor's c=1 row is a latency, not a ceiling)."""
+    (the echo floor's one-caller row is a latency, not a ceiling)."""
     made = []
-    for echo in (r for r in rows if r["target"] == "echo" and r.get("load") != "c=1"):
+    for echo in (r for r in rows if r["target"] == "echo" and not r["name"].endswith(ONE_CALLER)):
         limit = find(rows, group=echo["group"], target="in-process", name="in-process",
                      seq=echo["seq"], pinned=echo["pinned"])  # fmt: skip
         if limit is None:

@@ -17,6 +17,7 @@ from bench.report import (
     GROUPING_ON,
     GRPC_FLOOR,
     MIXED,
+    ONE_CALLER,
     SEQS,
     TRACING_ON,
     Row,
@@ -108,8 +109,8 @@ def echo(r: Runner, groups: set[str]) -> None:
                     pinning=r.config.pinning,
                 )
         # Beside the c=1 target: the server without the model, for one caller.
-        r.load(service, group="headline", target="echo", name="echo", api=unary,
-               seq=SEQS[0], concurrency=1, pinning=r.config.pinning)  # fmt: skip
+        r.load(service, group="headline", target="echo", name=f"echo, {ONE_CALLER}",
+               api=unary, seq=SEQS[0], concurrency=1, pinning=r.config.pinning)  # fmt: skip
 
 
 def grpc_floor(r: Runner, groups: set[str]) -> None:
@@ -126,7 +127,7 @@ def grpc_floor(r: Runner, groups: set[str]) -> None:
             r.load(service, group="headline", target=GRPC_FLOOR, name=GRPC_FLOOR,
                    api=r.config.api, seq=seq, pinning=pinning)  # fmt: skip
         # Beside the c=1 target: what the load generator's client and gRPC alone take.
-        r.load(service, group="headline", target=GRPC_FLOOR, name=GRPC_FLOOR,
+        r.load(service, group="headline", target=GRPC_FLOOR, name=f"{GRPC_FLOOR}, {ONE_CALLER}",
                api=r.config.api, seq=SEQS[0], concurrency=1, pinning=pinning)  # fmt: skip
 
 

@@ -403,20 +403,20 @@ def test_the_bare_grpc_floor_sets_the_echo_front_ends_cost_against_the_library()
 
 def test_one_caller_sets_the_server_beside_the_grpc_and_echo_floors() -> None:
     rows = _rows()
-    one = {"load": "c=1", "p50_ms": 2.5}
+    one = {"load": "c=1"}
     rows += [{**rows[2], **one, "p50_ms": 3.0},
-             {**rows[1], **one, "p50_ms": 1.75},
-             {**rows[1], **one, "target": report.GRPC_FLOOR, "name": report.GRPC_FLOOR,
-              "p50_ms": 1.25}]  # fmt: skip
-    assert len(report.ceiling_rows(rows)) == 1  # a c=1 echo row is a latency, not a ceiling
+             {**rows[1], **one, "name": f"echo, {report.ONE_CALLER}", "p50_ms": 1.75},
+             {**rows[1], **one, "target": report.GRPC_FLOOR, "p50_ms": 1.25,
+              "name": f"{report.GRPC_FLOOR}, {report.ONE_CALLER}"}]  # fmt: skip
+    assert len(report.ceiling_rows(rows)) == 1  # a one-caller echo row is a latency
     found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline"})}
     assert found[ratios.C1_LATENCY]["value"] == pytest.approx(2.5)  # the b=1 call is 0.5 ms
-    assert found["seq 16 c=1: bare gRPC server p50 - in-process call (ms)"]["value"] == (
-        pytest.approx(0.75)
-    )
-    assert found["seq 16 c=1: echo floor p50 - in-process call (ms)"]["value"] == (
-        pytest.approx(1.25)
-    )
+    assert found["seq 16 c=1: bare gRPC server p50 (ms)"]["value"] == pytest.approx(1.25)
+    assert found["seq 16 c=1: echo floor p50 (ms)"]["value"] == pytest.approx(1.75)
+    assert found["seq 16 c=1: server p50 (ms)"]["value"] == pytest.approx(3.0)
+    assert found["seq 16 c=1: in-process call (ms)"]["value"] == pytest.approx(0.5)
+    # The c=64 figures still come from the c=64 echo row.
+    assert found["seq 16 v2: echo floor CPU us per request"]["value"] == pytest.approx(250.0)
 
 
 def test_shared_memory_ratios_compare_the_same_server_and_triton() -> None:
@@ -499,7 +499,8 @@ class FakeRunner(Runner):
 
     def load(self, service: Any, **labels: Any) -> dict[str, Any]:
         pinning = labels.pop("pinning")
-        load = f"rate={labels['rate']:.0f}" if labels.get("rate") else "c=64"
+        concurrency = labels.get("concurrency") or self.config.concurrency
+        load = f"rate={labels['rate']:.0f}" if labels.get("rate") else f"c={concurrency}"
         self.channels.append(labels.get("channels", 0))
         for key in ("concurrency", "weights", "model", "embed_dim", "rate", "channels"):
             labels.pop(key, None)
@@ -720,18 +721,54 @@ def test_triton_peer_that_cannot_be_built_is_failed_rows(tmp_path: Path, interpr
 
 def test_side_by_side_rounds_give_the_median_ratio_and_its_range() -> None:
     def row(target: str, round_: int, seq: str, value: float) -> dict:
-        return {"group": report.HEAD_TO_HEAD, "target": target, "name": f"round {round_}",
-                "api": "v2", "seq": seq, "sequences_per_s": value}  # fmt: skip
+        who = "server" if target == "server" else "triton b=32 delay=0us"
+        return {"group": report.HEAD_TO_HEAD, "target": target, "seq": seq, "api": "v2",
+                "name": triton.round_name(who, round_), "sequences_per_s": value}  # fmt: skip
 
     rows = [row("server", 1, "16", 1300.0), row("triton", 1, "16", 1000.0),
             row("triton", 2, "16", 1000.0), row("server", 2, "16", 1100.0),
             row("server", 3, "16", 1500.0), row("triton", 3, "16", 1000.0),
-            row("server", 1, "128", 150.0), {**row("triton", 1, "128", 0.0), "failed": "x"}]  # fmt: skip
+            row("triton", 4, "16", 1000.0), row("server", 4, "16", 1200.0),
+            row("server", 1, "128", 150.0), {**row("triton", 1, "128", 0.0), "failed": "x"},
+            row("server", 2, "128", 150.0), row("triton", 2, "128", 100.0)]  # fmt: skip
     found = {r["name"]: r for r in ratios.head_to_head(rows)}
-    median = found["seq 16: server / triton, side by side (3 rounds 1.10..1.50)"]
-    assert median["value"] == pytest.approx(1.3)
-    assert median["met"] is True
-    assert not [name for name in found if name.startswith(("seq 128", "mixed"))]  # no pair
+    median = found["seq 16: server / triton, side by side (4 rounds 1.10..1.50)"]
+    assert median["value"] == pytest.approx(1.25)
+    assert median["met"] is False  # 1.25 < 1.3
+    partial = found["seq 128: server / triton, side by side (1 rounds 1.50..1.50)"]
+    assert partial["value"] == pytest.approx(1.5)
+    assert partial["met"] is None  # a round failed: no verdict from the rest
+    missing = found["mixed: server / triton, side by side (0 rounds none)"]
+    assert (missing["value"], missing["met"]) == (None, None)  # shown as not measured
+
+
+def test_side_by_side_rounds_alternate_who_goes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Up:
+        pid = 1
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+        def __enter__(self) -> Up:
+            return self
+
+        def __exit__(self, *exc: object) -> None: ...
+        def wait_ready(self, *args: Any, **kwargs: Any) -> None: ...
+
+    @contextmanager
+    def ours(name: str, flags: Sequence[str], pinning: Pinning, env: Any = None) -> Iterator[Up]:
+        yield Up()
+
+    monkeypatch.setattr(triton, "Service", Up)
+    runner = FakeRunner(_config())
+    monkeypatch.setattr(runner, "server", ours)
+    triton.head_to_head(runner, Path("/venv/bin/python"), 0)
+    order = [(row["seq"], row["target"]) for row in runner.rows]
+    rounds = report.HEAD_TO_HEAD_ROUNDS
+    assert len(order) == rounds * len(triton.LENGTHS) * 2
+    firsts = [order[i][1] for i in range(0, len(order), 2)]
+    assert firsts.count("server") == firsts.count("triton")  # each goes first as often
+    assert all(order[i][0] == order[i + 1][0] for i in range(0, len(order), 2))  # same length
+    assert {row["name"] for row in runner.rows} >= {"server, round 1",
+                                                    "triton b=32 delay=0us, round 4"}  # fmt: skip
 
 
 def test_the_side_by_side_triton_is_the_delay_that_won_most_lengths() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.launcher import REPO_ROOT, Service, free_port
 from bench.payloads import SHM
-from bench.report import HEAD_TO_HEAD, MIXED, SEQS
+from bench.report import HEAD_TO_HEAD, HEAD_TO_HEAD_ROUNDS, MIXED, SEQS
 from bench.runner import Runner, log
 
 HERE = Path(__file__).resolve().parent
@@ -30,7 +30,6 @@ PACKAGES = ("nvidia-pytriton==0.7.0", "onnxruntime==1.31.1")
 MAX_BATCH_SIZE = 32
 QUEUE_DELAYS_US = (0, 1000)
 LENGTHS = (*SEQS, MIXED)
-ROUNDS = 3  # of the head-to-head: each length measured on each server this many times
 
 
 class PeerUnavailable(RuntimeError):
@@ -124,8 +123,9 @@ def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER, *,
 
 
 def best_delay(r: Runner) -> int | None:
-    """The queue delay whose configuration served the most sequences/s at most lengths."""
-    wins = dict.fromkeys(QUEUE_DELAYS_US, 0)
+    """The queue delay whose configuration served the most sequences/s at most lengths; a
+    tie goes to the one with the larger sum of its shares of the best at each length."""
+    score = {delay: [0, 0.0] for delay in QUEUE_DELAYS_US}
     for seq in LENGTHS:
         served = {
             delay: row["sequences_per_s"]
@@ -134,18 +134,26 @@ def best_delay(r: Runner) -> int | None:
             if row["group"] == "peers" and row["name"] == config_name(delay)
             and row["seq"] == seq and row.get("sequences_per_s")
         }  # fmt: skip
-        if served:
-            wins[max(served, key=lambda delay: served[delay])] += 1
-    best = max(wins, key=lambda delay: wins[delay])
-    return best if wins[best] else None
+        if not served:
+            continue
+        best = max(served.values())
+        score[max(served, key=lambda delay: served[delay])][0] += 1
+        for delay, value in served.items():
+            score[delay][1] += value / best
+    winner = max(score, key=lambda delay: tuple(score[delay]))
+    return winner if score[winner][0] else None
+
+
+def round_name(who: str, round_: int) -> str:
+    """A side-by-side row's name: which server, which round (ratios pair rows by round)."""
+    return f"{who}, round {round_}"
 
 
 def head_to_head(r: Runner, python: Path, delay: int) -> None:
     """Our server (default flags) and Triton up together on the same pinned CPUs: a load
-    window on one, then the same on the other, each length, for ROUNDS rounds (who goes
-    first swaps each round). Minutes apart, the same comparison moved with the host (one
-    day's runs: 0.95x to 1.26x Triton at seq 128); windows next to each other meet the same
-    host. The server not under load idles (ours: 3 CPU ticks in 10 s)."""
+    window on one, then the same on the other, each length, for HEAD_TO_HEAD_ROUNDS rounds,
+    who goes first swapping each round. Minutes apart, the same comparison moves with the
+    host; windows next to each other meet the same host."""
     pinning = r.config.pinning
     name = config_name(delay)
     command, grpc_port = serve_command(r, python, delay)
@@ -155,16 +163,16 @@ def head_to_head(r: Runner, python: Path, delay: int) -> None:
             Service(name, command, grpc_port=grpc_port, cwd=r.scratch) as triton,
         ):
             triton.wait_ready(r.config.ready_timeout_s, model=r.config.model)
-            log(f"head to head: our server pid {ours.pid}, {name} pid {triton.pid}")
-            for round_ in range(1, ROUNDS + 1):
-                pair = [("server", ours), ("triton", triton)]
+            log(f"side by side: our server pid {ours.pid}, {name} pid {triton.pid}")
+            for round_ in range(1, HEAD_TO_HEAD_ROUNDS + 1):
+                pair = [("server", "server", ours), ("triton", name, triton)]
                 for seq in LENGTHS:
-                    for target, service in pair if round_ % 2 else pair[::-1]:
+                    for target, who, service in pair if round_ % 2 else pair[::-1]:
                         r.load(service, group=HEAD_TO_HEAD, target=target,
-                               name=f"round {round_}", api="v2", seq=seq,
+                               name=round_name(who, round_), api="v2", seq=seq,
                                pinning=pinning)  # fmt: skip
     except (RuntimeError, OSError) as err:
-        r.note(f"head to head with {name} not measured: {short(str(err))}")
+        r.note(f"side by side with {name} not measured: {short(str(err))}")
 
 
 def short(text: str, lines: int = 3) -> str:
