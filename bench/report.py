@@ -102,10 +102,11 @@ def _server_side(row: Row) -> tuple[Any, Any, Any, Any]:
     return None, None, None, None
 
 
+CONFIG_WIDTH = 33  # "triton b=32 delay=1000us, round 4"
 COLUMNS = (
     ("group", 9, "<"),
     ("target", 10, "<"),
-    ("config", 26, "<"),
+    ("config", CONFIG_WIDTH, "<"),
     ("api", 16, "<"),
     ("seq", 14, "<"),
     ("load", 10, "<"),
@@ -144,10 +145,11 @@ def _line(cells: Iterable[str]) -> str:
 def _inprocess_lines(row: Row) -> list[list[str]]:
     head = [row["group"], "in-process"]
     if failed(row) or not row.get("best"):
-        return [[*head, f"{row['name']} FAILED"[:26], "-", row["seq"], "-", *["-"] * 15]]
+        return [[*head, f"{row['name']} FAILED"[:CONFIG_WIDTH], "-", row["seq"], "-", *["-"] * 15]]
     if "strategies" in row:  # mixed lengths: every way of running them, * on the best
         return [
-            [*head, f"{name}{' *' if name == row['best'] else ''}"[:26], "-", row["seq"], "-",
+            [*head, f"{name}{' *' if name == row['best'] else ''}"[:CONFIG_WIDTH], "-",
+             row["seq"], "-",
              _num(s["sequences_per_s"]), "-", "-", "-", "-", "-", "-", _num(s["padding_ratio"], 2),
              _num(_inprocess_cpu(s, row["threads"]), 3), "-", "-", "-", "-", "-", "-"]
             for name, s in row["strategies"].items()
@@ -194,7 +196,7 @@ def _load_line(row: Row) -> list[str]:
     return [
         row["group"],
         row["target"],
-        row["name"][:26],
+        row["name"][:CONFIG_WIDTH],
         row["api"],
         row["seq"],
         row["load"],
