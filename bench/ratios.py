@@ -16,13 +16,14 @@ from bench.report import (
     HEAD_TO_HEAD,
     HEAD_TO_HEAD_ROUNDS,
     MIXED,
-    ONE_CALLER,
     SEQS,
     TRACING_ON,
     Row,
     failed,
     find,
+    one_caller_name,
     process_cpu_us,
+    round_of,
     seq_per_s,
     unpinned_name,
 )
@@ -142,7 +143,7 @@ def one_caller(rows: list[Row], pinned: bool) -> list[Row]:
     extra = None if server is None or call_ms is None else server - call_ms
     out = [entry(C1_LATENCY, extra, "<= 0.5", None if extra is None else extra <= 0.5)]
     for name, label in ((GRPC_FLOOR, "bare gRPC server"), ("echo", "echo floor")):
-        floor = find(rows, group="headline", name=f"{name}, {ONE_CALLER}", pinned=pinned)
+        floor = find(rows, group="headline", name=one_caller_name(name), pinned=pinned)
         if floor is not None:
             out.append(entry(f"seq 16 c=1: {label} p50 (ms)", p50(floor)))
     if out[1:]:
@@ -280,15 +281,16 @@ def head_to_head(rows: list[Row]) -> list[Row]:
     """Our server / Triton from windows next to each other (bench/peers/triton.py), paired by
     round: the median of the rounds' ratios, their range in the name. Printed when the
     rounds did not run too ("not measured"); a verdict only when every round gave a pair."""
+    by_round = {
+        (r["target"], r["seq"], round_of(r["name"])): r for r in rows if r["group"] == HEAD_TO_HEAD
+    }
     out = []
     for seq, goal in PEER_GOALS["triton"].items():
         ratios = []
-        for ours in (r for r in rows if r["group"] == HEAD_TO_HEAD and r["seq"] == seq
-                     and r["target"] == "server"):  # fmt: skip
-            round_ = ours["name"].rpartition(", ")[2]
-            peer = next((r for r in rows if r["group"] == HEAD_TO_HEAD and r["seq"] == seq
-                         and r["target"] == "triton"
-                         and r["name"].rpartition(", ")[2] == round_), None)  # fmt: skip
+        for (target, row_seq, round_), ours in by_round.items():
+            if target != "server" or row_seq != seq:
+                continue
+            peer = by_round.get(("triton", seq, round_))
             value = ratio(seq_per_s(measured(ours)), seq_per_s(measured(peer)))
             if value is not None:
                 ratios.append(value)

@@ -30,6 +30,21 @@ def unpinned_name(frontends: int, what: str = "server") -> str:
     return f"{what} --frontends {frontends}"
 
 
+def round_name(who: str, round_: int) -> str:
+    """A side-by-side row's name: which server, which round (ratios pair rows by round)."""
+    return f"{who}, round {round_}"
+
+
+def round_of(name: str) -> str:
+    """The round part of a side-by-side row's name ("round 3")."""
+    return name.rpartition(", ")[2]
+
+
+def one_caller_name(name: str) -> str:
+    """The name of a floor's c=1 row, beside its c=64 rows named name."""
+    return f"{name}, {ONE_CALLER}"
+
+
 def find(rows: Iterable[Row], **criteria: Any) -> Row | None:
     """The first row whose fields equal every criterion."""
     return next((r for r in rows if all(r.get(k) == v for k, v in criteria.items())), None)

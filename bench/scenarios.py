@@ -17,11 +17,11 @@ from bench.report import (
     GROUPING_ON,
     GRPC_FLOOR,
     MIXED,
-    ONE_CALLER,
     SEQS,
     TRACING_ON,
     Row,
     find,
+    one_caller_name,
     process_cpu_us,
     unpinned_name,
 )
@@ -109,7 +109,7 @@ def echo(r: Runner, groups: set[str]) -> None:
                     pinning=r.config.pinning,
                 )
         # Beside the c=1 target: the server without the model, for one caller.
-        r.load(service, group="headline", target="echo", name=f"echo, {ONE_CALLER}",
+        r.load(service, group="headline", target="echo", name=one_caller_name("echo"),
                api=unary, seq=SEQS[0], concurrency=1, pinning=r.config.pinning)  # fmt: skip
 
 
@@ -127,7 +127,7 @@ def grpc_floor(r: Runner, groups: set[str]) -> None:
             r.load(service, group="headline", target=GRPC_FLOOR, name=GRPC_FLOOR,
                    api=r.config.api, seq=seq, pinning=pinning)  # fmt: skip
         # Beside the c=1 target: what the load generator's client and gRPC alone take.
-        r.load(service, group="headline", target=GRPC_FLOOR, name=f"{GRPC_FLOOR}, {ONE_CALLER}",
+        r.load(service, group="headline", target=GRPC_FLOOR, name=one_caller_name(GRPC_FLOOR),
                api=r.config.api, seq=SEQS[0], concurrency=1, pinning=pinning)  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.launcher import REPO_ROOT, Service, free_port
 from bench.payloads import SHM
-from bench.report import HEAD_TO_HEAD, HEAD_TO_HEAD_ROUNDS, MIXED, SEQS
+from bench.report import HEAD_TO_HEAD, HEAD_TO_HEAD_ROUNDS, MIXED, SEQS, round_name
 from bench.runner import Runner, log
 
 HERE = Path(__file__).resolve().parent
@@ -142,11 +142,6 @@ def best_delay(r: Runner) -> int | None:
             score[delay][1] += value / best
     winner = max(score, key=lambda delay: tuple(score[delay]))
     return winner if score[winner][0] else None
-
-
-def round_name(who: str, round_: int) -> str:
-    """A side-by-side row's name: which server, which round (ratios pair rows by round)."""
-    return f"{who}, round {round_}"
 
 
 def head_to_head(r: Runner, python: Path, delay: int) -> None:
