@@ -322,6 +322,106 @@ def test_region_gone_while_waiting_fails_that_request_alone(repository: Path, re
     assert not list(Path("/dev/shm").glob(f"{PREFIX}-*"))
 
 
+def test_a_region_descriptor_is_closed_once_whatever_the_order(tmp_path: Path) -> None:
+    """A request holding a region when it is unregistered: stop_writes (on a thread), the
+    request's release (on the loop), then close: the descriptor is closed by exactly one of
+    them, so a number reused meanwhile by another open file is left alone."""
+    from service.worker.client_regions import ClientRegion
+
+    path = tmp_path / "object"
+    path.write_bytes(bytes(64))
+    region = ClientRegion("r", "/k", 0, 64, os.open(path, os.O_RDWR))
+    region.retain()  # a request in flight
+    region.stop_writes()  # unregister, on its thread
+    region.release()  # the request ends on the loop before unregister's close()
+    region.close()
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(region.fd)  # closed
+    reused = os.open(path, os.O_RDONLY)  # likely the same number
+    try:
+        region.close()  # a second unregister of the same region closes nothing
+        os.fstat(reused)
+    finally:
+        os.close(reused)
+
+
+def test_two_clients_cycling_regions_never_disturb_each_other(repository: Path, reference) -> None:
+    """Two clients register, infer in and unregister their own regions concurrently, one of
+    them unregistering its output region while its request is in flight: every unregister is
+    answered OK, every answer of the other client equals torch, and no descriptor is closed
+    twice (no EBADF in the log)."""
+    made = Objects()
+    flags = ("--default-model", "small", "--client-shared-memory", "on",
+             "--max-queue-delay-ms", "1", "--max-batch-size", "8")  # fmt: skip
+    x = np.random.default_rng(11).standard_normal((N, SEQ, D), dtype=np.float32)
+    want, _ = attend_alone(reference, x)
+    cycles, give_up = 60, time.monotonic() + 90
+    errors: list[str] = []
+    try:
+        with ServerProcess(repository, *flags) as server:
+            handles = {}
+            for name in ("racer", "steady"):
+                handle, key = made.make(name, 2 * IN_BYTES)
+                shm.set_shared_memory_region(handle, [x])
+                handles[name] = key
+
+            def cycle(name: str, unregister_in_flight: bool) -> None:
+                with grpc.insecure_channel(server.target) as channel:
+                    stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                    for _ in range(cycles):
+                        if time.monotonic() > give_up:
+                            return
+                        stub.SystemSharedMemoryRegister(
+                            v2.SystemSharedMemoryRegisterRequest(
+                                name=name, key=handles[name], byte_size=2 * IN_BYTES
+                            ),
+                            timeout=30,
+                        )
+                        call = stub.ModelInfer.future(_v2_request(name, IN_BYTES), timeout=30)
+                        if unregister_in_flight:
+                            stub.SystemSharedMemoryUnregister(
+                                v2.SystemSharedMemoryUnregisterRequest(name=name), timeout=30
+                            )
+                        try:
+                            call.result()
+                        except grpc.RpcError as err:
+                            if not unregister_in_flight or err.code() != grpc.StatusCode.NOT_FOUND:
+                                errors.append(f"{name}: {err.code()} {err.details()}")
+                        stub.SystemSharedMemoryUnregister(
+                            v2.SystemSharedMemoryUnregisterRequest(name=name), timeout=30
+                        )
+
+            racer = threading.Thread(target=cycle, args=("racer", True))
+            racer.start()
+            try:
+                with grpc.insecure_channel(server.target) as channel:
+                    stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                    steady = made.handles[1]
+                    for _ in range(cycles):
+                        stub.SystemSharedMemoryRegister(v2.SystemSharedMemoryRegisterRequest(
+                            name="steady", key=handles["steady"], byte_size=2 * IN_BYTES),
+                            timeout=30)  # fmt: skip
+                        shm.set_shared_memory_region(steady, [np.zeros_like(x)], offset=IN_BYTES)
+                        stub.ModelInfer(_v2_request("steady", IN_BYTES), timeout=30)
+                        got = shm.get_contents_as_numpy(steady, np.float32, [N, SEQ, D],
+                                                        offset=IN_BYTES)  # fmt: skip
+                        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+                        del got
+                        stub.SystemSharedMemoryUnregister(
+                            v2.SystemSharedMemoryUnregisterRequest(name="steady"), timeout=30
+                        )
+            finally:
+                racer.join(120)
+            assert server.process.poll() is None
+            log = server.log  # while serving: no child has exited
+    finally:
+        for handle in list(made.handles):
+            made.destroy(handle)
+    assert errors == []
+    assert "Bad file descriptor" not in log
+    assert "exited" not in log
+
+
 def test_off_by_default(repository: Path) -> None:
     assert load_settings([]).client_shared_memory == "off"
     with ServerProcess(repository, "--default-model", "small", http=True) as server:

@@ -55,23 +55,26 @@ NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 class ClientRegion:
     """One registered region: bytes [offset, offset + byte_size) of its object.
 
-    The descriptor stays open while a request that will write here holds the region (users),
-    also after an unregister, so a descriptor number is never reused under a write. Writes
-    run on the compute thread under write_lock; unregister takes it too, so once it returns
-    nothing more is written here."""
+    The descriptor stays open while a request that will read or write here holds the region
+    (users), also after an unregister, so a descriptor number is never reused under a read or
+    a write. It is closed exactly once, on the event loop, by whichever of close() and the last
+    release() comes second. Writes run on the compute thread under write_lock; unregister takes
+    it too (stop_writes), so once it returns nothing more is written here."""
 
     name: str
     key: str
     offset: int
     byte_size: int
     fd: int
-    closed: bool = False
-    users: int = 0
+    unregistered: bool = False  # set on the event loop only
+    writes_stopped: bool = False  # set under write_lock, on a thread
+    users: int = 0  # event loop only
+    fd_closed: bool = False  # event loop only
     write_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def check_alive(self) -> None:
         """RegionNotFound if the region was unregistered or its object removed or shrunk."""
-        if self.closed:
+        if self.unregistered or self.writes_stopped:
             raise RegionNotFound(f"shared-memory region {shown(self.name)} was unregistered")
         info = os.fstat(self.fd)
         if info.st_nlink == 0 or info.st_size < self.offset + self.byte_size:
@@ -120,20 +123,23 @@ class ClientRegion:
 
     def release(self) -> None:
         self.users -= 1
-        if self.closed and self.users == 0:
-            os.close(self.fd)
+        self._close_fd_if_unused()
 
     def stop_writes(self) -> None:
         """Refuse every later write, once one under way has ended (blocks until then: called
-        on a thread)."""
+        on a thread). Closes nothing: the descriptor is the event loop's to close."""
         with self.write_lock:
-            self.closed = True
+            self.writes_stopped = True
 
     def close(self) -> None:
         """Unregistered (after stop_writes): the descriptor closes once no request holds the
         region."""
-        self.closed = True
-        if self.users == 0:
+        self.unregistered = True
+        self._close_fd_if_unused()
+
+    def _close_fd_if_unused(self) -> None:
+        if self.unregistered and self.users == 0 and not self.fd_closed:
+            self.fd_closed = True
             os.close(self.fd)
 
 
