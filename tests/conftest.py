@@ -11,6 +11,21 @@ from export.pipeline import ExportRequest, ExportResult, run_export
 from service.client import AttentionClient
 from tests.server_process import ServerProcess
 
+# The gRPC port served by the native gateway, then by the Python front end itself: both must
+# answer every call alike. A module opts in with
+#     pytestmark = pytest.mark.usefixtures("grpc_gateway")
+# and every server it starts (fixtures and tests alike) runs once in each mode.
+GATEWAY_MODES = ("on", "off")
+
+
+@pytest.fixture(scope="module", params=GATEWAY_MODES, ids=lambda mode: f"gateway-{mode}")
+def grpc_gateway(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The --grpc-gateway mode of every server this module starts (through the environment,
+    which ServerProcess passes on)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ATTENTION_GRPC_GATEWAY", request.param)
+        yield request.param
+
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -32,12 +47,14 @@ def small_export(tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
     return run_export(ExportRequest(name="small", embed_dim=64, num_heads=4, out=root))
 
 
-@pytest.fixture(scope="session")
-def server(model_repository: Path) -> Iterator[ServerProcess]:
-    """One server with default settings (bar a short queue delay) for the read-only tests."""
+@pytest.fixture(scope="session", params=GATEWAY_MODES, ids=lambda mode: f"gateway-{mode}")
+def server(model_repository: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """One server with default settings (bar a short queue delay) for the read-only tests,
+    its gRPC port served by the gateway, then by Python."""
     # Measured batch caps, as by default (ServerProcess turns them off for other tests).
     flags = ("--max-queue-delay-ms", "5", "--batch-cap-budget-s", "3")
-    with ServerProcess(model_repository, *flags) as process:
+    mode = {"ATTENTION_GRPC_GATEWAY": request.param}
+    with ServerProcess(model_repository, *flags, env=mode) as process:
         yield process
     assert process.process.returncode == 0, process.log
 

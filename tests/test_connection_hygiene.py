@@ -24,12 +24,18 @@ from service.transport.grpc_options import (
 from tests.server_process import ServerProcess, behind_gateway
 from tests.tls_helpers import tiny_repository
 
+# Every server here runs with the gRPC gateway, then without it (the module's server
+# fixtures take grpc_gateway; tests that start their own servers get it from this mark).
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
+
 MAX_AGE_S = 1.0
 ESTABLISHED = "01"
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, grpc_gateway: str
+) -> Iterator[list[ServerProcess]]:
     repository = tiny_repository(tmp_path_factory.getbasetemp())
     flags = ("--max-connection-age-s", str(MAX_AGE_S), "--grace-period-s", "5")
     first, second = ServerProcess(repository, *flags), ServerProcess(repository, *flags)

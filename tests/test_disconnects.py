@@ -19,6 +19,10 @@ from tests.h2_raw import RawGrpc
 from tests.server_process import ServerProcess
 from tests.tls_helpers import tiny_repository
 
+# Every server here runs with the gRPC gateway, then without it (the module's server
+# fixtures take grpc_gateway; tests that start their own servers get it from this mark).
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
+
 ATTEND = "/attention.v1.AttentionService/Attend"
 IDLE_S = 1.0
 RESETS = 40
@@ -49,7 +53,7 @@ def test_the_filter_turns_the_traceback_into_one_debug_line() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, grpc_gateway: str) -> Iterator[ServerProcess]:
     repository = tiny_repository(tmp_path_factory.getbasetemp())
     with ServerProcess(repository, "--max-connection-idle-s", str(IDLE_S)) as process:
         yield process

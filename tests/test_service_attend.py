@@ -20,7 +20,7 @@ from service.generated.attention.v1 import attention_pb2_grpc
 from service.memory.budget import TRIM_AFTER_BATCH_BYTES, is_large_batch
 from tests.providers import serving_provider
 from tests.reference import attend_alone, cpu_session, layer_for
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, behind_gateway
 
 D, H = 512, 8
 
@@ -288,3 +288,10 @@ def test_round_robin_spreads_requests_over_every_backend(
         counts = [served(server) - before[0], served(other) - before[1]]
     assert sum(counts) == 10
     assert min(counts) >= 3, counts  # a pick-first client would send all 10 to one
+
+
+def test_the_shared_server_runs_in_both_gateway_modes(
+    server: ServerProcess, request: pytest.FixtureRequest
+) -> None:
+    """conftest's server is started once with the gateway and once without it."""
+    assert behind_gateway(server) == (request.node.callspec.params["server"] == "on")

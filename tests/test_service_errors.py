@@ -14,7 +14,11 @@ import pytest
 from service.client import AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
-from tests.server_process import ServerProcess, server_rss_bytes
+from tests.server_process import ServerProcess, behind_gateway, server_rss_bytes
+
+# Every server here runs with the gRPC gateway, then without it (the module's server
+# fixtures take grpc_gateway; tests that start their own servers get it from this mark).
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
 
 D = 512
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -65,7 +69,7 @@ BAD_REQUESTS = {
 
 
 @pytest.fixture(scope="module")
-def server(model_repository: Path) -> Iterator[ServerProcess]:
+def server(model_repository: Path, grpc_gateway: str) -> Iterator[ServerProcess]:
     """conftest's server, without ONNX Runtime's arena: the leak check below measures what
     requests leave behind, and the arena's plateau (--cpu-arena bounded keeps the largest
     ordinary batch's intermediates, reached whenever a round forms its largest batch yet)
@@ -169,3 +173,8 @@ def test_bad_requests_do_not_leak_memory(server: ServerProcess, stub) -> None:
 # The property-based fuzzer of both APIs (malformed requests, a valid one after each) is in
 # bench/stress/fuzz.py; tests/stress/test_clients.py runs it in CI, `python -m bench.stress
 # --scenarios fuzz` 10,000 times.
+
+
+def test_the_grpc_port_is_served_as_the_mode_asks(server: ServerProcess, grpc_gateway: str) -> None:
+    """The module's servers really run in each mode (the gateway's start is logged)."""
+    assert behind_gateway(server) == (grpc_gateway == "on")

@@ -29,6 +29,10 @@ from tests.h2_raw import RawGrpc
 from tests.reference import attend_alone, layer_for
 from tests.server_process import ServerProcess
 
+# Every server here runs with the gRPC gateway, then without it (the module's server
+# fixtures take grpc_gateway; tests that start their own servers get it from this mark).
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
+
 D, H, N, SEQ = 64, 4, 2, 8
 IN_BYTES = N * SEQ * D * 4
 WEIGHTS_BYTES = N * H * SEQ * SEQ * 4
@@ -44,7 +48,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def shm_server(repository: Path) -> Iterator[ServerProcess]:
+def shm_server(repository: Path, grpc_gateway: str) -> Iterator[ServerProcess]:
     flags = ("--default-model", "small", "--client-shared-memory", "on",
              "--max-client-shared-memory-regions", str(MAX_REGIONS))  # fmt: skip
     with ServerProcess(repository, *flags, http=True) as process:

@@ -50,7 +50,7 @@ def small_only(model_repository: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="module")
-def parked(small_only: Path) -> Iterator[ServerProcess]:
+def parked(small_only: Path, grpc_gateway: str) -> Iterator[ServerProcess]:
     """Requests wait in the queue until 64 sequences are there."""
     with ServerProcess(small_only, *PARKED) as process:
         yield process
@@ -473,7 +473,9 @@ def _stream_is_held_back(
     return answers
 
 
-def test_the_inflight_bound_holds_a_stream_back_instead_of_failing(small_only: Path) -> None:
+def test_the_inflight_bound_holds_a_stream_back_instead_of_failing(
+    small_only: Path, grpc_gateway: str
+) -> None:
     flags = (*PARKED, "--max-batch-size", str(ROOM), "--max-queue-size", str(BOUND + 1),
              "--max-stream-inflight-requests", str(BOUND))  # fmt: skip
     with (
@@ -501,7 +503,7 @@ def test_the_inflight_bound_holds_a_stream_back_instead_of_failing(small_only: P
         assert server.metric("attention_requests_total", code="RESOURCE_EXHAUSTED") == 0
 
 
-def test_sigterm_finishes_a_streams_accepted_requests(small_only: Path) -> None:
+def test_sigterm_finishes_a_streams_accepted_requests(small_only: Path, grpc_gateway: str) -> None:
     """The client never half-closes: after answering all it read, the server ends the stream
     with UNAVAILABLE (send the rest elsewhere) instead of holding it open until killed."""
     server = ServerProcess(small_only, *PARKED, "--grace-period-s", "20")

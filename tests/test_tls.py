@@ -27,6 +27,10 @@ from service.transport.tls import TlsError, TlsFiles, channel_credentials, load_
 from tests.server_process import REPO_ROOT, child_pids
 from tests.tls_helpers import Authority, TlsServerProcess, tiny_repository, wait_for
 
+# Every server here runs with the gRPC gateway, then without it (the module's server
+# fixtures take grpc_gateway; tests that start their own servers get it from this mark).
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
+
 D = 32
 REFUSED = (grpc.StatusCode.UNAVAILABLE,)
 
@@ -67,7 +71,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def tls_server(repository: Path, pki: Pki) -> Iterator[TlsServerProcess]:
+def tls_server(repository: Path, pki: Pki, grpc_gateway: str) -> Iterator[TlsServerProcess]:
     server = TlsServerProcess(
         repository, *pki.server_flags(mutual=False), credentials=pki.credentials()
     )
@@ -77,7 +81,7 @@ def tls_server(repository: Path, pki: Pki) -> Iterator[TlsServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def tls_rest_server(repository: Path, pki: Pki) -> Iterator[TlsServerProcess]:
+def tls_rest_server(repository: Path, pki: Pki, grpc_gateway: str) -> Iterator[TlsServerProcess]:
     server = TlsServerProcess(
         repository, *pki.server_flags(mutual=False), credentials=pki.credentials(), http=True
     )
@@ -87,7 +91,7 @@ def tls_rest_server(repository: Path, pki: Pki) -> Iterator[TlsServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def mtls_server(repository: Path, pki: Pki) -> Iterator[TlsServerProcess]:
+def mtls_server(repository: Path, pki: Pki, grpc_gateway: str) -> Iterator[TlsServerProcess]:
     server = TlsServerProcess(
         repository, *pki.server_flags(mutual=True), credentials=pki.credentials(pki.client)
     )

@@ -23,6 +23,10 @@ from service.settings import Settings
 from tests.h2_raw import RawGrpc
 from tests.server_process import ServerProcess, server_rss_bytes
 
+# Every server here runs with the gRPC gateway, then without it (the module's server
+# fixtures take grpc_gateway; tests that start their own servers get it from this mark).
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
+
 ATTEND = "/attention.v1.AttentionService/Attend"
 ATTEND_STREAM = "/attention.v1.AttentionService/AttendStream"
 BUDGET = Settings.max_undelivered_bytes  # the defaults under test
@@ -80,7 +84,7 @@ def _poll(condition: Callable[[], bool], timeout_s: float, what: Callable[[], st
 
 
 @pytest.fixture(scope="module")
-def server(mha_repository: Path) -> Iterator[ServerProcess]:
+def server(mha_repository: Path, grpc_gateway: str) -> Iterator[ServerProcess]:
     with ServerProcess(mha_repository) as process:
         yield process
     assert "Traceback" not in process.log, process.log

@@ -260,7 +260,7 @@ def test_repository_index_lists_every_version_ready(v2: triton.InferenceServerCl
     assert set(rows.values()) == {"READY"}
 
 
-def test_both_apis_batch_together(model_repository) -> None:
+def test_both_apis_batch_together(model_repository, grpc_gateway) -> None:
     """With room for exactly 2n sequences, n V2 and n AttentionService calls fill one batch."""
     n = 6
     flags = ("--max-batch-size", str(2 * n), "--max-queue-delay-ms", "60000")
@@ -311,7 +311,7 @@ def test_aio_client_sees_the_same_server(server: ServerProcess) -> None:
     assert asyncio.run(session()) == (True, True, True, ["2", "1"], (1, 4, 3, 3))
 
 
-def test_statistics_metrics_and_counters_tell_one_story(model_repository) -> None:
+def test_statistics_metrics_and_counters_tell_one_story(model_repository, grpc_gateway) -> None:
     """Requests dropped at their deadline: the same number in V2 ModelStatistics failures,
     attention_requests_dropped_total and the request counter. Before: 4 against 92."""
     flags = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64", "--batch-cap-budget-s", "0")
