@@ -31,6 +31,7 @@ export: setup
 
 serve: export
 	$(BIN)/python -m service --model-repository $(MODELS)
+	$(BIN)/python -m scripts.go_contract
 
 lint: setup
 	$(BIN)/ruff check .

@@ -25,9 +25,10 @@ import numpy as np
 
 from service.catalog import ModelRegistry, ServedModel
 from service.dataplane import IndexEntry, RegionRef, RegionTensor, Result, Targets, VersionStats
-from service.errors import ShuttingDown
+from service.errors import QueueFull, ShuttingDown
 from service.ipc import channel, messages
 from service.ipc.slab import Region, RegionAllocator, Slab
+from service.ipc.status_page import StatusView, page_path
 from service.memory.budget import release_free_memory
 from service.observability import tracing
 
@@ -144,6 +145,7 @@ class WorkerClient:
     def __init__(self, socket_path: Path, name: str, slab_bytes: int,
                  on_change: Callable[[], None] = lambda: None) -> None:  # fmt: skip
         self._socket_path = socket_path
+        self._status = StatusView(page_path(socket_path.parent))  # the worker's queue fill
         self._name = name
         self._slab_bytes = slab_bytes
         self._on_change = on_change
@@ -293,6 +295,11 @@ class WorkerClient:
     ) -> Result:
         link = self._usable_link()
         n, seq, d = embeddings.shape
+        # Refused here, by the worker's own rule and words, before the tensor is copied or
+        # the worker asked; the worker still refuses what slips through between updates.
+        refusal = self._status.refusal(n * seq * d * model.spec.dtype.itemsize)
+        if refusal is not None:
+            raise QueueFull(refusal)
         targets = targets or {}
         output_target, weights_target = targets.get("output"), targets.get("attention_weights")
         weights_shape = (n, model.spec.num_heads, seq, seq)

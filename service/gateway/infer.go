@@ -421,6 +421,12 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 			l.done()
 		}
 	}()
+	// Refused here, by the worker's own rule and words, before the tensor is copied or the
+	// worker asked; the worker still refuses what slips through between two updates.
+	embeddingBytes := p.shape[0] * p.shape[1] * p.shape[2] * p.dtype.size
+	if refusal := fp.worker.status.refusal(uint64(embeddingBytes)); refusal != "" {
+		return failed(codeResourceExhausted, refusal)
+	}
 	hold, refusal := fp.answers.reserve(peer, p.answerBytes())
 	if refusal != "" {
 		return failed(codeResourceExhausted, refusal)

@@ -77,6 +77,7 @@ type worker struct {
 	socketPath string
 	name       string
 	slabBytes  int
+	status     *statusPage // the worker's queue fill
 
 	mu     sync.Mutex
 	link   *link
@@ -89,7 +90,7 @@ type worker struct {
 }
 
 func newWorker(socketPath, name string, slabBytes int) *worker {
-	return &worker{socketPath: socketPath, name: name, slabBytes: slabBytes,
+	return &worker{socketPath: socketPath, name: name, slabBytes: slabBytes, status: newStatusPage(socketPath),
 		served: &served{models: map[string]map[int64]*modelInfo{}}}
 }
 

@@ -17,6 +17,7 @@ from service.catalog import BatchCaps
 from service.errors import ModelNotFound, NotSupported, ShuttingDown
 from service.ipc import messages
 from service.ipc.slab import Slab
+from service.ipc.status_page import StatusPage, page_path
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
 from service.observability import metrics
 from service.settings import Settings
@@ -92,6 +93,10 @@ class WorkerServer:
             on_failure=self._on_batcher_failure,
             on_caps=self._caps_changed,
         )
+        # The queue's fill, where front ends and gateways read it to refuse at the edge.
+        self.status_page = StatusPage(page_path(run_dir), max_queue_size=settings.max_queue_size,
+                                      max_queue_bytes=limit_bytes)  # fmt: skip
+        self.batcher.publish_fill(self.status_page.publish)
         self.models: ModelController | None = None
         # Client shared memory (Triton's system shared-memory extension): one registry for
         # every front end, so a region registered through one is usable through all.
@@ -316,4 +321,5 @@ class WorkerServer:
         self._region_reader.shutdown(wait=False, cancel_futures=True)
         if self.regions is not None:
             self.regions.close()
+        self.status_page.publish(0, 0)  # nothing queued here any more
         log.info("worker stopped")

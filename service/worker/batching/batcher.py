@@ -29,6 +29,7 @@ import numpy as np
 
 from service.catalog import BatchCaps
 from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull, ShuttingDown
+from service.ipc.status_page import QueueFill
 from service.memory.budget import TRIM_AFTER_BATCH_BYTES, is_large_batch, release_free_memory
 from service.observability import metrics
 from service.worker.batching.live_caps import LiveCaps
@@ -192,6 +193,7 @@ class Batcher:
         )
         self._inline_up_to_s = 0.0
         self._cost_clock: Callable[[], float] = time.monotonic
+        self._on_fill: Callable[[int, int], None] | None = None
 
     def time_costs_with(self, clock: Callable[[], float]) -> None:
         """The clock whose difference over a batch's computation is the cost that live caps
@@ -200,6 +202,12 @@ class Batcher:
         count in a batch's cost, and they made a batch of 8 at seq 128 look as cheap as one
         of 2 when it costs 11 % more CPU per sequence."""
         self._cost_clock = clock
+
+    def publish_fill(self, publish: Callable[[int, int], None]) -> None:
+        """Call publish(requests, bytes) with the queue's fill after every change (the
+        worker's status page, which front ends read to refuse at the edge)."""
+        self._on_fill = publish
+        publish(self._pending, self._pending_bytes)
 
     def compute_short_batches_inline(self, up_to_s: float) -> None:
         """Compute a batch predicted to take at most up_to_s on the event loop's own thread
@@ -288,17 +296,11 @@ class Batcher:
             raise ShuttingDown(
                 "server is not accepting requests (starting up or shutting down); retry"
             )
-        if self._pending >= limits.max_queue_size:
-            raise QueueFull(
-                f"queue full: {self._pending} requests waiting (max_queue_size="
-                f"{limits.max_queue_size}); retry with backoff"
-            )
-        # An empty queue takes any legal request, so no request is refused forever.
-        if self._pending and self._pending_bytes + nbytes > limits.max_queue_bytes:
-            raise QueueFull(
-                f"queue full: {self._pending_bytes} bytes waiting, this request adds {nbytes} "
-                f"(max_queue_bytes={limits.max_queue_bytes}); retry with backoff"
-            )
+        fill = QueueFill(self._pending, self._pending_bytes, limits.max_queue_size,
+                         limits.max_queue_bytes)  # fmt: skip
+        refusal = fill.refusal(nbytes)  # the rule front ends apply at the edge, by the page
+        if refusal is not None:
+            raise QueueFull(refusal)
 
     async def on_every_thread(self, call: Callable[[], object], timeout_s: float = 600) -> None:
         """Run call once on each compute thread, one thread at a time, before batches run
@@ -358,6 +360,8 @@ class Batcher:
         self._pending_bytes += nbytes
         self._queued_high_bytes = max(self._queued_high_bytes, self._pending_bytes)
         self._depth_gauges.request()
+        if self._on_fill is not None and (requests or nbytes):
+            self._on_fill(self._pending, self._pending_bytes)
         if self._pending == 0 and self._running == 0:
             self._idle.set()
             self._trim_after_backlog()

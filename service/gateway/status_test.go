@@ -1,0 +1,45 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// The page Python writes (tests/golden/worker-status.page, checked byte for byte by
+// tests/test_status_page.py) reads here as the same fill, and refuses with the same words.
+func TestGoldenStatusPage(t *testing.T) {
+	dir := t.TempDir()
+	golden, err := os.ReadFile(filepath.Join("..", "..", "tests", "golden", "worker-status.page"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, statusPageName), golden, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	page := newStatusPage(filepath.Join(dir, "worker.sock"))
+	fill, ok := page.fill()
+	if !ok || fill != (queueFill{pending: 5, pendingBytes: 123456, maxQueueSize: 64, maxQueueBytes: 3 << 20}) {
+		t.Fatalf("fill = %+v, %v", fill, ok)
+	}
+	if got := page.refusal(3<<20 - 123456 + 1); got != "queue full: 123456 bytes waiting, this request adds 3022273 (max_queue_bytes=3145728); retry with backoff" {
+		t.Fatalf("refusal by bytes = %q", got)
+	}
+	if got := page.refusal(1024); got != "" {
+		t.Fatalf("refusal with room = %q", got)
+	}
+	full := queueFill{pending: 64, maxQueueSize: 64, maxQueueBytes: 1 << 20}
+	if got := full.refusal(1); got != "queue full: 64 requests waiting (max_queue_size=64); retry with backoff" {
+		t.Fatalf("refusal by count = %q", got)
+	}
+	if got := (queueFill{maxQueueSize: 4, maxQueueBytes: 10}).refusal(1 << 30); got != "" {
+		t.Fatalf("an empty queue refused: %q", got)
+	}
+}
+
+func TestNoStatusPageRefusesNothing(t *testing.T) {
+	page := newStatusPage(filepath.Join(t.TempDir(), "worker.sock"))
+	if got := page.refusal(1 << 40); got != "" {
+		t.Fatalf("refusal without a page = %q", got)
+	}
+}
