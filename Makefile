@@ -25,13 +25,13 @@ $(BIN)/attention-gateway: $(wildcard service/gateway/*.go) service/gateway/go.mo
 
 proto: setup
 	$(BIN)/python proto/generate.py
+	$(BIN)/python -m scripts.go_contract
 
 export: setup
 	$(BIN)/python -m export --name mha --embed-dim 512 --num-heads 8 --out $(MODELS) --if-missing
 
 serve: export
 	$(BIN)/python -m service --model-repository $(MODELS)
-	$(BIN)/python -m scripts.go_contract
 
 lint: setup
 	$(BIN)/ruff check .
