@@ -164,6 +164,7 @@ def _raw_and_typed() -> service_pb2.ModelInferRequest:
 
 BAD = {
     "input name": (lambda: [_input(np.ones((1, 2, 64), np.float32), name="x")], {}, "StatusCode.INVALID_ARGUMENT", "unexpected inference input 'x'"),
+    "unnamed input": (lambda: [_input(np.ones((1, 2, 64), np.float32), name="")], {}, "StatusCode.INVALID_ARGUMENT", "unexpected inference input ''"),
     "datatype": (lambda: [_input(np.ones((1, 2, 64)), datatype="FP64")], {}, "StatusCode.INVALID_ARGUMENT", "datatype FP64; model 'small' version 2 expects FP32"),
     "shape rank": (lambda: [_input(np.ones((2, 64), np.float32))], {}, "StatusCode.INVALID_ARGUMENT", "expects [n, seq, 64]"),
     "wrong d": (lambda: [_input(np.ones((1, 2, 32), np.float32))], {}, "StatusCode.INVALID_ARGUMENT", "expects d=64"),

@@ -28,6 +28,15 @@ func plainRequest(raw []byte, shape []int64, outputs ...string) []byte {
 	return appendBytesField(msg, 7, raw)
 }
 
+// unnamedInputRequest is plainRequest with no name field in its input tensor.
+func unnamedInputRequest(raw []byte, shape []int64) []byte {
+	input := appendStringField(nil, 2, "FP32")
+	input = appendPackedInt64s(input, 3, shape)
+	msg := appendStringField(nil, 1, "mha")
+	msg = appendBytesField(msg, 5, input)
+	return appendBytesField(msg, 7, raw)
+}
+
 func floats(values ...float32) []byte {
 	b := make([]byte, 0, 4*len(values))
 	for _, v := range values {
@@ -70,6 +79,7 @@ func TestAnythingNotPlainIsLeftToPython(t *testing.T) {
 		"two dims":      plainRequest(floats(1, 2, 3, 4), []int64{2, 2}),
 		"truncated":     plainRequest(floats(1, 2, 3, 4), []int64{1, 2, 2})[:20],
 		"request param": append(plainRequest(floats(1, 2, 3, 4), []int64{1, 2, 2}), appendBytesField(nil, 4, []byte{10, 1, 'x'})...),
+		"unnamed input": unnamedInputRequest(floats(1, 2, 3, 4), []int64{1, 2, 2}),
 	}
 	for name, msg := range cases {
 		if req := parseInfer(msg); req != nil && req.check(servedMHA(), lim) != nil {

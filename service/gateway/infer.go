@@ -102,13 +102,14 @@ func btoi(b bool) int {
 }
 
 func (req *inferRequest) parseInput(msg []byte) bool {
-	plain := true
+	plain, named := true, false // an input without a name is Python's to refuse
 	params := newRefParams()
 	err := eachField(msg, func(f field) error {
 		var err error
 		switch f.num {
 		case 1:
 			plain = plain && f.wire == wireBytes && string(f.bytes) == inputName
+			named = true
 		case 2:
 			plain = plain && f.wire == wireBytes && utf8.Valid(f.bytes) // every value, not the last
 			req.datatype = string(f.bytes)
@@ -123,7 +124,7 @@ func (req *inferRequest) parseInput(msg []byte) bool {
 	})
 	ref, ok := params.ref("input '" + inputName + "'")
 	req.inRef = ref
-	return err == nil && plain && ok
+	return err == nil && plain && named && ok
 }
 
 // parseOutput reads a requested output: its name and any region it is to be written into.
