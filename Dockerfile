@@ -16,13 +16,17 @@ FROM ${PYTHON_IMAGE} AS export
 ARG PIP_NO_INDEX
 ARG PIP_FIND_LINKS
 WORKDIR /src
-COPY constraints.txt ./
-# Bytecode is not compiled: this stage runs once, and torch has thousands of modules.
-# wheelhouse/ is mounted, not copied, so no layer keeps the wheels.
+COPY constraints.txt scripts/torch_index.py ./
+# torch's CPU build from PyTorch's CPU index when that answers within a few seconds (build
+# argument TORCH_INDEX: another index; empty = none), else from pip's indexes (PyPI's torch is
+# the CUDA build, several GB). Bytecode is not compiled: this stage runs once, and torch has
+# thousands of modules. wheelhouse/ is mounted, not copied, so no layer keeps the wheels.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     python3 -m venv /opt/export \
- && /opt/export/bin/pip install --no-cache-dir --no-compile \
-        --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
+ && index="$(python3 torch_index.py)" \
+ && /opt/export/bin/pip install --no-cache-dir --no-compile -c constraints.txt \
+        ${index:+--extra-index-url "$index"} torch \
  && /opt/export/bin/pip install --no-cache-dir --no-compile -c constraints.txt \
         onnx onnxscript "onnxruntime-gpu==1.31.1" numpy
 COPY export ./export

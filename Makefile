@@ -9,9 +9,15 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# torch first, on its own: its CPU build from PyTorch's CPU index (scripts/torch_index.py names
+# it; `make setup TORCH_INDEX=URL` another, `TORCH_INDEX=` none) when that index answers within
+# a few seconds, else from wherever pip finds torch==2.13.0 (PyPI's CUDA build, or a local wheel
+# in pip's find-links). The rest then finds torch installed. The server alone needs no torch.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	index=$$($(BIN)/python scripts/torch_index.py) && \
+		$(BIN)/pip install --quiet -c constraints.txt $${index:+--extra-index-url "$$index"} torch
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[server,export,plot,docs,dev]'
 	$(MAKE) gateway
 	touch $(STAMP)
