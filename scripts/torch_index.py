@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sys.stderr.write(
             f"torch index {args.index} skipped ({decision.reason}): torch comes from pip's own "
-            f"indexes and find-links (from plain PyPI, the CUDA build: several GB); "
+            f"indexes and find-links (PyPI's Linux build brings CUDA: several GB); "
             f"{ENV}=URL names another index\n"
         )
     return 0
