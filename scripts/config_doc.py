@@ -76,7 +76,14 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "grpc_compression",
         "repository_follow_symlinks",
     ),
-    "HTTP/REST and tracing": ("http_port", "tracing", "tracing_max_queue_spans"),
+    "HTTP/REST and tracing": (
+        "http_port",
+        "http_header_timeout_s",
+        "max_json_request_bytes",
+        "max_json_answer_bytes",
+        "tracing",
+        "tracing_max_queue_spans",
+    ),
     "Logging": ("log_level",),
 }
 

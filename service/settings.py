@@ -332,8 +332,29 @@ class Settings:
     )
     max_connection_idle_s: float = _doc(
         "seconds a client connection may go without any call open before it is closed "
-        "(HTTP/2 GOAWAY), so connections that sent nothing do not hold descriptors; 0 = never",
+        "(HTTP/2 GOAWAY; on the HTTP/REST port, a connection with no request open), so "
+        "connections that sent nothing do not hold descriptors; 0 = never",
         default=60.0,
+    )
+    http_header_timeout_s: float = _doc(
+        "seconds an HTTP/REST client has to send a request's headers, counted from its "
+        "connection's accept, or from the first byte of a later request on it; beyond it the "
+        "connection is closed (with a 408 when part of a request came); 0 = no limit",
+        default=10.0,
+    )
+    max_json_request_bytes: int = _doc(
+        "largest JSON part of an HTTP/REST request body (binary tensors after it, as "
+        "Inference-Header-Content-Length tells, do not count); beyond it 413 (before the body "
+        "is read when its length is declared): send tensors as binary data instead. JSON "
+        "beyond 64 KiB is decoded off the event loop, in pieces",
+        default=16 << 20,
+    )
+    max_json_answer_bytes: int = _doc(
+        "largest JSON answer of the HTTP/REST port, as estimated before computing (26 bytes "
+        "a value of the outputs asked for as JSON); beyond it 400, saying to ask for binary "
+        "outputs (the binary_data output parameter, or binary_data_output). JSON answers "
+        "beyond 64 KiB are encoded off the event loop, in pieces",
+        default=64 << 20,
     )
 
     def __post_init__(self) -> None:
@@ -419,6 +440,9 @@ class Settings:
             ("grpc_compression", self.grpc_compression in GRPC_COMPRESSION, "identity or gzip"),
             ("repository_follow_symlinks", self.repository_follow_symlinks in ON_OFF, "on or off"),
             ("max_connection_idle_s", self.max_connection_idle_s >= 0, ">= 0"),
+            ("http_header_timeout_s", self.http_header_timeout_s >= 0, ">= 0"),
+            ("max_json_request_bytes", self.max_json_request_bytes >= 1, ">= 1"),
+            ("max_json_answer_bytes", self.max_json_answer_bytes >= 1, ">= 1"),
             ("client_shared_memory", self.client_shared_memory in ON_OFF, "on or off"),
             ("grpc_gateway", self.grpc_gateway in CHOICES["grpc_gateway"], "auto, on or off"),
             (

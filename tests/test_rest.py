@@ -257,17 +257,16 @@ def test_a_json_answer_is_reserved_at_its_json_size() -> None:
     sizes = {"output": (4000, 4), "attention_weights": (8000, 4)}
     plane = SimpleNamespace(answer_sizes=lambda request: sizes)
     budget = AnswerBudget(1 << 30, 1 << 30)
-    endpoints = _Endpoints(plane, SimpleNamespace(answers=budget))  # type: ignore[arg-type]
+    frontend = SimpleNamespace(answers=budget, max_json_answer_bytes=1 << 20)
+    endpoints = _Endpoints(plane, frontend)  # type: ignore[arg-type]
     request = SimpleNamespace(transport=None)
     body = InferBody(v2.ModelInferRequest(), {"output": True}, binary_default=False)
-    held = endpoints._reserve(request, body)  # type: ignore[arg-type]
-    want = 4000 + 8000 // 4 * JSON_BYTES_PER_VALUE
+    estimate = endpoints._json_answer_bounded(body)
+    assert estimate == 4000 + 8000 // 4 * JSON_BYTES_PER_VALUE
+    held = endpoints._reserve(request, estimate)  # type: ignore[arg-type]
     assert held is not None
-    assert held.nbytes == MEMORY_PER_ANSWER_BYTE * want
+    assert held.nbytes == MEMORY_PER_ANSWER_BYTE * estimate
     held.release()
     binary = InferBody(v2.ModelInferRequest(), {}, binary_default=True)
-    held = endpoints._reserve(request, binary)  # type: ignore[arg-type]
-    assert held is not None
-    assert held.nbytes == MEMORY_PER_ANSWER_BYTE * 12000
-    held.release()
+    assert endpoints._json_answer_bounded(binary) == 12000
     assert budget.total == 0

@@ -1,13 +1,13 @@
 """The bound on answers nobody has read yet, and telling delivered answers from lost ones.
 
-A client that never opens its HTTP/2 receive window leaves every answer it asked for in this
-process's send buffers until its connection dies. AnswerBudget bounds their sum: a call
-reserves its answer's estimated memory when it is admitted (before computing, so a burst
-cannot overshoot), holds the real size once it is serialized, and gives it back once gRPC has
-taken the answer's write (unary calls and stream messages alike) or the call has ended. A call
-that does not fit is refused at once with AnswersBacklogged (RESOURCE_EXHAUSTED). Each
-connection (gRPC's peer string: address and port) may hold only its share, so one connection
-cannot take all.
+A client that never opens its HTTP/2 receive window (or, on REST, never reads its socket)
+leaves every answer it asked for in this process's send buffers until its connection dies.
+AnswerBudget bounds their sum: a call reserves its answer's estimated memory when it is
+admitted (before computing, so a burst cannot overshoot), holds the real size once it is
+serialized, and gives it back once gRPC has taken the answer's write (unary calls and stream
+messages alike) or the call has ended. A call that does not fit is refused at once with
+AnswersBacklogged (RESOURCE_EXHAUSTED). Each connection (gRPC's peer string: address and port)
+may hold only its share, so one connection cannot take all.
 
 The budget is per process: with several front-end processes, give each
 max_undelivered_bytes // frontends (the one line where the budget is built) and the sum holds.
@@ -47,8 +47,10 @@ class AnswerBudget:
 
     def reserve(self, peer: str, nbytes: int) -> Reservation:
         """Reserve nbytes for peer's answer, or raise AnswersBacklogged. An empty budget (and
-        a connection holding nothing) still takes one answer of any size, so every legal
-        call can be served by an otherwise idle server."""
+        a connection holding nothing) still takes one answer of any legal size, so every
+        legal call can be served by an otherwise idle server; legal sizes are bounded (the
+        largest request's answer with its weights, and on REST a JSON answer by
+        --max-json-answer-bytes, refused before it is reserved)."""
         held = self._by_peer.get(peer, 0)
         if self.total and self.total + nbytes > self.max_bytes:
             metrics.UNDELIVERED_REFUSALS.labels("server").inc()

@@ -99,15 +99,22 @@ class Restrictions:
             by_header.setdefault(key.header, []).append(group)
         return "; ".join(f"{','.join(g)} need header {h!r}" for h, g in by_header.items())
 
-    def check(self, group: str, headers: Mapping[str, str]) -> None:
-        """Raise PermissionDenied unless headers (names in lower case) carry group's key."""
+    def allows(self, group: str, headers: Mapping[str, str]) -> bool:
+        """Whether group is open to a call with these headers (names in lower case): not
+        restricted, or its key sent. Counts no denial (check() does)."""
         key = self._keys.get(group)
         if key is None:
-            return
+            return True
         sent = headers.get(key.header)
         # Constant time: how much of a guess matched must not show in the answer's timing.
-        if sent is not None and hmac.compare_digest(sent.encode(), key.value.encode()):
+        return sent is not None and hmac.compare_digest(sent.encode(), key.value.encode())
+
+    def check(self, group: str, headers: Mapping[str, str]) -> None:
+        """Raise PermissionDenied unless headers (names in lower case) carry group's key."""
+        if self.allows(group, headers):
             return
+        key = self._keys[group]
+        sent = headers.get(key.header)
         metrics.RESTRICTED_DENIALS.labels(group).inc()
         problem = "without the header" if sent is None else "with a wrong value in the header"
         raise PermissionDenied(

@@ -30,6 +30,7 @@ from service.frontend.gateway import (
 from service.frontend.handlers import add_servicer
 from service.frontend.limits import message_limits
 from service.frontend.rest.app import RestFrontend
+from service.frontend.rest.protocol import ConnectionLimits
 from service.frontend.restricted import RestrictedApiInterceptor, Restrictions
 from service.frontend.served import ServedSet
 from service.frontend.streaming import StreamCloser
@@ -227,6 +228,12 @@ class FrontendServer:
         rest = RestFrontend(
             v2_plane,
             max_body_bytes=receive_bytes,
+            max_json_request_bytes=settings.max_json_request_bytes,
+            max_json_answer_bytes=settings.max_json_answer_bytes,
+            connections=ConnectionLimits(
+                idle_s=settings.max_connection_idle_s,
+                header_timeout_s=settings.http_header_timeout_s,
+            ),
             grace_period_s=settings.grace_period_s,
             restrictions=self._restrictions_in_force,
             answers=self._answers,

@@ -2,9 +2,11 @@
 end on the V2Plane the gRPC servicer calls, so both answer alike.
 
 aiohttp, because it is a mature asyncio-native HTTP/1.1 server: it runs on the gRPC server's
-event loop (no ASGI layer, no thread hand-off), bounds a body while reading it
-(client_max_size, compressed or chunked bodies too) and cancels the handler of a client that
-went away (handler_cancellation), so the batcher drops its request before compute, as on gRPC.
+event loop (no ASGI layer), bounds a body while reading it (client_max_size, compressed or
+chunked bodies too) and cancels the handler of a client that went away (handler_cancellation),
+so the batcher drops its request before compute, as on gRPC. What would hold the loop for long
+(JSON of millions of numbers, copying a large answer) runs on one codec thread, in pieces that
+let the loop take the GIL back every few milliseconds (service/frontend/rest/pieces.py).
 """
 
 from __future__ import annotations
@@ -15,22 +17,30 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, ContentLengthError, TransferEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from service.catalog import SERVER_LABEL
-from service.errors import ServingError
+from service.errors import ModelNotFound, ServingError
 from service.frontend.delivery import AnswerBudget
 from service.frontend.rest import routes
+from service.frontend.rest.codec import HEADER_LENGTH, error_response, json_length
+from service.frontend.rest.pieces import INLINE_BYTES
+from service.frontend.rest.protocol import ConnectionLimits, RestRunner
 from service.frontend.restricted import Restrictions
 from service.frontend.status import SERVER_FAULTS, code_for, http_status
 from service.frontend.v2_plane import V2Plane
 from service.observability import metrics, tracing
+from service.text import shown
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 API = "rest"  # the api label of its requests in the metrics
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -43,16 +53,14 @@ CODE_OF_HTTP = {
 
 
 class HttpRefusal(Exception):
-    """A refusal with its own HTTP status (a body too large: 413), not from the error table."""
+    """A refusal with its own HTTP status (a body too large: 413), not from the error table;
+    close: the connection cannot serve another request (its body is unreadable)."""
 
-    def __init__(self, status: int, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, status: int, code: grpc.StatusCode, message: str, *, close: bool = False
+    ) -> None:
         super().__init__(message)
-        self.status, self.code = status, code
-
-
-def error_response(status: int, message: str) -> web.Response:
-    """The V2 REST error body: {"error": "..."}."""
-    return web.json_response({"error": message}, status=status)
+        self.status, self.code, self.close = status, code, close
 
 
 def _route(request: web.Request) -> str:
@@ -68,6 +76,9 @@ class RestFrontend:
         plane: V2Plane,
         *,
         max_body_bytes: int,
+        max_json_request_bytes: int,
+        max_json_answer_bytes: int,
+        connections: ConnectionLimits,
         grace_period_s: float,
         restrictions: Restrictions | None = None,
         answers: AnswerBudget | None = None,
@@ -76,8 +87,14 @@ class RestFrontend:
         self.answers = answers  # None: answers are not bounded (tests of other parts)
         self._restrictions = restrictions or Restrictions()
         self.max_body_bytes = max_body_bytes
+        self.max_json_request_bytes = max_json_request_bytes
+        self.max_json_answer_bytes = max_json_answer_bytes
+        self._connections = connections
         self._grace_period_s = grace_period_s
         self._runner: web.AppRunner | None = None
+        # One thread: big JSON is decoded or encoded one request at a time, so the memory of
+        # that work is one request's, and the event loop competes with one thread for the GIL.
+        self._codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rest-codec")
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._wrap])
@@ -86,10 +103,10 @@ class RestFrontend:
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> int:
         """Serve on host:port; the port bound (port 0 is never passed: 0 means off)."""
-        runner = web.AppRunner(
+        runner = RestRunner(
             self.application(),
+            self._connections,
             handler_cancellation=True,
-            access_log=None,  # the request metrics count every call; no line per request
             shutdown_timeout=self._grace_period_s,
         )
         await runner.setup()
@@ -111,16 +128,52 @@ class RestFrontend:
         if self._runner is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._runner.cleanup(), timeout=timeout_s)
+        self._codec.shutdown(wait=False, cancel_futures=True)
 
-    async def body(self, request: web.Request) -> bytes:
-        """The request body, refused before it is read when it cannot be legal."""
+    async def off_loop(
+        self, nbytes: int, work: Callable[[], T], then: Callable[[], None] | None = None
+    ) -> T:
+        """work(), on the codec thread when it handles more than INLINE_BYTES (nbytes), else
+        here; then() after it on the event loop, also when this call is cancelled first
+        (work may still be reading what then() frees)."""
+        if nbytes <= INLINE_BYTES:
+            try:
+                return work()
+            finally:
+                if then is not None:
+                    then()
+        job = self._codec.submit(work)
+        if then is not None:
+            loop = asyncio.get_running_loop()
+            job.add_done_callback(lambda _: _call_soon(loop, then))
+        return await asyncio.wrap_future(job)
+
+    async def body(self, request: web.Request, *, binary_follows: bool = False) -> bytes:
+        """The request body, refused before it is read when it cannot be legal. Its JSON (all
+        of it, or when binary_follows the Inference-Header-Content-Length bytes it declares)
+        is bounded apart."""
         declared = request.content_length
         if declared is not None and declared > self.max_body_bytes:
             raise self._too_large(f"{declared} bytes")
+        # The JSON's length; None where Inference-Header-Content-Length is no byte count
+        # (decode_infer refuses it, saying so).
+        spelled = request.headers.get(HEADER_LENGTH) if binary_follows else None
+        header = None if spelled is None else json_length(spelled)
+        json_declared = declared if spelled is None else header
+        if json_declared is not None and json_declared > self.max_json_request_bytes:
+            raise self._json_too_large(json_declared)
         try:
-            return await request.read()
+            raw = await request.read()
         except web.HTTPRequestEntityTooLarge:  # chunked or compressed, found while reading
             raise self._too_large("more bytes") from None
+        except RequestPayloadError as err:
+            raise HttpRefusal(
+                400, grpc.StatusCode.INVALID_ARGUMENT, _unreadable(request, err), close=True
+            ) from None
+        sent = len(raw) if spelled is None else min(header or 0, len(raw))
+        if sent > self.max_json_request_bytes:
+            raise self._json_too_large(sent)
+        return raw
 
     def _too_large(self, sent: str) -> HttpRefusal:
         return HttpRefusal(
@@ -129,6 +182,17 @@ class RestFrontend:
             f"request body of {sent} is above this server's limit of {self.max_body_bytes} "
             "bytes (the largest legal request: --max-batch-size x --max-seq-len positions of "
             "the largest model); send fewer or shorter sequences per request",
+        )
+
+    def _json_too_large(self, nbytes: int) -> HttpRefusal:
+        return HttpRefusal(
+            413,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the request's JSON is {nbytes} bytes, above this server's bound of "
+            f"{self.max_json_request_bytes} bytes for JSON (--max-json-request-bytes); send "
+            "tensors as binary data after the JSON (Triton's binary tensor extension: "
+            f"binary_data_size on each input, {HEADER_LENGTH} the JSON's length; "
+            "tritonclient.http: set_data_from_numpy(array, binary_data=True))",
         )
 
     @web.middleware
@@ -142,10 +206,7 @@ class RestFrontend:
         in_flight.inc()
         span = self._start_span(request)
         try:
-            if self._restrictions:
-                # aiohttp's headers are case-insensitive; the check reads lower-case names.
-                headers = {name.lower(): value for name, value in request.headers.items()}
-                self._restrictions.check(group_of_path(request.path), headers)
+            self._check_access(request)
             response = await handler(request)
             status = response.status
             if request.get(routes.UNDELIVERED):
@@ -154,10 +215,13 @@ class RestFrontend:
         except ServingError as err:
             code = code_for(err)
             status = http_status(code)
-            return error_response(status, str(err))
+            return error_response(status, self._message(request, err))
         except HttpRefusal as err:
             code, status = err.code, err.status
-            return error_response(status, str(err))
+            refusal = error_response(status, str(err))
+            if err.close:
+                refusal.force_close()
+            return refusal
         except web.HTTPException as err:  # aiohttp's: no such route or method
             code, status = CODE_OF_HTTP.get(err.status, grpc.StatusCode.UNKNOWN), err.status
             return error_response(status, _refusal_message(request, err))
@@ -182,6 +246,24 @@ class RestFrontend:
             in_flight.dec()
             metrics.requests_counter(model, API, code.name).inc()
             metrics.request_duration(model, API).observe(time.monotonic() - started)
+
+    def _check_access(self, request: web.Request) -> None:
+        """--restricted-api: the matched route's group needs its key. A path no route serves
+        has no group: its 404 or 405 names no model."""
+        group = routes.group_of(request)
+        if self._restrictions and group is not None:
+            self._restrictions.check(group, _lower_case(request.headers))
+
+    def _message(self, request: web.Request, err: ServingError) -> str:
+        """err's message; an unknown model's without the models served (which catalog lists)
+        for a caller without the metadata group's key, where that group is restricted."""
+        if (
+            not isinstance(err, ModelNotFound)
+            or routes.group_of(request) == "model-repository"  # its key shows the index
+            or self._restrictions.allows("metadata", _lower_case(request.headers))
+        ):
+            return str(err)
+        return routes.unknown_model(request, "the models served are listed by the metadata API")
 
     @staticmethod
     def _start_span(request: web.Request) -> Any:
@@ -208,16 +290,28 @@ def _refusal_message(request: web.Request, err: web.HTTPException) -> str:
     return err.reason
 
 
-def group_of_path(path: str) -> str:
-    """The --restricted-api group of a REST path, as Triton groups its HTTP endpoints."""
-    parts = [part for part in path.split("/") if part]
-    if parts[:2] == ["v2", "health"] or parts[-1:] == ["ready"]:
-        return "health"
-    if parts[:2] == ["v2", "repository"]:
-        return "model-repository"
-    if parts[:2] == ["v2", "systemsharedmemory"] or parts[:2] == ["v2", "cudasharedmemory"]:
-        return "shared-memory"
-    last = parts[-1] if parts else ""
-    return {"infer": "inference", "stats": "statistics", "config": "model-config"}.get(
-        last, "metadata"
-    )
+def _lower_case(headers: Mapping[str, str]) -> dict[str, str]:
+    """aiohttp's case-insensitive headers as the restriction check reads them."""
+    return {name.lower(): value for name, value in headers.items()}
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, then: Callable[[], None]) -> None:
+    """then() on loop, from the codec thread; nothing once the loop has closed (shutdown)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(then)
+
+
+def _unreadable(request: web.Request, err: RequestPayloadError) -> str:
+    """What is wrong with a body aiohttp could not read (never the body's bytes)."""
+    cause = err.__cause__
+    if isinstance(cause, ContentEncodingError):
+        encoding = shown(request.headers.get("Content-Encoding", ""))
+        return (
+            f"the request body does not decode as its Content-Encoding {encoding} says; send "
+            "it uncompressed, or compressed as the header says (gzip, deflate or br)"
+        )
+    if isinstance(cause, TransferEncodingError):
+        return "the request body's chunked Transfer-Encoding is malformed"
+    if isinstance(cause, ContentLengthError):
+        return "the request body ended before its Content-Length"
+    return "the request body could not be read as HTTP/1.1 framing says"

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from service.dataplane import RegionRef, Result
 from service.errors import InvalidInput
 from service.frontend import shm_tensors
+from service.frontend.rest import pieces
 from service.frontend.v2_codec import V2_DATATYPES
 from service.generated.inference import grpc_service_pb2 as v2
 from service.text import shown
@@ -30,6 +32,9 @@ from service.transport.wire import array_bytes
 
 MAX_DIM = 1 << 31  # far above any legal tensor (the body is bounded first)
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# A byte count as the header may spell it: ASCII digits, few enough for int() and far more
+# than any body (str.isdigit() takes "²", which int() refuses).
+BYTE_COUNT = re.compile(r"[0-9]{1,20}")
 JSON_TYPE = "application/json"
 BINARY_TYPE = "application/octet-stream"
 INT64_TYPES = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64,
@@ -46,9 +51,20 @@ class InferBody:
     binary_default: bool  # the request's binary_data_output (no per-output choice)
 
 
+def json_response(value: Any, status: int = 200) -> web.Response:
+    """value as a JSON answer typed exactly application/json: the KServe SDK shows an error's
+    text only then (aiohttp's json_response adds "; charset=utf-8")."""
+    return web.Response(body=json.dumps(value).encode(), status=status, content_type=JSON_TYPE)
+
+
+def error_response(status: int, message: str) -> web.Response:
+    """The V2 REST error body: {"error": "..."}."""
+    return json_response({"error": message}, status)
+
+
 def _json(text: bytes, what: str) -> Any:
     try:
-        return json.loads(text)
+        return pieces.loads(text)
     except UnicodeDecodeError as err:
         raise InvalidInput(f"{what} is not UTF-8 JSON ({err.reason} at byte {err.start})") from err
     except json.JSONDecodeError as err:
@@ -59,6 +75,18 @@ def _json(text: bytes, what: str) -> Any:
         raise InvalidInput(
             f"{what} nests arrays or objects too deeply; expected the flat V2 JSON layout"
         ) from err
+    except ValueError as err:  # the one left: an integer past Python's digit limit
+        raise InvalidInput(
+            f"{what} holds an integer of more than {sys.get_int_max_str_digits()} digits; "
+            "expected numbers a tensor's datatype or a 64-bit count can hold"
+        ) from err
+
+
+def json_length(header_length: str | None) -> int | None:
+    """The JSON's length that Inference-Header-Content-Length gives, if it is a byte count."""
+    if header_length is None or not BYTE_COUNT.fullmatch(header_length):
+        return None
+    return int(header_length)
 
 
 def json_object(body: bytes, what: str, *, empty_ok: bool = False) -> dict[str, Any]:
@@ -124,19 +152,21 @@ def _json_data(tensor: dict[str, Any], shape: list[int], where: str) -> bytes:
     if dtype is None:
         return b""  # v2_codec names the datatypes accepted
     try:
-        array = np.asarray(tensor["data"])
-    except (ValueError, TypeError) as err:  # ragged nesting
+        arrays = list(pieces.flat_pieces(tensor["data"]))
+    except (ValueError, TypeError, RecursionError) as err:  # ragged nesting
         raise InvalidInput(f"{where} data is not a regular array of numbers: {err}") from err
-    if array.dtype.kind not in "fiu":
+    kinds = {array.dtype.kind for array in arrays}
+    if not kinds <= set("fiu"):
         raise InvalidInput(
-            f"{where} data holds {'booleans' if array.dtype.kind == 'b' else 'non-numbers'}; "
+            f"{where} data holds {'booleans' if 'b' in kinds else 'non-numbers'}; "
             f"expected {math.prod(shape)} numbers (row-major) for datatype {tensor['datatype']}"
         )
-    if array.size != math.prod(shape):
+    size = sum(array.size for array in arrays)
+    if size != math.prod(shape):
         raise InvalidInput(
-            f"{where} data has {array.size} values; shape {shape} needs {math.prod(shape)}"
+            f"{where} data has {size} values; shape {shape} needs {math.prod(shape)}"
         )
-    return bytes(array_bytes(array.astype(dtype, copy=False).ravel()))
+    return b"".join(array_bytes(array.astype(dtype, copy=False)) for array in arrays)
 
 
 def _add_input(
@@ -193,12 +223,13 @@ def decode_infer(body: bytes, header_length: str | None, model: str, version: st
     """The ModelInferRequest an infer body asks for; InvalidInput saying what is malformed."""
     json_end = len(body)
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        declared = json_length(header_length)
+        if declared is None or declared > len(body):
             raise InvalidInput(
                 f"{HEADER_LENGTH} is {shown(header_length)}; expected the JSON's length in "
                 f"bytes, at most the body's {len(body)}"
             )
-        json_end = int(header_length)
+        json_end = declared
     view = memoryview(body)
     header = json_object(body[:json_end], "the inference request")
     request = v2.ModelInferRequest(model_name=model, model_version=version)
@@ -215,46 +246,6 @@ def decode_infer(body: bytes, header_length: str | None, model: str, version: st
     binary_outputs = _add_outputs(request, header.get("outputs", []))
     binary_default = header.get("parameters", {}).get("binary_data_output", False) is True
     return InferBody(request, binary_outputs, binary_default)
-
-
-def encode_infer(
-    body: InferBody,
-    model_name: str,
-    version: int,
-    names: list[str],
-    result: Result,
-    refs: dict[str, RegionRef] | None = None,
-) -> tuple[list[bytes | memoryview], int | None]:
-    """The answer's body parts, and its JSON's length when binary tensors follow it; outputs
-    asked for in client shared memory (written there by the worker) carry no data."""
-    arrays = {"output": result.output, "attention_weights": result.attention_weights}
-    outputs: list[dict[str, Any]] = []
-    binary: list[bytes | memoryview] = []
-    for name in names:
-        array = arrays[name]
-        assert array is not None, "weights were computed because they were requested"
-        datatype = "FP16" if array.dtype == np.float16 else "FP32"
-        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        ref = (refs or {}).get(name)
-        if ref is not None:
-            entry["parameters"] = {
-                shm_tensors.REGION: ref.region,
-                shm_tensors.OFFSET: ref.offset,
-                shm_tensors.BYTE_SIZE: ref.byte_size,
-            }
-        elif body.binary_outputs.get(name, body.binary_default):
-            data = array_bytes(array)
-            entry["parameters"] = {"binary_data_size": len(data)}
-            binary.append(data)
-        else:
-            entry["data"] = array.ravel().tolist()
-        outputs.append(entry)
-    answer: dict[str, Any] = {"model_name": model_name, "model_version": str(version)}
-    if body.request.id:
-        answer["id"] = body.request.id
-    answer["outputs"] = outputs
-    header = json.dumps(answer, separators=(",", ":")).encode()
-    return [header, *binary], len(header) if binary else None
 
 
 def _ints(value: Any, descriptor: Descriptor) -> Any:
