@@ -45,29 +45,24 @@ def decode(body: bytes | bytearray) -> Message:
 READ_CHUNK_BYTES = 1 << 16
 
 
-class Reader:
-    """Reads framed messages, every whole one that has arrived at once: under load one
-    wake-up of this process takes many requests' messages, not one await per message."""
+class Framer:
+    """Splits bytes as they arrive into whole messages: every whole one that has arrived at
+    once, so under load one wake-up of a process takes many requests' messages."""
 
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        self._reader = reader
+    def __init__(self) -> None:
         self._buffer = bytearray()
 
-    async def read(self) -> list[Message]:
-        """The next messages (at least one); ChannelClosed once the other end has gone."""
-        while True:
-            messages = self._split()
-            if messages:
-                return messages
-            try:
-                chunk = await self._reader.read(READ_CHUNK_BYTES)
-            except ConnectionError as err:
-                raise ChannelClosed("the other process closed the channel") from err
-            if not chunk:
-                raise ChannelClosed("the other process closed the channel")
-            self._buffer += chunk
+    def feed(self, chunk: bytes) -> list[Message]:
+        """The messages chunk completes (none while one is still partial)."""
+        self.add(chunk)
+        return self.split()
 
-    def _split(self) -> list[Message]:
+    def add(self, chunk: bytes) -> None:
+        self._buffer += chunk
+
+    def split(self) -> list[Message]:
+        """Every whole message buffered; ValueError for a malformed one, once the good ones
+        before it have been returned."""
         buffer, start = self._buffer, 0
         messages: list[Message] = []
         while len(buffer) - start >= HEADER.size:
@@ -91,6 +86,28 @@ class Reader:
         return messages
 
 
+class Reader:
+    """Reads framed messages from a stream, every whole one that has arrived at once."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self._reader = reader
+        self._framer = Framer()
+
+    async def read(self) -> list[Message]:
+        """The next messages (at least one); ChannelClosed once the other end has gone."""
+        while True:
+            messages = self._framer.split()
+            if messages:
+                return messages
+            try:
+                chunk = await self._reader.read(READ_CHUNK_BYTES)
+            except ConnectionError as err:
+                raise ChannelClosed("the other process closed the channel") from err
+            if not chunk:
+                raise ChannelClosed("the other process closed the channel")
+            self._framer.add(chunk)
+
+
 class Writer:
     """Writes framed messages; a closed peer is noticed by the reader, not here.
 
@@ -98,7 +115,7 @@ class Writer:
     one system call (and one wake-up of the other process) carries many requests' messages,
     and no message waits longer than the turn that sent it."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter | asyncio.WriteTransport) -> None:
         self._writer = writer
         self._pending: list[bytes] = []
 

@@ -219,6 +219,26 @@ def queue_duration(model: str) -> Histogram:
     return QUEUE_DURATION.labels(model)
 
 
+@functools.lru_cache(maxsize=1024)
+def batches_counter(model: str, graph: str) -> Counter:
+    return BATCHES.labels(model, graph)
+
+
+@functools.lru_cache(maxsize=1024)
+def batch_size(model: str) -> Histogram:
+    return BATCH_SIZE.labels(model)
+
+
+@functools.lru_cache(maxsize=1024)
+def padding_ratio(model: str) -> Histogram:
+    return PADDING_RATIO.labels(model)
+
+
+@functools.lru_cache(maxsize=1024)
+def compute_duration(model: str) -> Histogram:
+    return COMPUTE_DURATION.labels(model)
+
+
 # (model, version, provider, ready) of each version the worker serves.
 ServedRow = tuple[str, str, str, bool]
 

@@ -43,8 +43,6 @@ class FrontendLink:
         self,
         name: str,
         slab: Slab,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
         *,
         resolve: Callable[[str], OnnxModel],
         batcher: Batcher,
@@ -57,8 +55,8 @@ class FrontendLink:
         self._region_reader = region_reader  # reads client regions' inputs (None: the default)
         self._reading: dict[int, asyncio.Future[np.ndarray]] = {}  # id -> its input's read
         self._slab = slab
-        self._reader = reader
-        self._writer = channel.Writer(writer)
+        self._writer: channel.Writer | None = None  # once connected (connection_made)
+        self._closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._resolve = resolve
         self._batcher = batcher
         self._call = call
@@ -68,7 +66,13 @@ class FrontendLink:
         self._sync_ids = itertools.count(1)
 
     def send(self, message: channel.Message) -> None:
-        self._writer.send(message)
+        if self._writer is not None:
+            self._writer.send(message)
+
+    def protocol(self) -> asyncio.Protocol:
+        """The protocol that reads this front end's socket: each message is dispatched in
+        the loop turn that read it, with no task between the socket and the batcher."""
+        return _Incoming(self)
 
     async def sync(self, timeout_s: float = SYNC_TIMEOUT_S) -> None:
         """Return once every request this front end sent before it read the latest served
@@ -85,16 +89,9 @@ class FrontendLink:
             self._syncs.pop(sync_id, None)
 
     async def serve(self) -> None:
-        """Read until the front end goes; then drop what it still had queued."""
-        messages_in = channel.Reader(self._reader)
+        """Serve until the front end goes; then drop what it still had queued."""
         try:
-            while True:
-                for message in await messages_in.read():
-                    self._dispatch(message)
-        except channel.ChannelClosed:
-            log.info("front end %s disconnected", self.name)
-        except ValueError as err:
-            log.error("front end %s sent a malformed control message: %s", self.name, err)
+            await self._closed
         finally:
             self._reading.clear()  # read ones are dropped, unanswered: nobody is listening
             for submitted in list(self._submitted.values()):
@@ -104,8 +101,25 @@ class FrontendLink:
             for waiter in self._syncs.values():
                 if not waiter.done():
                     waiter.set_result(None)  # nothing more can arrive from it
-            self._writer.close()
+            if self._writer is not None:
+                self._writer.close()
             self._slab.close()
+
+    def _connected(self, transport: asyncio.WriteTransport) -> None:
+        self._writer = channel.Writer(transport)
+
+    def _received(self, received: list[channel.Message]) -> None:
+        for message in received:
+            self._dispatch(message)
+
+    def _lost(self, error: BaseException | None) -> None:
+        if self._closed.done():
+            return
+        if isinstance(error, ValueError):
+            log.error("front end %s sent a malformed control message: %s", self.name, error)
+        else:
+            log.info("front end %s disconnected", self.name)
+        self._closed.set_result(None)
 
     def _dispatch(self, message: channel.Message) -> None:
         kind = message.get("t")
@@ -354,6 +368,41 @@ class FrontendLink:
         self.send({"t": messages.REPLY, "id": call_id, "ok": result})
 
 
+class _Incoming(asyncio.Protocol):
+    """A front end's socket, read by the event loop's own read callback."""
+
+    def __init__(self, link: FrontendLink) -> None:
+        self._link = link
+        self._framer = channel.Framer()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._link._connected(transport)
+
+    def data_received(self, data: bytes) -> None:
+        framer = self._framer
+        framer.add(data)
+        while True:
+            try:
+                received = framer.split()
+            except ValueError as err:
+                self._link._lost(err)
+                if self._transport is not None:
+                    self._transport.close()
+                return
+            if not received:
+                return
+            self._link._received(received)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: the front end has gone
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._link._lost(exc)
+
+
 def _region_ref(ref: list[Any]) -> RegionRef:
     """A reference as INFER carries it: [region, offset, byte_size, where, ...]."""
     return RegionRef(str(ref[0]), int(ref[1]), int(ref[2]), str(ref[3]))
@@ -401,12 +450,12 @@ class LinkListener:
             slab = Slab.attach(fds[0])
             connection.settimeout(None)
             connection.setblocking(False)
-            reader, writer = await asyncio.open_unix_connection(sock=connection)
+            link = self._make_link(str(hello.get("name", "?")), slab)
+            await asyncio.get_running_loop().create_unix_connection(link.protocol, sock=connection)
         except (OSError, ValueError) as err:
             log.warning("a front end's handshake failed: %s", err)
             connection.close()
             return
-        link = self._make_link(str(hello.get("name", "?")), slab, reader, writer)
         await self._on_link(link)
 
     def close(self) -> None:

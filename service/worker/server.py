@@ -212,8 +212,8 @@ class WorkerServer:
 
     # -- front ends --------------------------------------------------------------------------
 
-    def _make_link(self, name: str, slab: Slab, reader: Any, writer: Any) -> FrontendLink:
-        return FrontendLink(name, slab, reader, writer, resolve=self.resolve,
+    def _make_link(self, name: str, slab: Slab) -> FrontendLink:
+        return FrontendLink(name, slab, resolve=self.resolve,
                             batcher=self.batcher, call=self._control,
                             regions=self.regions, region_reader=self._region_reader)  # fmt: skip
 

@@ -45,9 +45,10 @@ from service.worker.batching.protocol import (
 from service.worker.batching.statistics import InferenceStatistics
 
 log = logging.getLogger(__name__)
-# Loop turns from bytes on a front end's socket to a request in its queue: the read
-# callback, the link's task, and one to spare.
-TURNS_TO_TAKE_IN = 3
+# Loop turns from bytes on a front end's socket to a request in its queue: the turn whose
+# poll finds them queues the read callback behind the yielding task, the next runs it (the
+# link's protocol dispatches in its read callback: no task in between).
+TURNS_TO_TAKE_IN = 2
 MAX_YIELDS = 4  # yields before a batch below its cap, while each one brought requests in
 GRAPHS = {False: "output", True: "output+attention_weights"}
 
@@ -500,10 +501,16 @@ class Batcher:
             if queue is None:
                 return wait_s
             batch = self._take(queue)
-            if batch:
-                task = asyncio.create_task(self._run(queue, batch))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            if not batch:
+                continue
+            if self._is_short(queue, batch):
+                # Here, in this turn: a task would cost the batch another turn of the loop.
+                # Then back to the scheduler's loop, which lets arrivals in before the next.
+                self._run_inline(queue, batch)
+                return 0.0
+            task = asyncio.create_task(self._run(queue, batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return None  # every slot is busy; a finishing batch wakes the scheduler
 
     def _ready_queue(self, now: float) -> tuple[_Queue | None, float | None]:
@@ -578,42 +585,71 @@ class Batcher:
             self._unqueue(item)
         return chosen
 
-    async def _run(self, queue: _Queue, batch: list[_Pending]) -> None:
-        started = time.monotonic()
-        runner = queue.runner
-        loop = asyncio.get_running_loop()
-        work = functools.partial(
+    def _work(self, queue: _Queue, batch: list[_Pending]) -> Callable[[], _Computed]:
+        return functools.partial(
             _compute,
-            runner,
+            queue.runner,
             [item.embeddings for item in batch],
             queue.with_weights,
             [item.into for item in batch],
             self._cost_clock,
         )
+
+    def _run_inline(self, queue: _Queue, batch: list[_Pending]) -> None:
+        """A short batch, on the event loop's own thread, now."""
+        started = time.monotonic()
         try:
-            if self._is_short(queue, batch):
-                computed = work()
-            else:
-                computed = await loop.run_in_executor(self._executor, work)
-            queue.seconds_per_sequence = computed.compute_s / _sequences(batch)
-            queue.measured_length = _longest(batch)
+            computed = self._work(queue, batch)()
         except Exception as err:
-            log.exception("batch of %d requests on %s failed", len(batch), runner.key)
-            metrics.BATCH_FAILURES.labels(runner.label).inc()
-            self.statistics.record_failure(runner.key, time.monotonic() - started, len(batch))
-            for item in batch:
-                if not item.future.done():
-                    failure = BatchFailed(f"batch on {runner.key} failed")
-                    failure.__cause__ = err
-                    item.future.set_exception(failure)
+            self._failed(queue, batch, err, started)
         else:
-            self._deliver(queue, batch, computed, started)
+            try:
+                self._computed(queue, batch, computed, started)
+            except Exception as err:  # never the scheduler's end: this batch's alone
+                self._failed(queue, batch, err, started)
         finally:
-            self._computing.difference_update(batch)
-            self._running -= 1
-            self._running_by_key[runner.key] -= 1
-            self._count(0, 0)
-            self._wakeup.set()
+            self._ended(queue, batch)
+
+    async def _run(self, queue: _Queue, batch: list[_Pending]) -> None:
+        """A batch on a compute thread, the loop free meanwhile."""
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            computed = await loop.run_in_executor(self._executor, self._work(queue, batch))
+        except Exception as err:
+            self._failed(queue, batch, err, started)
+        else:
+            try:
+                self._computed(queue, batch, computed, started)
+            except Exception as err:  # never the scheduler's end: this batch's alone
+                self._failed(queue, batch, err, started)
+        finally:
+            self._ended(queue, batch)
+
+    def _computed(
+        self, queue: _Queue, batch: list[_Pending], computed: _Computed, started: float
+    ) -> None:
+        queue.seconds_per_sequence = computed.compute_s / _sequences(batch)
+        queue.measured_length = _longest(batch)
+        self._deliver(queue, batch, computed, started)
+
+    def _failed(self, queue: _Queue, batch: list[_Pending], err: Exception, started: float) -> None:
+        runner = queue.runner
+        log.error("batch of %d requests on %s failed", len(batch), runner.key, exc_info=err)
+        metrics.BATCH_FAILURES.labels(runner.label).inc()
+        self.statistics.record_failure(runner.key, time.monotonic() - started, len(batch))
+        for item in batch:
+            if not item.future.done():
+                failure = BatchFailed(f"batch on {runner.key} failed")
+                failure.__cause__ = err
+                item.future.set_exception(failure)
+
+    def _ended(self, queue: _Queue, batch: list[_Pending]) -> None:
+        self._computing.difference_update(batch)
+        self._running -= 1
+        self._running_by_key[queue.runner.key] -= 1
+        self._count(0, 0)
+        self._wakeup.set()
 
     def _is_short(self, queue: _Queue, batch: list[_Pending]) -> bool:
         """Whether the batch may compute on the loop: it is the only batch computing, and
@@ -632,10 +668,10 @@ class Batcher:
     ) -> None:
         runner, label = queue.runner, queue.runner.label
         sequences = _sequences(batch)
-        metrics.BATCHES.labels(label, GRAPHS[queue.with_weights]).inc()
-        metrics.BATCH_SIZE.labels(label).observe(sequences)
-        metrics.PADDING_RATIO.labels(label).observe(computed.padding)
-        metrics.COMPUTE_DURATION.labels(label).observe(computed.compute_s)
+        metrics.batches_counter(label, GRAPHS[queue.with_weights]).inc()
+        metrics.batch_size(label).observe(sequences)
+        metrics.padding_ratio(label).observe(computed.padding)
+        metrics.compute_duration(label).observe(computed.compute_s)
         caps = self._caps_of(runner)
         # Caps are measured on the output-only graph; a batch with weights runs another.
         if isinstance(caps, LiveCaps) and not queue.with_weights:
