@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import onnxruntime as ort
 
-from bench import ratios, report, scenarios
+from bench import h2load_report, ratios, report, scenarios
 from bench.launcher import REPO_ROOT, Pinning, choose_pinning
 from bench.runner import BenchConfig, Runner, log
 from service.settings import load_settings
@@ -170,7 +170,9 @@ def results_text(
     notes: list[str],
     elapsed_s: float,
 ) -> str:
-    """What a run prints: header, table, ratios, the targets, notes."""
+    """What a run prints: header, table, ratios, the h2load rows' CPU by process, the
+    targets, notes."""
+    cpu = h2load_report.cpu_table(rows)
     parts = [
         header(about, config),
         "",
@@ -178,8 +180,13 @@ def results_text(
         "",
         "ratios (same run):",
         ratios.format_ratios(found),
+        *(
+            ["", "CPU per call by process, h2load rows (us, from /proc over the run):", cpu]
+            if cpu
+            else []
+        ),
         "",
-        "Targets (issue 16; printed, never asserted):",
+        "Targets (printed, never asserted):",
         ratios.format_ratios(ratios.targets(found)),
         *(f"note: {note}" for note in notes),
         "",

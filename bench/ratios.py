@@ -6,6 +6,7 @@ import math
 import statistics
 from typing import Any
 
+from bench import h2load_report
 from bench.payloads import REST, SHM, family
 from bench.report import (
     FRONTENDS,
@@ -13,14 +14,18 @@ from bench.report import (
     GROUPING_OFF_FALLBACK,
     GROUPING_ON,
     GRPC_FLOOR,
+    H2LOAD,
     HEAD_TO_HEAD,
     HEAD_TO_HEAD_ROUNDS,
     MIXED,
     SEQS,
     TRACING_ON,
     Row,
+    at_least,
+    entry,
     failed,
     find,
+    measured,
     one_caller_name,
     process_cpu_us,
     round_of,
@@ -28,19 +33,6 @@ from bench.report import (
     unpinned_name,
 )
 from bench.stats import ratio
-
-
-def entry(name: str, value: float | None, target: str = "", met: bool | None = None) -> Row:
-    return {"name": name, "value": value, "target": target, "met": met}
-
-
-def at_least(value: float | None, goal: float) -> bool | None:
-    return None if value is None else value >= goal
-
-
-def measured(row: Row | None) -> Row | None:
-    """The row, or None where its run failed: either way the ratio reads "not measured"."""
-    return None if row is None or failed(row) else row
 
 
 def headline(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
@@ -399,6 +391,7 @@ def all_ratios(rows: list[Row], unary: str, groups: set[str], pinned: bool = Tru
         "shm": lambda: shared_memory(rows, pinned),
         "unpinned": lambda: unpinned(rows),
         "peers": lambda: peers(rows, unary, pinned) + head_to_head(rows),
+        H2LOAD: lambda: h2load_report.section(rows, pinned, peers="peers" in groups),
     }
     found = [item for name, make in sections.items() if name in groups for item in make()]
     if "headline" in groups and "batching" not in groups:

@@ -23,6 +23,8 @@ HEAD_TO_HEAD = "rounds"  # group of the rows of our server and Triton measured s
 HEAD_TO_HEAD_ROUNDS = 4
 ONE_CALLER = "one caller"  # ends the names of the floors' c=1 rows (latencies, not capacities)
 TRACING_ON = "tracing on"  # the default server with every request traced and exported
+H2LOAD = "h2load"  # group of the rows measured with h2load (bench/h2load.py)
+BESIDE_TRITON = "server, beside triton"  # our h2load rows measured next to Triton's
 
 
 def unpinned_name(frontends: int, what: str = "server") -> str:
@@ -57,6 +59,24 @@ def seq_per_s(row: Row | None) -> float | None:
 def failed(row: Row | None) -> bool:
     """A row whose run did not finish (its measured keys are None)."""
     return bool(row and row.get("failed"))
+
+
+def measured(row: Row | None) -> Row | None:
+    """The row, or None where its run failed: either way a ratio reads "not measured"."""
+    return None if row is None or failed(row) else row
+
+
+def entry(name: str, value: float | None, target: str = "", met: bool | None = None) -> Row:
+    """One line of the ratios block; target (e.g. ">= 1.3") and met for the targets."""
+    return {"name": name, "value": value, "target": target, "met": met}
+
+
+def at_least(value: float | None, goal: float) -> bool | None:
+    return None if value is None else value >= goal
+
+
+def at_most(value: float | None, goal: float) -> bool | None:
+    return None if value is None else value <= goal
 
 
 def ceiling_rows(rows: list[Row]) -> list[Row]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import echo_model
+from bench import echo_model, h2load
 from bench.launcher import REPO_ROOT, Pinning, Service
 from bench.payloads import REST
 
@@ -236,6 +236,41 @@ class Runner:
             self._keep(failed_result(reason), group=group, target=target, name=name, api="v2",
                        seq=seq, load=f"c={self.config.concurrency}",
                        pinned=self.config.pinning.pinned)  # fmt: skip
+
+    def h2load_ready(self) -> bool:
+        """Whether h2load is installed; if not, a note says how to get it (its rows skipped)."""
+        if h2load.find() is not None:
+            return True
+        self.note(f"h2load not found: its rows were skipped; install it with {h2load.INSTALL_HINT}")
+        return False
+
+    def h2load_row(
+        self,
+        service: Service,
+        *,
+        group: str,
+        target: str,
+        name: str,
+        seq: str,
+        shape: h2load.Shape,
+        pinning: Pinning,
+    ) -> dict[str, Any]:
+        """One h2load run against service (bench/h2load.py), pinned as the load generator is,
+        with the load generator's request bytes; a failed check is a FAILED row."""
+        c = self.config
+        server = h2load.Target(service.target, service.pid, service.children, service.metrics_url)
+        client = tuple(pinning.prefix(pinning.client_cpus))
+        plan = h2load.Plan(shape, c.duration_s, c.warmup_s, client)
+        message = h2load.request_message(int(seq), c.embed_dim, c.model)
+        try:
+            tool = h2load.find() or "h2load"
+            measured = h2load.measure(tool, server, message, plan, self.scratch / "h2load")
+            result = {**dict.fromkeys(MEASURED_KEYS), **measured}
+        except (h2load.H2loadError, OSError) as err:
+            self.note(f"{group}/{name} seq={seq} {shape.label} FAILED: {err}")
+            result = {**failed_result(str(err)), "h2load": getattr(err, "raw", {})}
+        labels = {"group": group, "target": target, "name": name, "seq": seq}
+        return self._keep(result, **labels, api="v2", load=shape.label, pinned=pinning.pinned)
 
     def _check_spread(self, result: dict[str, Any], label: str) -> None:
         """A note when the kernel's SO_REUSEPORT hash left a front end nearly idle (it spreads

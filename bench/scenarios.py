@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from bench import h2load
 from bench.launcher import REPO_ROOT, UNPINNED, Service, cpu_set, free_port
 from bench.otlp_sink import OtlpSink
 from bench.payloads import REST, SHM, family
@@ -16,6 +17,7 @@ from bench.report import (
     GROUPING_OFF_FALLBACK,
     GROUPING_ON,
     GRPC_FLOOR,
+    H2LOAD,
     MIXED,
     SEQS,
     TRACING_ON,
@@ -28,7 +30,7 @@ from bench.report import (
 from bench.runner import Runner, log
 from bench.tracing_off import CALLS, hooks_cpu_us
 
-GROUPS = ("headline", "batching", "mixed", "weights", "open", "shm", "unpinned", "peers")
+GROUPS = ("headline", "batching", "mixed", "weights", "open", "shm", "unpinned", H2LOAD, "peers")
 STANDARD = tuple(g for g in GROUPS if g != "peers")
 OPEN_FRACTIONS = (0.5, 0.8, 1.0, 1.2)
 UNPINNED_CHANNELS = 8  # connections of the --frontends runs: 2 front ends both get some
@@ -72,7 +74,7 @@ def grouping_off(has_flag: bool) -> tuple[str, list[str], str]:
 def limits(r: Runner, groups: set[str]) -> None:
     """In-process limits, pinned as the server is."""
     pinning = r.config.pinning
-    if groups & {"headline", "batching", "weights", "open", "shm", "peers"}:
+    if groups & {"headline", "batching", "weights", "open", "shm", H2LOAD, "peers"}:
         for seq in SEQS:
             r.inprocess(group="headline", seq=seq, pinning=pinning)
     if "weights" in groups:
@@ -115,25 +117,42 @@ def echo(r: Runner, groups: set[str]) -> None:
 
 def grpc_floor(r: Runner, groups: set[str]) -> None:
     """A bare grpc.aio server answering V2 ModelInfer with its input (bench/grpc_floor.py):
-    what the gRPC library itself costs, under the echo floor."""
-    if "headline" not in groups or family(r.config.api) != "v2":
+    what the gRPC library itself costs, under the echo floor; with h2load, the floor of its
+    rows."""
+    headline = "headline" in groups and family(r.config.api) == "v2"
+    if not headline and H2LOAD not in groups:
         return
     pinning = r.config.pinning
     command = [*pinning.prefix(pinning.server_cpus), sys.executable, "-m", "bench.grpc_floor"]
     with Service(GRPC_FLOOR, command) as service:
         service.wait_ready(r.config.ready_timeout_s)
         log(f"{GRPC_FLOOR}: pid {service.pid} on {service.target}")
-        for seq in SEQS:
-            r.load(service, group="headline", target=GRPC_FLOOR, name=GRPC_FLOOR,
-                   api=r.config.api, seq=seq, pinning=pinning)  # fmt: skip
-        # Beside the c=1 target: what the load generator's client and gRPC alone take.
-        r.load(service, group="headline", target=GRPC_FLOOR, name=one_caller_name(GRPC_FLOOR),
-               api=r.config.api, seq=SEQS[0], concurrency=1, pinning=pinning)  # fmt: skip
+        if headline:
+            for seq in SEQS:
+                r.load(service, group="headline", target=GRPC_FLOOR, name=GRPC_FLOOR,
+                       api=r.config.api, seq=seq, pinning=pinning)  # fmt: skip
+            # Beside the c=1 target: what the load generator's client and gRPC alone take.
+            r.load(service, group="headline", target=GRPC_FLOOR,
+                   name=one_caller_name(GRPC_FLOOR), api=r.config.api, seq=SEQS[0],
+                   concurrency=1, pinning=pinning)  # fmt: skip
+        if H2LOAD in groups:
+            h2load_rows(r, service, target=GRPC_FLOOR, name=GRPC_FLOOR)
+
+
+def h2load_rows(r: Runner, service: Service, *, target: str, name: str) -> None:
+    """h2load against service at seq 16 and 128: one caller, and the headline concurrency as
+    streams on one connection; skipped (with a note) where h2load is not installed."""
+    if not r.h2load_ready():
+        return
+    for seq in SEQS:
+        for shape in h2load.shapes(r.config.concurrency):
+            labels = {"group": H2LOAD, "target": target, "name": name, "seq": seq}
+            r.h2load_row(service, **labels, shape=shape, pinning=r.config.pinning)
 
 
 def default_server(r: Runner, groups: set[str]) -> None:
     """Everything measured against the server with its default flags (batching on)."""
-    if not groups & {"headline", "batching", "mixed", "weights", "open", "peers"}:
+    if not groups & {"headline", "batching", "mixed", "weights", "open", H2LOAD, "peers"}:
         return
     pinning, unary = r.config.pinning, r.config.api
     flags = with_rest([]) if "headline" in groups else []
@@ -146,6 +165,8 @@ def default_server(r: Runner, groups: set[str]) -> None:
             load(group="weights", name="weights", seq="128", weights=1.0)
         if "open" in groups:
             open_loop(load, capacity)
+        if H2LOAD in groups:
+            h2load_rows(r, service, target="server", name="server")
 
 
 def fixed_lengths(load: Callable[..., Row], groups: set[str], unary: str) -> float:
@@ -303,10 +324,10 @@ def run(r: Runner, groups: set[str]) -> None:
     client_shared_memory(r, groups)
     other_servers(r, groups)
     if "peers" in groups:
-        peers(r, shm="shm" in groups)
+        peers(r, shm="shm" in groups, with_h2load=H2LOAD in groups)
 
 
-def peers(r: Runner, *, shm: bool = False) -> None:
+def peers(r: Runner, *, shm: bool = False, with_h2load: bool = False) -> None:
     """MLServer and Triton, each in its own virtualenv (imported only when asked). A peer that
     cannot be set up costs its rows (FAILED, with the reason), not the run."""
     from bench.peers import mlserver, triton
@@ -316,4 +337,4 @@ def peers(r: Runner, *, shm: bool = False) -> None:
     except (subprocess.SubprocessError, OSError, RuntimeError) as err:
         reason = " | ".join(str(err).strip().splitlines()[-3:])[:400]
         r.keep_failed(group="peers", target="mlserver", name="mlserver", seqs=SEQS, reason=reason)
-    triton.run(r, shm=shm)
+    triton.run(r, shm=shm, with_h2load=with_h2load)

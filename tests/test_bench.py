@@ -19,7 +19,17 @@ import grpc
 import numpy as np
 import pytest
 
-from bench import cputime, echo_model, inprocess, ratios, report, scenarios, scrape, worker_alone
+from bench import (
+    cputime,
+    echo_model,
+    h2load,
+    inprocess,
+    ratios,
+    report,
+    scenarios,
+    scrape,
+    worker_alone,
+)
 from bench.launcher import REPO_ROOT, Pinning, choose_pinning, cpu_count
 from bench.payloads import (
     attend_stream_reply,
@@ -506,6 +516,11 @@ class FakeRunner(Runner):
             labels.pop(key, None)
         return self._keep(failed_result("server died"), **labels, load=load, pinned=pinning.pinned)
 
+    def h2load_row(self, service: Any, **labels: Any) -> dict[str, Any]:
+        pinning, shape = labels.pop("pinning"), labels.pop("shape")
+        return self._keep(failed_result("server died"), **labels, api="v2", load=shape.label,
+                          pinned=pinning.pinned)  # fmt: skip
+
     def inprocess(self, **labels: Any) -> dict[str, Any]:
         pinning = labels.pop("pinning")
         weights = labels.pop("weights", False)
@@ -520,6 +535,7 @@ def test_failed_rows_go_through_scenarios_ratios_and_table(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(scenarios, "server_has_flag", lambda flag: True)
+    monkeypatch.setattr(h2load, "find", lambda: "h2load")  # its rows fail like the rest
     runner = FakeRunner(_config())
     groups = set(scenarios.STANDARD) | {"peers"}
     scenarios.limits(runner, groups)
@@ -529,6 +545,7 @@ def test_failed_rows_go_through_scenarios_ratios_and_table(
     scenarios.client_shared_memory(runner, groups)
     scenarios.other_servers(runner, groups)
     assert not any(row["group"] == "open" for row in runner.rows)  # no capacity, no open loop
+    assert sum(row["group"] == report.H2LOAD for row in runner.rows) == 2 * len(report.SEQS)
     assert all(row["failed"] for row in runner.rows)
     placeholder = failed_result("x")
     for key in ("requests_per_s", "sequences_per_s", "p50_ms", "p99_ms", "p99.9_ms",
@@ -793,7 +810,7 @@ def test_a_peer_that_fails_to_set_up_costs_its_rows_not_the_run(
 
     ran: list[Runner] = []
     monkeypatch.setattr(mlserver, "run", broken)
-    monkeypatch.setattr(triton, "run", lambda r, shm: ran.append(r))
+    monkeypatch.setattr(triton, "run", lambda r, shm, with_h2load: ran.append(r))
     runner = FakeRunner(_config())
     scenarios.peers(runner)
     assert ran == [runner]  # Triton still ran

@@ -16,9 +16,18 @@ import hashlib
 import subprocess
 from pathlib import Path
 
+from bench import h2load
 from bench.launcher import REPO_ROOT, Service, free_port
 from bench.payloads import SHM
-from bench.report import HEAD_TO_HEAD, HEAD_TO_HEAD_ROUNDS, MIXED, SEQS, round_name
+from bench.report import (
+    BESIDE_TRITON,
+    H2LOAD,
+    HEAD_TO_HEAD,
+    HEAD_TO_HEAD_ROUNDS,
+    MIXED,
+    SEQS,
+    round_name,
+)
 from bench.runner import Runner, log
 
 HERE = Path(__file__).resolve().parent
@@ -93,9 +102,10 @@ def failed_rows(r: Runner, name: str, reason: str) -> None:
 
 
 def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER, *,
-        shm: bool = False) -> None:  # fmt: skip
+        shm: bool = False, with_h2load: bool = False) -> None:  # fmt: skip
     """Each queue delay's server at every length; with shm, also V2 with the tensors in client
-    shared memory (Triton's system shared-memory extension, on in Triton by default)."""
+    shared memory (Triton's system shared-memory extension, on in Triton by default); with
+    with_h2load, h2load rows of both servers while they are up side by side."""
     try:
         python = ensure_venv(venv, interpreter)
     except PeerUnavailable as err:
@@ -119,7 +129,7 @@ def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER, *,
             failed_rows(r, name, short(str(err)))
     best = best_delay(r)
     if best is not None:
-        head_to_head(r, python, best)
+        head_to_head(r, python, best, with_h2load=with_h2load)
 
 
 def best_delay(r: Runner) -> int | None:
@@ -144,7 +154,7 @@ def best_delay(r: Runner) -> int | None:
     return winner if score[winner][0] else None
 
 
-def head_to_head(r: Runner, python: Path, delay: int) -> None:
+def head_to_head(r: Runner, python: Path, delay: int, *, with_h2load: bool = False) -> None:
     """Our server (default flags) and Triton up together on the same pinned CPUs: a load
     window on one, then the same on the other, each length, for HEAD_TO_HEAD_ROUNDS rounds,
     who goes first swapping each round. Minutes apart, the same comparison moves with the
@@ -166,8 +176,25 @@ def head_to_head(r: Runner, python: Path, delay: int) -> None:
                         r.load(service, group=HEAD_TO_HEAD, target=target,
                                name=round_name(who, round_), api="v2", seq=seq,
                                pinning=pinning)  # fmt: skip
+            if with_h2load:
+                h2load_beside(r, ours, triton, name)
     except (RuntimeError, OSError) as err:
         r.note(f"side by side with {name} not measured: {short(str(err))}")
+
+
+def h2load_beside(r: Runner, ours: Service, peer: Service, name: str) -> None:
+    """h2load rows of our server and Triton, up together: each length and shape on one, then
+    on the other, who goes first swapping each time."""
+    if not r.h2load_ready():
+        return
+    pair = [(ours, "server", BESIDE_TRITON), (peer, "triton", name)]
+    turn = 0
+    for seq in SEQS:
+        for shape in h2load.shapes(r.config.concurrency):
+            for service, target, who in pair if turn % 2 == 0 else pair[::-1]:
+                labels = {"group": H2LOAD, "target": target, "name": who, "seq": seq}
+                r.h2load_row(service, **labels, shape=shape, pinning=r.config.pinning)
+            turn += 1
 
 
 def short(text: str, lines: int = 3) -> str:
