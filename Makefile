@@ -55,17 +55,21 @@ docs: setup
 config-doc: setup
 	$(BIN)/python -m scripts.config_doc
 
-# The standard benchmark set (~10 min on 2 cores): one table, ratios, bench/results/latest.json,
-# plots in docs/. BENCH_ARGS passes more flags, e.g. BENCH_ARGS=--quick for a smoke run.
+# The standard benchmark set (~12 min on 2 cores): one table, ratios, bench/results/latest.json,
+# plots in docs/. BENCH_ARGS passes more flags, e.g. BENCH_ARGS=--quick for a smoke run. Both
+# targets install h2load (apt-get install nghttp2-client) when it is missing and they run as
+# root; elsewhere its rows are skipped with a note.
 bench: export
+	sh bench/install_h2load.sh
 	$(BIN)/python -m bench --model-repository $(MODELS) --plots docs $(BENCH_ARGS)
 
 # Our server beside NVIDIA Triton and Seldon MLServer (each in its own virtualenv in .bench-venvs/,
-# created on first use; Triton's from /usr/bin/python3.11), every target of issue 16 printed, the
-# output written to docs/bench-latest.md (date, commit, command).
+# created on first use; Triton's from /usr/bin/python3.11), h2load's rows of both, every target
+# printed, the output written to docs/bench-latest.md (date, commit, command).
 bench-peers: export
-	$(BIN)/python -m bench --model-repository $(MODELS) --groups headline,mixed,shm,unpinned --peers \
-		--markdown docs/bench-latest.md $(BENCH_ARGS)
+	sh bench/install_h2load.sh
+	$(BIN)/python -m bench --model-repository $(MODELS) --groups headline,mixed,shm,unpinned,h2load \
+		--peers --markdown docs/bench-latest.md $(BENCH_ARGS)
 
 # Layer 0 of all-MiniLM-L6-v2 exported, served, called with a real sentence, checked against
 # the source layer and drawn (build/demo/attention.png). The model comes from the package

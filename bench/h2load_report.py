@@ -99,7 +99,7 @@ def one_caller(rows: list[Row], pinned: bool) -> list[Row]:
         entry("One caller, seq 16, h2load: p99 (ms)", _value(server, "p99_ms")),
         entry("One caller, seq 16, h2load: bare gRPC server p50 (ms)", floor_p50),
         entry(
-            "One caller, seq 16, h2load: p50 over the bare gRPC server's (ms)",
+            "One caller, seq 16, h2load: p50 - bare gRPC server's (ms)",
             _difference(p50, floor_p50),
         ),
         entry("Worker CPU per lone request (us)", worker),
