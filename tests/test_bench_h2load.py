@@ -394,3 +394,30 @@ def test_the_installer_says_how_and_never_fails_the_benchmark(tmp_path: Path) ->
     assert [line.split()[0] for line in calls.read_text().splitlines()] == [
         "install", "update"]  # fmt: skip
     assert "skipped" in done.stderr
+
+
+def test_triton_and_the_server_take_turns_beside_each_other(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from bench.peers import triton
+
+    monkeypatch.setattr(h2load, "find", lambda: "/usr/bin/h2load")
+    runner = Runner(_config(concurrency=64), scratch=tmp_path)
+    ours, peer = SimpleNamespace(who="ours"), SimpleNamespace(who="triton")
+    asked: list[tuple[object, str, str, str, str]] = []
+
+    def row(service: object, **labels: Any) -> dict[str, Any]:
+        asked.append((service, labels["target"], labels["name"], labels["seq"],
+                      labels["shape"].label))  # fmt: skip
+        return {}
+
+    monkeypatch.setattr(runner, "h2load_row", row)
+    triton.h2load_beside(runner, ours, peer, "triton b=32 delay=0us")  # type: ignore[arg-type]
+    assert len(asked) == 2 * 2 * len(report.SEQS)
+    pairs = [asked[i : i + 2] for i in range(0, len(asked), 2)]
+    for first, second in pairs:  # the same length and shape on both, one after the other
+        assert first[3:] == second[3:]
+        assert {first[0].who, second[0].who} == {"ours", "triton"}  # type: ignore[attr-defined]
+    assert [pair[0][1] for pair in pairs] == ["server", "triton", "server", "triton"]
+    assert {(a[1], a[2]) for a in asked} == {("server", report.BESIDE_TRITON),
+                                             ("triton", "triton b=32 delay=0us")}  # fmt: skip
