@@ -268,6 +268,7 @@ func (l policedListener) Accept() (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
+	raw = newRawTCPConn(raw)
 	if l.tls == nil {
 		return &policedConn{Conn: raw, policy: l.policy}, nil
 	}

@@ -65,6 +65,7 @@ type pending struct {
 type link struct {
 	slab  *slab
 	conn  *net.UnixConn
+	io    rawIO      // conn's reads and writes, as raw calls
 	mu    sync.Mutex // calls, out, alive
 	calls map[uint64]*pending
 	out   []byte
@@ -168,7 +169,13 @@ func (w *worker) connect() (*link, error) {
 		return nil, err
 	}
 	s.closeFd() // the worker holds its own descriptor now
-	return &link{slab: s, conn: conn, calls: map[uint64]*pending{}, wake: make(chan struct{}, 1), alive: true}, nil
+	io, err := newRawIO(conn)
+	if err != nil {
+		conn.Close()
+		s.unmap()
+		return nil, err
+	}
+	return &link{slab: s, conn: conn, io: io, calls: map[uint64]*pending{}, wake: make(chan struct{}, 1), alive: true}, nil
 }
 
 // send queues a framed message; the writer sends everything queued in one write.
@@ -202,7 +209,7 @@ func (l *link) writeLoop() {
 		if !alive {
 			return
 		}
-		if _, err := l.conn.Write(buffer); err != nil {
+		if _, err := l.io.write(buffer); err != nil {
 			l.conn.Close() // the reader notices and fails the calls
 			return
 		}
@@ -213,7 +220,7 @@ func (w *worker) readLoop(l *link, welcomed func()) {
 	var buffer []byte
 	chunk := make([]byte, 1<<16)
 	for {
-		n, err := l.conn.Read(chunk)
+		n, err := l.io.read(chunk)
 		if err != nil {
 			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
 				log.Printf("worker link: %v", err)
