@@ -13,6 +13,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.transport.tls import TlsError, add_tls_arguments, channel_credentials, tls_requested
 
 
@@ -24,6 +25,27 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
         [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
     )
     return grpc.secure_channel(args.target, credentials, options=options)
+
+
+# The health entries every server has (the server as a whole, and each API); one more per
+# served model, under the model's name.
+SERVER_ENTRIES = ("", "attention.v1.AttentionService", "inference.GRPCInferenceService")
+
+
+def _not_found(channel: grpc.Channel, args: argparse.Namespace) -> str:
+    """What was asked, and the names the server's health service does report."""
+    try:
+        listed = attention_pb2_grpc.AttentionServiceStub(channel).ListModels(
+            attention_pb2.ListModelsRequest(), timeout=args.timeout_s
+        )
+        models = ", ".join(repr(model.name) for model in listed.models) or "none served"
+    except grpc.RpcError as err:
+        models = f"their names unknown: ListModels answered {err.code().name}"
+    entries = ", ".join(repr(name) for name in SERVER_ENTRIES)
+    return (
+        f"{args.target} has no health entry named {args.service!r}; it has {entries} "
+        f"('' = the whole server) and one per served model ({models})"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s
             )
         except grpc.RpcError as err:
-            print(f"unhealthy: {err.code().name}: {err.details()}", file=sys.stderr)
+            reason = err.details() or ""
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                reason = _not_found(channel, args)
+            print(f"unhealthy: {err.code().name}: {reason}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from service.errors import ShuttingDown
-from service.frontend import caller
+from service.frontend import caller, reflection
 from service.frontend.attention_servicer import AttentionServicer
 from service.frontend.compression import Unpacker
 from service.frontend.delivery import AnswerBudget, install_disconnect_filter
@@ -43,7 +42,6 @@ from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.observability import tracing
 from service.settings import Settings
 from service.transport.grpc_options import MAX_CONCURRENT_STREAMS, server_options
-from service.transport.proto_pool import pool_of
 from service.transport.tls import ReloadingCredentials, TlsError, server_tls
 
 log = logging.getLogger(__name__)
@@ -277,17 +275,10 @@ class FrontendServer:
             unpack,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME],
+        reflection.enable(
             server,
-            pool=pool_of(
-                [
-                    attention_pb2.DESCRIPTOR,
-                    grpc_service_pb2.DESCRIPTOR,
-                    health_pb2.DESCRIPTOR,
-                    reflection_pb2.DESCRIPTOR,
-                ]
-            ),
+            [*SERVICE_NAMES, health.SERVICE_NAME],
+            [attention_pb2.DESCRIPTOR, grpc_service_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR],
         )
 
     def _restrictions(self) -> Restrictions:
