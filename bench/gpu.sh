@@ -14,7 +14,9 @@
 # them first, in seconds); wheels it lacks can be carried in build/gpu-bundle
 # (bench/gpu_bundle.sh). It prints what it found.
 # It never falls back to CPU: no driver >= 580, no CUDA provider, or any session placed on
-# CPU fails it with the reason. Results: stdout, and $OUT/gpu-check.json when $OUT is set
+# CPU fails it with the reason. After the server's load it scrapes /metrics: the GPU's NVML
+# series (utilization, memory used and total, power) must be there, and every process's CPU
+# and memory series. Results: stdout, and $OUT/gpu-check.json when $OUT is set
 # (else build/gpu-check.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -28,7 +28,7 @@ mkdir -p "$BUNDLE"
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -c constraints.txt -c constraints-gpu.txt -d "$BUNDLE" \
-    onnxruntime-gpu grpcio grpcio-health-checking grpcio-reflection protobuf prometheus-client
+    onnxruntime-gpu grpcio grpcio-health-checking grpcio-reflection protobuf prometheus-client nvidia-ml-py
 for wheel in "$BUNDLE"/*.whl; do
     if (($(stat -c %s "$wheel") > PART_MIB * 1048576)); then
         split -b "${PART_MIB}M" -d -a 2 "$wheel" "$wheel.part-"

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,60 @@ def server_scenarios(repository: Path, model: str, d: int, provider: str, short:
                 raise CheckFailed(f"server scenario {name}: errors {result['errors']}")
             report[name] = {k: result[k] for k in ("sequences_per_s", "p50_ms", "p99_ms")
                             if k in result}  # fmt: skip
+        # After the load: the GPU has worked, and every process has used CPU.
+        report["metrics"] = system_series(server.metrics_port)
     return report
+
+
+# The GPU series the server exposes from NVML (Triton's nv_gpu_* equivalents), and the
+# process series every role has.
+GPU_SERIES = ("attention_gpu_utilization_ratio", "attention_gpu_memory_used_bytes",
+              "attention_gpu_memory_total_bytes", "attention_gpu_power_usage_watts")  # fmt: skip
+PROCESS_SERIES = ("attention_process_cpu_seconds_total", "attention_process_resident_memory_bytes")
+ROLES = ("supervisor", "worker", "frontend-0")
+
+
+def system_series(metrics_port: int) -> dict[str, dict[str, float]]:
+    """The server's attention_gpu_* and attention_process_* samples: {name: {labels: value}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        text = answer.read().decode()
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(("attention_gpu_", "attention_process_")):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                found.setdefault(sample.name, {})[labels] = sample.value
+    return found
+
+
+def judge_series(series: dict[str, dict[str, float]] | None, gpu: bool) -> list[str]:
+    """Every role's CPU and memory; with a GPU, its NVML series, used memory within total
+    (nothing to judge when the server was not reached)."""
+    if series is None:
+        return []
+    failures = [
+        f"no {name} for process {role}"
+        for name in PROCESS_SERIES
+        for role in ROLES
+        if f"process={role}" not in series.get(name, {})
+    ]
+    if not gpu:
+        return failures
+    missing = [name for name in GPU_SERIES if not series.get(name)]
+    if missing:
+        failures.append(f"no GPU series {missing} from the server (NVML: is nvidia-ml-py "
+                        "installed, and libnvidia-ml.so.1 found?)")  # fmt: skip
+    used, total = series.get(GPU_SERIES[1], {}), series.get(GPU_SERIES[2], {})
+    for gpu_labels, value in total.items():
+        if not 0 < used.get(gpu_labels, -1) <= value:
+            failures.append(f"GPU memory used {used.get(gpu_labels)} not within total {value}")
+    for gpu_labels, ratio in series.get(GPU_SERIES[0], {}).items():
+        if not 0 <= ratio <= 1:
+            failures.append(f"GPU utilization {ratio} ({gpu_labels}) is not a ratio")
+    return failures
 
 
 def _print(title: str, value: Any) -> None:
@@ -294,6 +348,7 @@ def judge(report: Report) -> list[str]:
             if on_cpu:
                 failures.append(f"{graph} graph: {on_cpu} ran on CPU under CUDA (no CUDA kernel "
                                 "for this node, or the provider refused it)")  # fmt: skip
+    failures += judge_series(report.get("server", {}).get("metrics"), gpu=not report["dry_run"])
     for name, error in report.get("fused_load_errors", {}).items():
         failures.append(f"fused graph of {name} not usable: {error}")
     fused_parity = report["fused"].get("parity")

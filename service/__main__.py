@@ -7,8 +7,9 @@ import asyncio
 import logging
 import sys
 
-from service.app.children import LOG_FORMAT, exit_now
+from service.app.children import exit_now, initial_log_state
 from service.app.lifecycle import serve
+from service.observability import logs
 from service.settings import describe, load_settings
 
 log = logging.getLogger("service")
@@ -16,7 +17,7 @@ log = logging.getLogger("service")
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(argv)
-    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    logs.configure("supervisor", initial_log_state(settings))
     log.info("settings: %s", describe(settings))
     exit_now(asyncio.run(serve(settings)))
 

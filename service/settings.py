@@ -17,6 +17,7 @@ from typing import Any
 ENV_PREFIX = "ATTENTION_"
 PROVIDERS = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 ON_OFF = ("on", "off")
 CPU_ARENAS = ("bounded", "on", "off")
@@ -43,6 +44,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "repository_follow_symlinks": ON_OFF,
     "client_shared_memory": ON_OFF,
     "grpc_gateway": ("auto", "on", "off"),
+    "log_format": LOG_FORMATS,
 }
 
 
@@ -207,7 +209,19 @@ class Settings:
         "balancers and Kubernetes endpoints stop sending here first (within the grace period)",
         default=2.0,
     )
-    log_level: str = _doc(f"log level, one of {', '.join(LOG_LEVELS)} (any case)", default="INFO")
+    log_level: str = _doc(
+        f"log level of every process, one of {', '.join(LOG_LEVELS)} (any case); changes at "
+        "run time through Triton's logging extension (v2/logging, LogSettings)",
+        default="INFO",
+    )
+    log_format: str = _doc(
+        "text: one line per record, 'TIME LEVEL [PROCESS] LOGGER: MESSAGE'; json: one JSON "
+        "object per line with time (RFC 3339, UTC), level, process (supervisor, worker, "
+        "frontend-K, gateway-K), logger, message, and trace_id, span_id and request_id inside "
+        "a request where known; every process, the gateways included; changes at run time "
+        "like the level",
+        default="text",
+    )
     tls_cert: Path | None = _doc(
         "PEM certificate chain: serve TLS on the gRPC port (with --tls-key); reread when the "
         "file changes (no restart); unset = plaintext. The metrics port stays plain HTTP",
@@ -320,7 +334,7 @@ class Settings:
     restricted_api: tuple[str, ...] = _doc(
         "GROUPS:KEY=VALUE, as Triton's --grpc-restricted-protocol: calls in the comma-separated "
         "groups (model-repository, shared-memory, statistics, model-config, metadata, "
-        "inference, health) need the header KEY with VALUE, else PERMISSION_DENIED; VALUE "
+        "inference, health, logging) need the header KEY with VALUE, else PERMISSION_DENIED; VALUE "
         "@/path reads it from a file (a mounted Secret); repeat the flag for more (the "
         "environment variable takes a ;-separated list)",
         default=(),
@@ -402,6 +416,7 @@ class Settings:
             ("grace_period_s", self.grace_period_s >= 0, ">= 0"),
             ("shutdown_not_serving_s", self.shutdown_not_serving_s >= 0, ">= 0"),
             ("log_level", self.log_level.upper() in LOG_LEVELS, f"one of {LOG_LEVELS}"),
+            ("log_format", self.log_format in LOG_FORMATS, f"one of {LOG_FORMATS}"),
             (
                 "model_control_mode",
                 self.model_control_mode in MODEL_CONTROL_MODES,

@@ -15,6 +15,8 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from service.observability import metrics
+from service.observability.gpu_metrics import GpuCollector
+from service.observability.process_metrics import ProcessCollector
 from service.settings import ENV_PREFIX, Settings, env_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,6 +158,8 @@ def test_dashboard_queries_only_metrics_that_exist() -> None:
         for family in collector.describe()
     ]
     families += list(metrics.ServedSetCollector().collect())
+    # The supervisor's own: every process's CPU and memory, and a GPU's series where one is.
+    families += [*ProcessCollector(dict).describe(), *GpuCollector().describe()]
     declared = {family.name for family in families}
     dashboard = json.loads((ROOT / "monitoring/grafana/dashboards/attention.json").read_text())
     queried = {

@@ -47,6 +47,8 @@ def test_dry_run_checks_everything_on_cpu(model_repository: Path, tmp_path: Path
     assert report["fused"]["parity"]["relative"] < 1e-5
     assert report["server"]["one_request_seq128"]["p50_ms"] > 0
     assert report["server"]["requests_of_64_seq128"]["sequences_per_s"] > 0
+    series = report["server"]["metrics"]
+    assert series["attention_process_cpu_seconds_total"]["process=worker"] > 0
 
 
 def test_without_a_usable_gpu_the_real_run_fails_loudly(
@@ -199,3 +201,27 @@ def test_a_session_that_lost_its_cuda_provider_is_named_with_the_libraries() -> 
     with pytest.raises(gpu_check.CheckFailed, match="CUDA provider did not load"):
         gpu_check.check_sessions(Model(), [gpu_check.CUDA, gpu_check.CPU])  # type: ignore[arg-type]
     assert gpu_check.check_sessions(Model(), [gpu_check.CPU]) == {"output": [gpu_check.CPU]}  # type: ignore[arg-type]
+
+
+def test_the_servers_gpu_and_process_series_are_judged() -> None:
+    processes = {
+        name: {f"process={role}": 1.0 for role in gpu_check.ROLES}
+        for name in gpu_check.PROCESS_SERIES
+    }
+    board = "gpu=0,gpu_uuid=GPU-1"
+    gpu = {name: {board: 0.5} for name in gpu_check.GPU_SERIES}
+    gpu["attention_gpu_memory_used_bytes"] = {board: 2.0e9}
+    gpu["attention_gpu_memory_total_bytes"] = {board: 1.4e11}
+    assert gpu_check.judge_series({**processes, **gpu}, gpu=True) == []
+    assert gpu_check.judge_series(processes, gpu=False) == []  # the dry run, on CPU
+    assert gpu_check.judge_series(None, gpu=True) == []  # the server was never reached
+    (missing,) = gpu_check.judge_series(processes, gpu=True)
+    assert "nvidia-ml-py" in missing
+    overfull = {**gpu, "attention_gpu_memory_used_bytes": {board: 2e11}}
+    assert gpu_check.judge_series({**processes, **overfull}, gpu=True) == [
+        "GPU memory used 200000000000.0 not within total 140000000000.0"
+    ]
+    no_worker = {name: {"process=supervisor": 1.0} for name in gpu_check.PROCESS_SERIES}
+    assert "no attention_process_cpu_seconds_total for process worker" in (
+        gpu_check.judge_series(no_worker, gpu=False)
+    )

@@ -74,7 +74,7 @@ def test_health_metadata_config_stats_and_repository(
     assert not http.is_model_ready("small", "9")
     assert not http.is_model_ready("nope")
     assert http.get_server_metadata()["extensions"] == [
-        "model_configuration", "statistics", "model_repository",
+        "model_configuration", "statistics", "model_repository", "logging",
     ]  # fmt: skip
     metadata = http.get_model_metadata("small")
     assert metadata["inputs"] == [{"name": "embeddings", "datatype": "FP32", "shape": [-1, -1, D]}]

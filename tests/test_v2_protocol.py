@@ -52,7 +52,9 @@ def test_server_and_model_state(server: ServerProcess, v2: triton.InferenceServe
     assert not v2.is_model_ready("nope")
     metadata = v2.get_server_metadata(as_json=True)
     assert metadata["name"] == "attention-serving"
-    assert set(metadata["extensions"]) == {"model_configuration", "statistics", "model_repository"}
+    assert set(metadata["extensions"]) == {
+        "model_configuration", "statistics", "model_repository", "logging"
+    }  # fmt: skip
 
 
 def test_model_metadata_and_config(v2: triton.InferenceServerClient) -> None:

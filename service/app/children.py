@@ -17,17 +17,23 @@ from pathlib import Path
 from typing import NoReturn
 
 from service.memory.malloc import keep_freed_memory
+from service.observability import logs
 from service.settings import Settings
 
 log = logging.getLogger("service")
 PR_SET_PDEATHSIG = 1
 HEARTBEAT_S = 1.0  # how often a child tells the supervisor its event loop still turns
-LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
 
-def configure_logging(settings: Settings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr,
-                        force=True)  # fmt: skip
+def initial_log_state(settings: Settings) -> logs.LogState:
+    return logs.LogState(settings.log_level.upper(), settings.log_format)
+
+
+def configure_logging(settings: Settings, process: str, run_dir: Path) -> None:
+    """This process's logging, as the run directory's settings say now (they may have changed
+    since the server started), else as the flags say."""
+    state = logs.LogSettingsFile(run_dir).read() or initial_log_state(settings)
+    logs.configure(process, state)
 
 
 def _die_with_parent() -> None:
@@ -41,11 +47,11 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _child_setup(settings: Settings) -> None:
+def _child_setup(settings: Settings, process: str, run_dir: Path) -> None:
     _die_with_parent()
     # A terminal's Ctrl-C reaches the whole process group; the supervisor orders the drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logging(settings)
+    configure_logging(settings, process, run_dir)
     if settings.malloc_reuse == "on":
         keep_freed_memory()
 
@@ -59,15 +65,20 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _run(settings: Settings, main: Callable[[], Awaitable[int]], report: Connection) -> NoReturn:
+def _run(
+    settings: Settings, run_dir: Path, main: Callable[[], Awaitable[int]], report: Connection
+) -> NoReturn:
     from service.app.loops import event_loop_factory
 
     async def with_heartbeat() -> int:
         beating = asyncio.create_task(_heartbeat(report), name="heartbeat")
+        following = asyncio.create_task(logs.follow(logs.LogSettingsFile(run_dir)),
+                                        name="log-settings")  # fmt: skip
         try:
             return await main()
         finally:
             beating.cancel()
+            following.cancel()
 
     with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
         exit_now(runner.run(with_heartbeat()))
@@ -121,7 +132,7 @@ async def _wait_for_signal() -> float:
 
 
 def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoReturn:
-    _child_setup(settings)
+    _child_setup(settings, "worker", run_dir)
     from service.worker.server import StartupError, WorkerServer
 
     async def main() -> int:
@@ -139,14 +150,14 @@ def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoRetur
         await server.stop(settings.grace_period_s)
         return 0
 
-    _run(settings, main, report)
+    _run(settings, run_dir, main, report)
 
 
 def run_frontend(
     settings: Settings, run_dir: Path, index: int, ports: tuple[int, int], queue_bytes: int,
     report: Connection,
 ) -> NoReturn:  # fmt: skip
-    _child_setup(settings)
+    _child_setup(settings, f"frontend-{index}", run_dir)
     from service.frontend.server import FrontendServer, StartupError
     from service.worker_socket import socket_path
 
@@ -161,8 +172,10 @@ def run_frontend(
             return 1
         if started:
             report.send(("bound", server.port))
+            if server.gateway_pid is not None:  # its CPU and memory are in /metrics too
+                report.send(("gateway", server.gateway_pid))
             signalled_at = await _wait_for_signal()
         await server.stop(signalled_at=signalled_at)
         return 0
 
-    _run(settings, main, report)
+    _run(settings, run_dir, main, report)

@@ -25,9 +25,11 @@ from threading import Thread
 from typing import Any
 
 from service.app import run_dir
-from service.app.children import run_frontend, run_worker
+from service.app.children import initial_log_state, run_frontend, run_worker
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
-from service.observability import metrics
+from service.observability import logs, metrics
+from service.observability.gpu_metrics import GpuCollector
+from service.observability.process_metrics import ProcessCollector
 from service.settings import Settings
 
 log = logging.getLogger("service")
@@ -87,6 +89,7 @@ class Child:
     process: BaseProcess
     report: Connection
     started: bool = False  # reported ready (worker) or bound (front end)
+    gateway_pid: int | None = None  # a front end's gateway, once it reported one
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     last_seen: float = field(default_factory=time.monotonic)  # its latest report or beat
 
@@ -112,6 +115,8 @@ class Supervisor:
         self._served = metrics.ServedSetCollector()
         self._restarted = metrics.process_restarts_counter()
         self._watchdog: asyncio.Task[None] | None = None
+        self._log_settings = logs.LogSettingsFile(self._run_dir)
+        self._following: asyncio.Task[None] | None = None
         self.grpc_port = self.http_port = 0
         self._http_socket: socket.socket | None = None
         self.queue_bytes = settings.max_queue_bytes or default_queue_bytes(memory_limit_bytes())
@@ -132,6 +137,11 @@ class Supervisor:
         self._metrics_dir.mkdir()
         # Read by prometheus-client in every child at import: their metrics go to files here.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self._metrics_dir)
+        # Every process follows this file: a change through v2/logging reaches them all.
+        self._log_settings.write(initial_log_state(settings))
+        self._following = asyncio.get_running_loop().create_task(
+            logs.follow(self._log_settings), name="log-settings"
+        )
         try:
             self._port_socket = reserve_port(settings.host, settings.grpc_port)
         except OSError as err:
@@ -148,7 +158,9 @@ class Supervisor:
             self.http_port = self._http_socket.getsockname()[1]
         try:
             self._metrics_http = _serve_metrics(
-                settings, self._metrics_dir, [self._served, self._restarted]
+                settings,
+                self._metrics_dir,
+                [self._served, self._restarted, ProcessCollector(self._pids), GpuCollector()],
             )
         except OSError as err:
             return self._cannot_start(
@@ -196,6 +208,16 @@ class Supervisor:
 
     # -- children ----------------------------------------------------------------------------
 
+    def _pids(self) -> dict[str, int]:
+        """Every process of the server by role (called from the metrics thread)."""
+        pids = {"supervisor": os.getpid()}
+        for child in list(self._children.values()):
+            if child.process.pid is not None and child.process.exitcode is None:
+                pids[child.role] = child.process.pid
+                if child.gateway_pid is not None:
+                    pids[child.role.replace("frontend-", "gateway-")] = child.gateway_pid
+        return pids
+
     def _spawn(self, role: str) -> None:
         settings = self._settings
         receive, send = self._context.Pipe(duplex=False)
@@ -233,6 +255,8 @@ class Supervisor:
             child.started = False
         elif kind == "served" and child.role == "worker":
             self._served.set(message[1])
+        elif kind == "gateway":
+            child.gateway_pid = int(message[1])
 
     def _on_exit(self, child: Child) -> None:
         loop = asyncio.get_running_loop()
@@ -299,6 +323,8 @@ class Supervisor:
         self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._following is not None:
+            self._following.cancel()
         started = self._signalled_at or time.monotonic()
         deadline = started + self._settings.grace_period_s + EXIT_MARGIN_S
         alive = [c for c in self._children.values() if c.process.exitcode is None]

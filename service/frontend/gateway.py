@@ -25,7 +25,7 @@ from prometheus_client import multiprocess
 from prometheus_client.utils import floatToGoString
 
 from service.dataplane import DEADLINE_SLACK_S
-from service.observability import metrics
+from service.observability import logs, metrics
 from service.settings import Settings
 from service.transport import grpc_options
 
@@ -154,12 +154,14 @@ class Gateway:
         self._slab_bytes = slab_bytes
         self._receive_bytes = receive_bytes
         self._process: asyncio.subprocess.Process | None = None
+        self.pid: int | None = None
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
 
     def _command(self, address: str) -> list[str]:
         s = self._settings
         share, share_connection = undelivered_share(s, gateway=True)
+        state = logs.current()  # as this front end logs now: changed at run time, maybe
         command = [
             find_binary(s.grpc_gateway_binary),
             f"--listen={address}",
@@ -186,6 +188,12 @@ class Gateway:
             f"--shutdown-not-serving-s={s.shutdown_not_serving_s}",
             f"--grace-period-s={s.grace_period_s}",
             f"--refuse-linger-s={REFUSE_LINGER_S}",
+            # It writes its own log lines, in the format and at the level every process uses,
+            # and follows their changes in the run directory's settings file.
+            f"--log-process={self._name.replace('frontend-', 'gateway-')}",
+            f"--log-level={state.level}",
+            f"--log-format={state.format}",
+            f"--log-settings={self._worker_socket.parent / logs.SETTINGS_FILE}",
         ]
         if s.tls_cert and s.tls_key:
             command += [f"--tls-cert={s.tls_cert}", f"--tls-key={s.tls_key}"]
@@ -200,15 +208,15 @@ class Gateway:
             forget_dead_processes(metrics_dir)
         env = {**os.environ, "ATTENTION_GATEWAY_METRICS": json.dumps(metrics_spec())}
         try:
+            # Its log lines go straight to standard error, as this process's do; its standard
+            # output says "listening ADDRESS", or "failed WHY".
             process = await asyncio.create_subprocess_exec(
-                *self._command(address), env=env,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            )  # fmt: skip
+                *self._command(address), env=env, stdout=asyncio.subprocess.PIPE
+            )
         except OSError as err:
             raise GatewayError(f"cannot run the gateway: {err}") from err
         self._process = process
         assert process.stdout is not None
-        assert process.stderr is not None
         try:
             line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
         except TimeoutError:
@@ -216,17 +224,15 @@ class Gateway:
         if not line.startswith(b"listening "):
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
-            error = (await process.stderr.read()).decode(errors="replace").strip()
+            error = line.removeprefix(b"failed ").decode(errors="replace").strip()
             raise GatewayError(error or "the gateway did not start")
+        self.pid = process.pid
         self._watch = asyncio.create_task(self._watch_exit(process, on_exit))
         # As the supervisor logs its children: tools that follow the processes read this.
         log.info("started %s-gateway (pid %d): it serves the gRPC port", self._name, process.pid)
         return int(line.decode().rsplit(":", 1)[1])
 
     async def _watch_exit(self, process: asyncio.subprocess.Process, on_exit: Any) -> None:
-        assert process.stderr is not None
-        async for line in process.stderr:  # its log lines, into ours
-            log.warning("%s", line.decode(errors="replace").rstrip())
         code = await process.wait()
         multiprocess.mark_process_dead(process.pid)  # its in-flight gauge goes with it
         if not self._stopping:

@@ -16,10 +16,10 @@ import grpc
 from service.errors import PermissionDenied
 from service.observability import metrics
 
-# Triton's group names (its `trace` and `logging` groups have no RPC here).
+# Triton's group names (its `trace` group has no RPC here).
 GROUPS = (
     "model-repository", "shared-memory", "statistics", "model-config", "metadata",
-    "inference", "health",
+    "inference", "health", "logging",
 )  # fmt: skip
 
 # Every RPC this server answers, in the group Triton puts it (or would: AttentionService's
@@ -41,6 +41,7 @@ GROUP_OF_METHOD: dict[str, str] = {
         for kind in ("System", "Cuda")
         for op in ("Status", "Register", "Unregister")
     },
+    _V2 + "LogSettings": "logging",
     **{_ATTENTION + m: "inference" for m in ("Attend", "AttendStream")},
     **{_ATTENTION + m: "metadata" for m in ("GetModel", "ListModels")},
     "/grpc.health.v1.Health/Check": "health",

@@ -18,7 +18,7 @@ from service.frontend import caller
 from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Reservation
 from service.frontend.handlers import Undecodable
 from service.frontend.status import SERVER_FAULTS, code_for
-from service.observability import metrics, tracing
+from service.observability import logs, metrics, tracing
 from service.text import shown
 from service.transport.wire import WireMessage
 
@@ -120,6 +120,8 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
             span = start_span(api, handler.__name__, context)
             reservation: Reservation | None = None
             tally = _Tally(model, api)
+            # What this call logs carries its request id (JSON logs).
+            id_token = logs.REQUEST_ID.set(self.request_id(request))
             try:
                 reservation = _admit(self, request, context, holds_answer=holds_answer)
                 response = serialized(await handler(self, request, context))
@@ -160,6 +162,10 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
                 # Server time until the answer existed: a slow reader does not stretch it.
                 ended = answered if answered is not None else time.monotonic()
                 metrics.request_duration(model, api).observe(ended - started)
+                if log.isEnabledFor(logging.DEBUG):  # a line per call only when verbose
+                    log.debug("%s %s ended %s after %.6f s", api, handler.__name__, code.name,
+                              ended - started)  # fmt: skip
+                logs.REQUEST_ID.reset(id_token)
 
         wrapped.writes_answer = holds_answer  # type: ignore[attr-defined]
         return wrapped

@@ -28,6 +28,7 @@ from service.frontend.gateway import (
 )
 from service.frontend.handlers import add_servicer
 from service.frontend.limits import message_limits
+from service.frontend.log_settings import LogControl
 from service.frontend.rest.app import RestFrontend
 from service.frontend.rest.protocol import ConnectionLimits
 from service.frontend.restricted import RestrictedApiInterceptor, Restrictions
@@ -104,6 +105,11 @@ class FrontendServer:
         self._background: set[asyncio.Future[None]] = set()
 
     @property
+    def gateway_pid(self) -> int | None:
+        """The pid of the gateway serving this front end's port; None without one."""
+        return None if self._gateway is None else self._gateway.pid
+
+    @property
     def ready(self) -> bool:
         """Warm worker connected, not draining: V2 ServerReady / ModelReady."""
         return self.plane.ready and self._started
@@ -150,7 +156,9 @@ class FrontendServer:
                 max_concurrent_streams=None if self._gateway_on else MAX_CONCURRENT_STREAMS,
             ),
         )
-        v2_plane = V2Plane(self.plane, settings, lambda: self.ready)
+        # Log settings go to every process through the run folder (the worker socket's).
+        log_control = LogControl(self._worker_socket.parent)
+        v2_plane = V2Plane(self.plane, settings, lambda: self.ready, log_control=log_control)
         # This front end's share of the undelivered-answers budget, for gRPC and REST alike:
         # every front end holds its own answers.
         self._answers = AnswerBudget(*undelivered_share(settings, gateway=self._gateway_on))

@@ -4,8 +4,9 @@ front end: each takes and returns the V2 protobuf messages, so the two cannot dr
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from service.dataplane import (
 )
 from service.errors import InvalidInput, ModelNotFound, NotSupported
 from service.frontend.admission import HasDeadline, admit_and_run
+from service.frontend.log_settings import LogControl, Value
 from service.frontend.shm_tensors import PARAMETERS
 from service.frontend.v2_codec import (
     INPUT_NAME,
@@ -44,7 +46,7 @@ from service.text import shown
 SERVER_NAME = "attention-serving"
 PLATFORM = "onnxruntime_onnx"
 # Triton's names; model_repository: RepositoryIndex / RepositoryModelLoad / RepositoryModelUnload.
-EXTENSIONS = ["model_configuration", "statistics", "model_repository"]
+EXTENSIONS = ["model_configuration", "statistics", "model_repository", "logging"]
 SHARED_MEMORY_EXTENSION = "system_shared_memory"
 SHARED_MEMORY_OFF = (
     "system shared memory is off on this server; start it with --client-shared-memory on "
@@ -100,9 +102,18 @@ class Inferred:
 class V2Plane:
     """Health, metadata, config, statistics, repository and inference of the V2 protocol."""
 
-    def __init__(self, plane: DataPlane, settings: Settings, is_ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        plane: DataPlane,
+        settings: Settings,
+        is_ready: Callable[[], bool],
+        *,
+        log_control: LogControl | None = None,
+    ) -> None:
         self._plane = plane
         self._settings = settings
+        # Every process's log settings (this process's alone without a run directory).
+        self._log_control = log_control or LogControl(None)
         self.limits = InputLimits(settings.max_seq_len, settings.max_batch_size)
         self.is_ready = is_ready
         # Client shared memory: the worker holds the regions; this relays the calls.
@@ -124,6 +135,14 @@ class V2Plane:
         return v2.ServerMetadataResponse(
             name=SERVER_NAME, version=_server_version(), extensions=extensions
         )
+
+    def log_settings(self) -> dict[str, Value]:
+        """Triton's log settings, as every process logs now."""
+        return self._log_control.view()
+
+    def update_log_settings(self, changes: Mapping[str, Any], who: str) -> dict[str, Value]:
+        """Change the log settings of every process; the settings in force after the change."""
+        return self._log_control.update(changes, who)
 
     def model_metadata(self, name: str, version: str) -> v2.ModelMetadataResponse:
         model = self.registry.resolve(name, version)

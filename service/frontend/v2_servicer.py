@@ -13,6 +13,7 @@ import grpc
 
 from service.catalog import SERVER_LABEL, ModelRegistry, ServedModel
 from service.dataplane import DataPlane
+from service.frontend import log_settings
 from service.frontend.caller import caller
 from service.frontend.delivery import AnswerBudget
 from service.frontend.rpc import rpc
@@ -168,6 +169,16 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> v2.SystemSharedMemoryUnregisterResponse:
         await self.plane.shm_unregister(request.name)
         return v2.SystemSharedMemoryUnregisterResponse()
+
+    # The logging extension: the logging group of --restricted-api.
+    @rpc(API)
+    async def LogSettings(
+        self, request: v2.LogSettingsRequest, context: grpc.aio.ServicerContext
+    ) -> v2.LogSettingsResponse:
+        changes = log_settings.from_proto(request)
+        if not changes:
+            return log_settings.to_proto(self.plane.log_settings())
+        return log_settings.to_proto(self.plane.update_log_settings(changes, caller(context)))
 
     @rpc(API, holds_answer=True)
     async def ModelInfer(

@@ -249,8 +249,6 @@ func parseOptions() options {
 }
 
 func main() {
-	log.SetFlags(0)
-	log.SetPrefix("[gateway] ")
 	// The heap is mostly short-lived message buffers, bounded by the shared memory and the
 	// answers budget: collect less often than the default (profiled: 8% of CPU in GC).
 	debug.SetGCPercent(400)
@@ -264,9 +262,9 @@ func main() {
 		os.Exit(1)
 	}
 	o := parseOptions()
+	startLogging()
 	if err := run(o); err != nil {
-		fmt.Fprintln(os.Stderr, "gateway:", err)
-		os.Exit(1)
+		fatal(err)
 	}
 }
 
@@ -295,7 +293,7 @@ func run(o options) error {
 	if err != nil {
 		return err
 	}
-	server := &http.Server{Handler: g, IdleTimeout: o.idle, ReadHeaderTimeout: 10 * time.Second,
+	server := &http.Server{Handler: logCalls(g), IdleTimeout: o.idle, ReadHeaderTimeout: 10 * time.Second,
 		ErrorLog: log.New(io.Discard, "", 0),
 		ConnContext: func(ctx context.Context, _ net.Conn) context.Context {
 			if o.maxAge <= 0 {

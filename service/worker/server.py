@@ -256,6 +256,7 @@ class WorkerServer:
 
     async def _control(self, op: str, args: dict[str, Any]) -> Any:
         """A front end's control call (statistics, repository index, load, unload)."""
+        log.debug("control call %s", op)
         if op == "flush":
             # A front end refuses new calls: batches close at once from now on, so what it
             # accepted is not left waiting for a batch to fill.

@@ -36,7 +36,7 @@ from service.frontend.rest.protocol import ConnectionLimits, RestRunner
 from service.frontend.restricted import Restrictions
 from service.frontend.status import SERVER_FAULTS, code_for, http_status
 from service.frontend.v2_plane import V2Plane
-from service.observability import metrics, tracing
+from service.observability import logs, metrics, tracing
 from service.text import shown
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,7 @@ class RestFrontend:
         in_flight = metrics.in_flight(API)
         in_flight.inc()
         span = self._start_span(request)
+        id_token = logs.REQUEST_ID.set("")  # the infer endpoint sets it once it has one
         try:
             self._check_access(request)
             response = await handler(request)
@@ -245,7 +246,12 @@ class RestFrontend:
             )
             in_flight.dec()
             metrics.requests_counter(model, API, code.name).inc()
-            metrics.request_duration(model, API).observe(time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            metrics.request_duration(model, API).observe(elapsed)
+            if log.isEnabledFor(logging.DEBUG):  # a line per request only when verbose
+                log.debug("%s %s ended %d after %.6f s", request.method,
+                          shown(_route(request), 200), status, elapsed)  # fmt: skip
+            logs.REQUEST_ID.reset(id_token)
 
     def _check_access(self, request: web.Request) -> None:
         """--restricted-api: the matched route's group needs its key. A path no route serves
@@ -282,8 +288,8 @@ def _refusal_message(request: web.Request, err: web.HTTPException) -> str:
         return (
             f"no endpoint {request.method} {request.path[:200]!r}; the V2 REST API serves "
             "/v2, /v2/health/{live,ready}, /v2/models/{model}[/versions/{version}]"
-            "[/ready|/config|/stats|/infer], /v2/models/stats, /v2/repository/... and "
-            "/v2/systemsharedmemory/..."
+            "[/ready|/config|/stats|/infer], /v2/models/stats, /v2/repository/..., "
+            "/v2/systemsharedmemory/... and /v2/logging"
         )
     if err.status == 405:
         return f"{request.method} is not served on {request.path[:200]!r}; {err.reason}"

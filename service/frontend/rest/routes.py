@@ -21,6 +21,7 @@ from service.frontend.rest.codec import (
     message_json,
 )
 from service.frontend.v2_plane import Inferred, V2Plane
+from service.observability import logs
 from service.text import shown
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ ROUTES: tuple[tuple[str, str, str, str], ...] = (
     ("POST", SHM + "/region/{region}/register", "shm_register", "shared-memory"),
     ("POST", f"{SHM}/unregister", "shm_unregister", "shared-memory"),
     ("POST", SHM + "/region/{region}/unregister", "shm_unregister", "shared-memory"),
+    ("GET", "/v2/logging", "log_settings", "logging"),
+    ("POST", "/v2/logging", "update_log_settings", "logging"),
 )
 GROUP_OF_ROUTE = {path: group for _, path, _, group in ROUTES}
 INT64_MAX = (1 << 63) - 1
@@ -142,6 +145,7 @@ class _Endpoints:
         body = await self.frontend.off_loop(
             len(raw), lambda: decode_infer(raw, header, name, version)
         )
+        logs.REQUEST_ID.set(body.request.id)  # for what this request logs (the wrapper resets it)
         estimate = self._json_answer_bounded(body)
         held = self._reserve(request, estimate)
         try:
@@ -276,6 +280,15 @@ class _Endpoints:
     async def shm_unregister(self, request: web.Request) -> web.Response:
         await self.plane.shm_unregister(request.match_info.get("region", ""))
         return json_response({})
+
+    # Triton's logging extension: the logging group of --restricted-api.
+    async def log_settings(self, request: web.Request) -> web.Response:
+        return json_response(self.plane.log_settings())
+
+    async def update_log_settings(self, request: web.Request) -> web.Response:
+        changes = await self._json_body(request, "the log settings request")
+        who = f"peer {shown(str(request.remote or 'unknown'))}"
+        return json_response(self.plane.update_log_settings(changes, who))
 
 
 def _encoded(body: InferBody, inferred: Inferred) -> tuple[list[bytes], int | None]:

@@ -1,0 +1,109 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestJSONLinesCarryThePythonFields(t *testing.T) {
+	var out bytes.Buffer
+	h := newLineHandler(&out, "gateway-3")
+	h.apply(logSettings{Level: "INFO", Format: "json"})
+	logger := slog.New(h)
+	logger.Debug("not shown at INFO")
+	logger.Info("worker link: \"quoted\"\nnewline", "trace_id", "0af7651916cd43dd8448eb211c80319c")
+	lines := strings.Split(strings.TrimSuffix(out.String(), "\n"), "\n")
+	if len(lines) != 1 {
+		t.Fatalf("want one line, got %q", out.String())
+	}
+	var line map[string]any
+	if err := json.Unmarshal([]byte(lines[0]), &line); err != nil {
+		t.Fatalf("%q: %v", lines[0], err)
+	}
+	want := map[string]any{
+		"level": "INFO", "process": "gateway-3", "logger": "gateway",
+		"message": "worker link: \"quoted\"\nnewline", "trace_id": "0af7651916cd43dd8448eb211c80319c",
+	}
+	for key, value := range want {
+		if line[key] != value {
+			t.Errorf("%s = %v, want %v", key, line[key], value)
+		}
+	}
+	stamp, err := time.Parse(time.RFC3339Nano, line["time"].(string))
+	if err != nil || !strings.HasSuffix(line["time"].(string), "Z") || time.Since(stamp) > time.Minute {
+		t.Errorf("time %v is not RFC 3339 in UTC, now: %v", line["time"], err)
+	}
+}
+
+func TestTextLinesAndLevelsAsPythonNamesThem(t *testing.T) {
+	var out bytes.Buffer
+	h := newLineHandler(&out, "gateway-0")
+	h.apply(logSettings{Level: "WARNING", Format: "text"})
+	logger := slog.New(h)
+	logger.Info("hidden")
+	logger.Warn("shown", "peer", "127.0.0.1:5")
+	got := out.String()
+	if !strings.Contains(got, " WARNING [gateway-0] gateway: shown peer=127.0.0.1:5\n") || strings.Contains(got, "hidden") {
+		t.Fatalf("text line %q", got)
+	}
+	if h.apply(logSettings{Level: "VERBOSE", Format: "text"}) || h.apply(logSettings{Level: "INFO", Format: "xml"}) {
+		t.Fatal("unknown level or format applied")
+	}
+	h.apply(logSettings{Level: "OFF", Format: "text"})
+	out.Reset()
+	logger.Error("nothing at all")
+	if out.Len() != 0 {
+		t.Fatalf("OFF logged %q", out.String())
+	}
+}
+
+// The settings file as Python writes it (tests/golden/log-settings.json, checked byte for
+// byte by tests/test_logs.py), followed when it is replaced.
+func TestTheSettingsFileIsFollowed(t *testing.T) {
+	golden, err := os.ReadFile(filepath.Join("..", "..", "tests", "golden", "log-settings.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "log-settings.json")
+	h := newLineHandler(&bytes.Buffer{}, "gateway-0")
+	h.apply(logSettings{Level: "INFO", Format: "text"})
+	seen := h.applyIfChanged(path, fileSignature{}) // no file yet: nothing changes
+	if err := os.WriteFile(path, golden, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	seen = h.applyIfChanged(path, seen)
+	if h.shared.level.Level() != slog.LevelDebug || !h.shared.json.Load() {
+		t.Fatalf("golden settings not applied: level %v json %v", h.shared.level.Level(), h.shared.json.Load())
+	}
+	replacement := filepath.Join(filepath.Dir(path), ".new")
+	if err := os.WriteFile(replacement, []byte(`{"level": "ERROR", "format": "text"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(replacement, path); err != nil {
+		t.Fatal(err)
+	}
+	h.applyIfChanged(path, seen)
+	if h.shared.level.Level() != slog.LevelError || h.shared.json.Load() {
+		t.Fatal("the replaced file was not applied")
+	}
+}
+
+func TestTraceIDOfATraceparent(t *testing.T) {
+	for header, want := range map[string]string{
+		"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01": "0af7651916cd43dd8448eb211c80319c",
+		"00-00000000000000000000000000000000-b7ad6b7169203331-01": "",
+		"00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01": "",
+		"00-0af7651916cd43dd8448eb211c80319c":                     "",
+		"":                                                        "",
+	} {
+		if got, _ := traceIDOf(header); got != want {
+			t.Errorf("traceIDOf(%q) = %q, want %q", header, got, want)
+		}
+	}
+}
