@@ -469,17 +469,13 @@ def test_python_serves_the_port_when_inference_keys_are_checked(model_repository
 def test_the_python_front_end_sees_the_clients_address(gateway: ServerProcess) -> None:
     """Behind the gateway, per-connection bounds and log lines name the client, not the
     gateway's socket; a client cannot name itself."""
-    x = np.ones((1, 2, 512), np.float32)
-    tensor = triton.InferInput("embeddings", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x)
     with (
         triton.InferenceServerClient(gateway.target) as client,
-        pytest.raises(InferenceServerException) as refused,  # refused, and logged, by Python
+        pytest.raises(InferenceServerException) as refused,  # logged, and refused, by Python
     ):
-        client.infer("mha", [tensor], compression_algorithm="gzip",
-                     headers={"x-attention-gateway-peer": "ipv4:6.6.6.6:1"})  # fmt: skip
-    assert refused.value.status() == "StatusCode.UNIMPLEMENTED"
-    assert "refused a compressed request from 'ipv4:127.0.0.1'" in gateway.log
+        client.load_model("mha", headers={"x-attention-gateway-peer": "ipv4:6.6.6.6:1"})
+    assert refused.value.status() == "StatusCode.FAILED_PRECONDITION"  # --model-control-mode
+    assert "RepositoryModelLoad 'mha' asked by peer 'ipv4:127.0.0.1:" in gateway.log
     assert "6.6.6.6" not in gateway.log
 
 

@@ -1,16 +1,22 @@
-"""Compressed requests that cannot become memory bombs.
+"""Compressed requests that cannot become memory bombs, and never a guess at plain ones.
 
-gRPC core would inflate a compressed message in full and only then compare it with the
-receive limit (a 1 MiB gzip body of 1 GiB of zeros took +820..940 MiB at its peak). The server
-therefore runs with grpc.per_message_decompression off (transport/grpc_options.py): core
-checks the receive limit on the message as it came, and hands it over still compressed.
-Unpacker then either refuses it (--grpc-compression identity) or inflates it with zlib, never
-past the receive limit (gzip).
+Which encodings a call may declare (grpc-encoding) is gRPC core's to check: the server takes
+only those of --grpc-compression (transport/grpc_options.py), and core refuses a call that
+declares any other with UNIMPLEMENTED before any handler runs. With --grpc-compression identity
+every message is therefore plain, and nothing here looks at its bytes: a message whose first
+field is one this server does not know (field 15 opens with 78 xx, as a zlib stream does) is
+parsed, its unknown field ignored, as protobuf asks.
 
-Core keeps the message's compressed flag to itself, so a compressed message is recognised by
-its first bytes: gzip's magic 1f 8b (0x1f is never the first byte of a protobuf message: wire
-type 7 does not exist) and zlib's header 78 xx (what every gRPC implementation writes for
-deflate; as protobuf 0x78 would open with field 15, which no request message here has).
+gRPC core would inflate a compressed message in full and only then compare it with the receive
+limit (a 1 MiB gzip body of 1 GiB of zeros took +820..940 MiB at its peak). The server therefore
+runs with grpc.per_message_decompression off: core checks the receive limit on the message as
+it came, and hands it over still compressed. With --grpc-compression gzip, Unpacker inflates it
+with zlib, never past the receive limit.
+
+Core keeps each message's compressed flag to itself (a call that declares gzip may still send a
+message uncompressed), so a compressed one is recognised by its bytes: gzip's magic 1f 8b is
+never the start of a protobuf message (wire type 7 does not exist); a zlib header 78 xx is
+deflate only when the bytes inflate as one whole zlib stream, and otherwise a plain message.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import logging
 import time
 import zlib
 
-from service.errors import CompressedTooLarge, CompressionRefused, InvalidInput, ServingError
+from service.errors import CompressedTooLarge, InvalidInput, ServingError
 from service.frontend.handlers import Undecodable
 from service.observability import metrics
 from service.text import shown
@@ -34,12 +40,17 @@ INFLATE_STEP = 1 << 20  # one per client address; beyond it the oldest are forgo
 
 
 def encoding_of(data: bytes) -> str | None:
-    """'gzip', 'deflate' or None (a plain protobuf message), from the first bytes."""
+    """'gzip', 'deflate' or None (a plain protobuf message), from the first bytes. 'deflate'
+    only says the bytes may be a zlib stream: a plain message may open so too (field 15)."""
     if data[:2] == GZIP_MAGIC:
         return "gzip"
     if len(data) >= 2 and data[0] == ZLIB_CMF and (data[0] << 8 | data[1]) % 31 == 0:
         return "deflate"
     return None
+
+
+class _NotZlib(Exception):
+    """The bytes that opened like a zlib stream are not one: a plain message."""
 
 
 class RefusalLog:
@@ -87,28 +98,26 @@ class Unpacker:
     """The request deserializers' first step: bytes as they came -> bytes to parse."""
 
     def __init__(self, mode: str, *, max_bytes: int) -> None:
+        # identity: core refuses every call that declares an encoding, so no message is
+        # compressed and none is looked at.
         self._accept = mode == "gzip"
         self._max_bytes = max_bytes
         self._refusals = RefusalLog()
 
     def __call__(self, data: bytes) -> bytes | Undecodable:
-        encoding = encoding_of(data)
+        encoding = encoding_of(data) if self._accept else None
         if encoding is None:
             return data
         try:
             return self._inflate(data, encoding)
+        except _NotZlib:
+            return data  # a plain message whose first field is 15
         except ServingError as err:
-            reason = {CompressionRefused: "encoding", CompressedTooLarge: "too_large"}
-            metrics.COMPRESSION_REFUSALS.labels(reason.get(type(err), "corrupt")).inc()
+            reason = "too_large" if isinstance(err, CompressedTooLarge) else "corrupt"
+            metrics.COMPRESSION_REFUSALS.labels(reason).inc()
             return RefusedMessage(err, self._refusals)
 
     def _inflate(self, data: bytes, encoding: str) -> bytes:
-        if not self._accept:
-            raise CompressionRefused(
-                f"this server takes uncompressed requests only, and this one is {encoding}-"
-                "compressed: send it uncompressed (gRPC clients do unless told to compress), "
-                "or start the server with --grpc-compression gzip"
-            )
         inflated = _inflate_at_most(data, encoding, self._max_bytes)
         if inflated is None:
             raise CompressedTooLarge(
@@ -137,8 +146,12 @@ def _inflate_at_most(data: bytes, encoding: str, max_bytes: int) -> bytes | None
             if not piece and not pending:
                 break  # the input ended before the compressed stream did
     except zlib.error as err:
+        if encoding == "deflate":
+            raise _NotZlib from err
         raise InvalidInput(f"the {encoding}-compressed request is corrupt: {err}") from err
     if not inflater.eof or inflater.unused_data:
+        if encoding == "deflate":
+            raise _NotZlib
         raise InvalidInput(
             f"the {encoding}-compressed request is truncated or has bytes after its end"
         )

@@ -173,6 +173,7 @@ class Gateway:
             f"--max-batch-size={s.max_batch_size}",
             f"--client-shared-memory={'true' if s.client_shared_memory == 'on' else 'false'}",
             f"--max-receive-bytes={self._receive_bytes}",
+            f"--accept-encoding={grpc_options.accepted_encodings(s.grpc_compression)}",
             f"--max-undelivered-bytes={share}",
             f"--max-undelivered-bytes-per-connection={share_connection}",
             f"--max-connection-idle-s={s.max_connection_idle_s}",

@@ -1,8 +1,10 @@
 """Register generated servicers with response serializers that also take WireMessage, and
-request deserializers that turn unparsable bytes into a request the handler can refuse."""
+request deserializers that turn unparsable bytes into a request the handler can refuse; every
+method that takes one request refuses a call that does not carry exactly one."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -73,24 +75,107 @@ def add_servicer(
 ) -> None:
     """Like add_XServicer_to_server(servicer, server), with WireMessage-aware serializers;
     unpack inflates (or refuses) compressed requests before they are parsed."""
+
+    def wire(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        return _writing_its_answer(
+            handler._replace(  # type: ignore[attr-defined]
+                response_serializer=serializer_for(handler.response_serializer),
+                request_deserializer=deserializer_for(
+                    handler.request_deserializer,
+                    _message_name(handler.request_deserializer),
+                    unpack,
+                ),
+            )
+        )
+
+    _register(server, add_to_server, servicer, wire)
+
+
+def add_taking_one_request(
+    server: grpc.aio.Server, add_to_server: Callable[[Any, Any], None], servicer: Any
+) -> None:
+    """add_XServicer_to_server(servicer, server) for a servicer of gRPC's own (health), its
+    serializers kept; its one-request methods refuse calls that do not carry exactly one."""
+    _register(server, add_to_server, servicer, lambda handler: handler)
+
+
+def _register(
+    server: grpc.aio.Server,
+    add_to_server: Callable[[Any, Any], None],
+    servicer: Any,
+    wire: Callable[[grpc.RpcMethodHandler], grpc.RpcMethodHandler],
+) -> None:
     recorder = _Recorder()
     add_to_server(servicer, recorder)
     for service, handlers in recorder.services:
-        wired = {
-            method: _writing_its_answer(
-                handler._replace(  # type: ignore[attr-defined]
-                    response_serializer=serializer_for(handler.response_serializer),
-                    request_deserializer=deserializer_for(
-                        handler.request_deserializer,
-                        _message_name(handler.request_deserializer),
-                        unpack,
-                    ),
-                )
-            )
-            for method, handler in handlers.items()
-        }
+        wired = {method: taking_one_request(wire(handler)) for method, handler in handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wired),))
         server.add_registered_method_handlers(service, wired)
+
+
+# A method that takes one request, called with none or with more (gRPC's "request cardinality
+# violation"): INTERNAL, as gRPC's Go and Java servers answer it. grpcio hands the application
+# no message that the body ended inside of, so a call cut short is one with none.
+NO_REQUEST = (
+    "the call ended without a whole request message (no message, or one cut short): "
+    "this method takes exactly one"
+)
+MORE_THAN_ONE_REQUEST = "the call carried more than one request message: this method takes one"
+
+
+async def the_one_request(context: grpc.aio.ServicerContext) -> Any:
+    """The call's request, once the client has half-closed after exactly one message; any
+    other number ends the call INTERNAL."""
+    request = await context.read()
+    if request is grpc.aio.EOF:
+        await context.abort(grpc.StatusCode.INTERNAL, NO_REQUEST)
+    if await context.read() is not grpc.aio.EOF:
+        await context.abort(grpc.StatusCode.INTERNAL, MORE_THAN_ONE_REQUEST)
+    return request
+
+
+def taking_one_request(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A method that takes one request, registered as one that takes a stream of them: on the
+    wire the same calls, but grpcio never answers a unary method's call whose body ends
+    without a whole message (it waits until the client resets it), and answers one that
+    carries two from the first. Streamed in, the handler sees every message and the end."""
+    if handler.request_streaming:
+        return handler
+    if not handler.response_streaming:
+        unary = handler.unary_unary
+        if not inspect.iscoroutinefunction(unary):
+            return handler  # not an asyncio handler: grpcio runs it as it is
+
+        async def answer(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await unary(await the_one_request(context), context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            answer,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    streamed = handler.unary_stream
+    answers: Callable[[Any, grpc.aio.ServicerContext], Any]
+    if inspect.isasyncgenfunction(streamed):
+
+        async def generated(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for response in streamed(await the_one_request(context), context):
+                yield response
+
+        answers = generated
+    elif inspect.iscoroutinefunction(streamed):  # writes its answers with context.write
+
+        async def written(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await streamed(await the_one_request(context), context)
+
+        answers = written
+    else:
+        return handler
+    return grpc.stream_stream_rpc_method_handler(
+        answers,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _writing_its_answer(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

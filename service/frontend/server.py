@@ -26,7 +26,7 @@ from service.frontend.gateway import (
     locate_binary,
     undelivered_share,
 )
-from service.frontend.handlers import add_servicer
+from service.frontend.handlers import add_servicer, add_taking_one_request
 from service.frontend.limits import message_limits
 from service.frontend.log_settings import LogControl
 from service.frontend.rest.app import RestFrontend
@@ -154,6 +154,7 @@ class FrontendServer:
                 max_connection_idle_s=settings.max_connection_idle_s,
                 share_port=True,
                 max_concurrent_streams=None if self._gateway_on else MAX_CONCURRENT_STREAMS,
+                compression=settings.grpc_compression,
             ),
         )
         # Log settings go to every process through the run folder (the worker socket's).
@@ -282,7 +283,7 @@ class FrontendServer:
             ),
             unpack,
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        add_taking_one_request(server, health_pb2_grpc.add_HealthServicer_to_server, self._health)
         reflection.enable(
             server,
             [*SERVICE_NAMES, health.SERVICE_NAME],

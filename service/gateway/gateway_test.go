@@ -133,24 +133,6 @@ func TestSlabFirstFitCoalesces(t *testing.T) {
 	}
 }
 
-func TestGrpcTimeout(t *testing.T) {
-	for value, want := range map[string]time.Duration{"5S": 5 * time.Second, "100m": 100 * time.Millisecond, "7u": 7 * time.Microsecond} {
-		if got, set, valid := grpcTimeout(value); !set || !valid || got != want {
-			t.Errorf("%q: %v %v %v", value, got, set, valid)
-		}
-	}
-	for _, value := range []string{"S", "5", "-1S", "5X", "1234567890S", "+5S", "1.5S", "1x"} {
-		if _, set, valid := grpcTimeout(value); set || valid {
-			t.Errorf("%q accepted", value)
-		}
-	}
-	for _, value := range []string{"", "99999999H", "2562048H"} { // none, or past a Duration
-		if _, set, valid := grpcTimeout(value); set || !valid {
-			t.Errorf("%q: set %v valid %v", value, set, valid)
-		}
-	}
-}
-
 func TestFieldNumbersAndTagsAsUpbReadsThem(t *testing.T) {
 	base := plainRequest(floats(1, 2, 3, 4), []int64{1, 2, 2})
 	for name, extra := range map[string][]byte{

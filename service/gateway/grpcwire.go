@@ -1,7 +1,7 @@
 package main
 
-// gRPC over HTTP/2 as net/http serves it: the 5-byte message prefix, status trailers and
-// the grpc-timeout header.
+// gRPC over HTTP/2 as net/http serves it: the 5-byte message prefix, status trailers, and
+// the request headers gRPC core checks (te, grpc-timeout).
 
 import (
 	"encoding/binary"
@@ -129,6 +129,7 @@ const (
 func writeMessage(w http.ResponseWriter, segments [][]byte, free func()) error {
 	h := w.Header()
 	h.Set("Content-Type", "application/grpc")
+	h.Set("Grpc-Accept-Encoding", acceptEncoding)
 	h.Set("Trailer", "Grpc-Status")
 	w.WriteHeader(http.StatusOK)
 	err := writeSegments(w, segments, free)
@@ -189,30 +190,92 @@ func writeSegments(w http.ResponseWriter, segments [][]byte, free func()) error 
 // stream's buffer, counted OK and released).
 func flush(w http.ResponseWriter) error { return http.NewResponseController(w).Flush() }
 
-// grpcTimeout reads the grpc-timeout header ("<1-8 digits><unit>"): the timeout, whether
-// there is one, and whether the header is well formed (a malformed one is Python's to
-// answer). A timeout past what a time.Duration holds (292 years) means none.
+// grpcTimeout reads one grpc-timeout header value as gRPC core reads it (the Python front
+// end's server, timeout_encoding.cc), so that both paths take and refuse the same values:
+// spaces around the number and the unit, any number of digits (the spec says at most 8;
+// past 1,000,000,000 units core stops reading and sets no deadline), then one unit of
+// HMSmun. It returns the timeout, whether there is one, and whether the value is well
+// formed; "" is read as no header at all (checkCallHeaders refuses an empty one). A
+// timeout past what a time.Duration holds (292 years) means none.
 func grpcTimeout(value string) (timeout time.Duration, set, valid bool) {
 	if value == "" {
 		return 0, false, true
 	}
-	if len(value) < 2 || len(value) > 9 {
+	i := skipSpaces(value, 0)
+	amount, digits := int64(0), 0
+	for ; i < len(value) && value[i] >= '0' && value[i] <= '9'; i++ {
+		digit := int64(value[i] - '0')
+		if amount >= 100_000_000 && (amount != 100_000_000 || digit != 0) {
+			return 0, false, true // as core: no deadline, and the rest is not read
+		}
+		amount, digits = amount*10+digit, digits+1
+	}
+	if digits == 0 {
 		return 0, false, false
 	}
-	for _, c := range value[:len(value)-1] {
-		if c < '0' || c > '9' {
-			return 0, false, false
-		}
+	i = skipSpaces(value, i)
+	if i == len(value) {
+		return 0, false, false
 	}
-	amount, err := strconv.ParseInt(value[:len(value)-1], 10, 64)
 	units := map[byte]time.Duration{'H': time.Hour, 'M': time.Minute, 'S': time.Second,
 		'm': time.Millisecond, 'u': time.Microsecond, 'n': time.Nanosecond}
-	unit, ok := units[value[len(value)-1]]
-	if err != nil || !ok {
+	unit, ok := units[value[i]]
+	if !ok || skipSpaces(value, i+1) != len(value) {
 		return 0, false, false
 	}
 	if amount > math.MaxInt64/int64(unit) {
 		return 0, false, true
 	}
 	return time.Duration(amount) * unit, true, true
+}
+
+func skipSpaces(value string, i int) int {
+	for i < len(value) && value[i] == ' ' {
+		i++
+	}
+	return i
+}
+
+const (
+	badTimeout = "Error parsing 'grpc-timeout' metadata"
+	badTE      = "Error parsing 'te' metadata"
+)
+
+// acceptEncoding is grpc-accept-encoding on every answer that carries a message: the
+// encodings the Python front end's server takes (--grpc-compression), which its own
+// answers advertise.
+var acceptEncoding = "identity"
+
+// checkCallHeaders answers a call whose te or grpc-timeout headers gRPC core would refuse,
+// as core refuses it, and reports whether it did; a call it lets through carries at most
+// one grpc-timeout. Such a header is never passed on: core's header decoder fails on it
+// without taking it into its header table, and every later call on the connection then
+// failed the same way. What core does, and so the Python front end without the gateway:
+//   - no te header (gRPC requires "te: trailers", to detect proxies that drop trailers):
+//     the stream is reset (RST_STREAM INTERNAL_ERROR);
+//   - a te other than "trailers": INTERNAL. Only an empty one reaches this handler: net/http
+//     answers any other value HTTP 400 first (RFC 9113 8.2.2: the request is malformed),
+//     which gRPC clients read as INTERNAL too;
+//   - a grpc-timeout that is empty or not read by grpcTimeout: INTERNAL; with several, the
+//     last one counts (as in gRPC core and grpc-go), each checked.
+func checkCallHeaders(w http.ResponseWriter, r *http.Request) bool {
+	te := r.Header.Values("Te")
+	if len(te) == 0 {
+		panic(http.ErrAbortHandler) // RST_STREAM INTERNAL_ERROR, as gRPC core resets it
+	}
+	if te[0] != "trailers" {
+		writeStatus(w, codeInternal, badTE)
+		return true
+	}
+	timeouts := r.Header.Values("Grpc-Timeout")
+	for _, value := range timeouts {
+		if _, _, valid := grpcTimeout(value); !valid || value == "" {
+			writeStatus(w, codeInternal, badTimeout)
+			return true
+		}
+	}
+	if len(timeouts) > 1 {
+		r.Header["Grpc-Timeout"] = timeouts[len(timeouts)-1:]
+	}
+	return false
 }

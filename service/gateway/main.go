@@ -32,10 +32,7 @@ import (
 	"time"
 )
 
-const (
-	modelInferPath = "/inference.GRPCInferenceService/ModelInfer"
-	badTimeout     = "Error parsing 'grpc-timeout' metadata"
-)
+const modelInferPath = "/inference.GRPCInferenceService/ModelInfer"
 
 // fastMethods are the unary methods answered here when a call is plain: each reads its
 // request into the same terms (nil: not plain).
@@ -62,12 +59,8 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// while this call and the others in flight finish.
 		w.Header().Set("Connection", "close")
 	}
-	if _, _, valid := grpcTimeout(r.Header.Get("Grpc-Timeout")); !valid {
-		// Answered here, as gRPC's server answers it, and never passed on: gRPC core's
-		// header decoder fails on it without taking it into its header table, and every
-		// later call on the shared connection to Python then failed the same way.
-		writeStatus(w, codeInternal, badTimeout)
-		return
+	if checkCallHeaders(w, r) {
+		return // answered here as gRPC core answers it, and never passed on
 	}
 	plainCall := g.fast != nil && r.Method == http.MethodPost &&
 		strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") &&
@@ -79,7 +72,18 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	parse := fastMethods[r.RequestURI]
 	if plainCall && parse != nil {
+		timeout, limited, _ := grpcTimeout(r.Header.Get("Grpc-Timeout"))
+		deadline := time.Now().Add(timeout)
+		if limited {
+			// The body is read within the call's deadline, as gRPC core reads it: a body
+			// that does not end is DEADLINE_EXCEEDED then, not held until the client resets.
+			_ = http.NewResponseController(w).SetReadDeadline(deadline)
+		}
 		read, message, ok := g.readUnary(r.Body)
+		if !ok && limited && !time.Now().Before(deadline) {
+			writeStatus(w, codeDeadlineExceeded, "Deadline Exceeded")
+			return
+		}
 		g.busy.Add(1)
 		served := ok && g.fast.serve(w, r, parse(message))
 		g.busy.Add(-1)
@@ -178,8 +182,15 @@ func (g *gateway) readUnary(body io.Reader) (read, message []byte, ok bool) {
 	if !complete {
 		return buffer, nil, false
 	}
-	if n, _ := body.Read(prefix[5:]); n > 0 { // more than one message: not unary
+	n, err := body.Read(prefix[5:])
+	for n == 0 && err == nil {
+		n, err = body.Read(prefix[5:])
+	}
+	if n > 0 { // more than one message: not unary
 		return append(buffer, prefix[5]), nil, false
+	}
+	if err != io.EOF { // the body did not end (the call's deadline, a reset)
+		return buffer, nil, false
 	}
 	return buffer, buffer[5:], true
 }
@@ -213,6 +224,7 @@ func parseOptions() options {
 	flag.StringVar(&o.tlsKey, "tls-key", "", "server key (PEM)")
 	flag.StringVar(&o.tlsClientCA, "tls-client-ca", "", "CA that client certificates must chain to")
 	flag.StringVar(&fast, "fast-path", "on", "on: answer plain ModelInfer calls here; off: hand every call on")
+	flag.StringVar(&acceptEncoding, "accept-encoding", acceptEncoding, "grpc-accept-encoding of the answers: the encodings the Python front end takes")
 	flag.IntVar(&o.slabBytes, "slab-bytes", 64<<20, "shared memory for tensors in flight")
 	flag.Int64Var(&o.maxSeqLen, "max-seq-len", 512, "")
 	flag.BoolVar(&o.clientSharedMemory, "client-shared-memory", false, "tensors may be in clients' shared-memory regions (the worker holds them)")

@@ -3,8 +3,10 @@ package main
 // Streaming calls on the fast path: V2 ModelStreamInfer and attention.v1 AttendStream. The
 // gateway owns the stream. A plain message is answered here exactly as a plain unary call
 // is; any other message goes, as it came, into one stream of the same method that the
-// gateway opens to the Python front end when first needed, and Python's answers join the
-// client's stream. As the Python front end's streams (service/frontend/streaming.py):
+// gateway opens to the Python front end when first needed (a message with the compressed
+// flag set included: the call declared no encoding, and gRPC core reads it as it is), and
+// Python's answers join the client's stream. As the Python front end's streams
+// (service/frontend/streaming.py):
 //   - answers go out in completion order, each as the method's stream response; an error
 //     is a message of its own and the stream goes on;
 //   - at most --max-stream-inflight-requests messages are unanswered, and their answers'
@@ -152,6 +154,7 @@ func (s *stream) write(w http.ResponseWriter) {
 			if !started {
 				h := w.Header()
 				h.Set("Content-Type", "application/grpc")
+				h.Set("Grpc-Accept-Encoding", acceptEncoding)
 				h.Set("Trailer", "Grpc-Status, Grpc-Message")
 				w.WriteHeader(http.StatusOK)
 				started = true
@@ -252,10 +255,10 @@ func (s *stream) read(body io.Reader) {
 			return
 		}
 		length := int64(binary.BigEndian.Uint32(prefix[1:5]))
-		if prefix[0] != 0 || length > s.gateway.maxReceive {
-			// Compressed, or larger than a message may be: Python's part refuses it as
-			// the Python front end refuses it, without this process holding it, and
-			// that ends the call: nothing after it is read.
+		if length > s.gateway.maxReceive {
+			// Larger than a message may be: Python's part refuses it as the Python front
+			// end refuses it, without this process holding it, and that ends the call:
+			// nothing after it is read.
 			s.forward(io.MultiReader(bytes.NewReader(prefix[:]), io.LimitReader(body, length)))
 			return
 		}
@@ -264,7 +267,17 @@ func (s *stream) read(body io.Reader) {
 			s.forward(bytes.NewReader(buffer))
 			return
 		}
-		if !s.take(buffer) {
+		taken := false
+		if prefix[0] == 0 {
+			taken = s.take(buffer)
+		} else {
+			// The compressed flag in a call that declared no encoding (a compressed call
+			// is Python's whole): gRPC core reads the message as it is, so Python's part
+			// answers it as the Python front end would, and the stream goes on.
+			taken = s.forward(bytes.NewReader(buffer))
+			recycle(buffer)
+		}
+		if !taken {
 			return
 		}
 	}

@@ -21,6 +21,10 @@ Connection hygiene (README, "Connection hygiene", says why each value):
   off): core checks the receive limit on the size that came over the wire, and
   service/frontend/compression.py inflates (or refuses) within that limit, where core would
   first inflate the whole message.
+- the encodings a request may declare (grpc-encoding) are the ones --grpc-compression takes
+  (ACCEPTED_ENCODINGS): core refuses a call that declares any other with UNIMPLEMENTED before
+  any handler runs, and advertises the accepted ones in grpc-accept-encoding, as gRPC's
+  compression spec asks. The gateway advertises the same on the answers it writes.
 """
 
 from __future__ import annotations
@@ -35,6 +39,16 @@ MIN_CLIENT_PING_INTERVAL_MS = 10_000
 MAX_PING_STRIKES = 2
 MAX_CONCURRENT_STREAMS = 1024
 HANDSHAKE_TIMEOUT_MS = 10_000
+
+# --grpc-compression -> the encodings requests may declare, in gRPC core's order (bits of
+# grpc.compression_enabled_algorithms_bitset: identity 0, deflate 1, gzip 2).
+ACCEPTED_ENCODINGS = {"identity": ("identity",), "gzip": ("identity", "deflate", "gzip")}
+_ALGORITHM_BITS = {"identity": 1, "deflate": 2, "gzip": 4}
+
+
+def accepted_encodings(compression: str) -> str:
+    """grpc-accept-encoding as gRPC core writes it for this --grpc-compression."""
+    return ", ".join(ACCEPTED_ENCODINGS[compression])
 
 
 def connection_options(
@@ -80,15 +94,20 @@ def server_options(
     share_port: bool = False,
     max_connection_idle_s: float = 0.0,
     max_concurrent_streams: int | None = MAX_CONCURRENT_STREAMS,
+    compression: str = "identity",
 ) -> list[tuple[str, Any]]:
     """Options for grpc.aio.server(); message limits come from the largest legal call.
     share_port: front ends of one server share its port (the supervisor checked that no
-    other server holds it)."""
+    other server holds it); compression: --grpc-compression."""
     return [
         ("grpc.max_receive_message_length", min(receive_bytes, GRPC_MAX_MESSAGE_BYTES)),
         ("grpc.max_send_message_length", min(send_bytes, GRPC_MAX_MESSAGE_BYTES)),
         # Compressed requests arrive as they came; the front end inflates them within bounds.
         ("grpc.per_message_decompression", 0),
+        (
+            "grpc.compression_enabled_algorithms_bitset",
+            sum(_ALGORITHM_BITS[name] for name in ACCEPTED_ENCODINGS[compression]),
+        ),
         # A second server on a taken port must fail, not silently share it.
         ("grpc.so_reuseport", 1 if share_port else 0),
         *connection_options(
