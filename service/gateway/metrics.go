@@ -158,13 +158,28 @@ func (m *metrics) finished(model, api string, code int, seconds float64) {
 		return key(s.Requests.Family, s.Requests.Sample,
 			map[string]string{"model": model, "api": api, "code": codeNames[code]}, s.Requests.Help)
 	}), 1)
-	m.histograms.add(m.cached("s\x00"+api+"\x00"+model, func() string {
+	sum := "s\x00" + api + "\x00" + model
+	if _, seen := m.keys[sum]; !seen {
+		// Every bucket of a new series, +Inf included, as prometheus-client writes them: the
+		// merged exposition has only the buckets some process wrote, and a histogram whose
+		// +Inf bucket is missing has no quantiles.
+		for i := range d.Labels {
+			m.histograms.add(m.bucketKey(model, api, i), 0)
+		}
+	}
+	m.histograms.add(m.cached(sum, func() string {
 		return key(d.Family, d.Family+"_sum", map[string]string{"model": model, "api": api}, d.Help)
 	}), seconds)
-	m.histograms.add(m.cached("b\x00"+api+"\x00"+model+"\x00"+d.Labels[bucket], func() string {
+	m.histograms.add(m.bucketKey(model, api, bucket), 1)
+}
+
+// bucketKey is the request-duration bucket i of (model, api).
+func (m *metrics) bucketKey(model, api string, i int) string {
+	d := m.spec.Duration
+	return m.cached("b\x00"+api+"\x00"+model+"\x00"+d.Labels[i], func() string {
 		return key(d.Family, d.Family+"_bucket",
-			map[string]string{"model": model, "api": api, "le": d.Labels[bucket]}, d.Help)
-	}), 1)
+			map[string]string{"model": model, "api": api, "le": d.Labels[i]}, d.Help)
+	})
 }
 
 func (m *metrics) inFlight(api string, delta float64) {
