@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -77,12 +76,6 @@ def choose_pinning(server_cpus: str, client_cpus: str) -> Pinning:
 
 
 UNPINNED = Pinning(None, None)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Service:

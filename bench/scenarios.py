@@ -8,7 +8,8 @@ import sys
 from collections.abc import Callable
 
 from bench import h2load
-from bench.launcher import REPO_ROOT, UNPINNED, Service, cpu_set, free_port
+from bench.harness import free_port
+from bench.launcher import REPO_ROOT, UNPINNED, Service, cpu_set
 from bench.otlp_sink import OtlpSink
 from bench.payloads import REST, SHM, family
 from bench.report import (

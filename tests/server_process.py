@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness import free_port
 from service.client import AttentionClient
 
 LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)(?: http_port=(\d+))?")
@@ -65,12 +65,6 @@ def server_rss_bytes(server: ServerProcess) -> int:
         own += kib.get("RssAnon", 0) + kib.get("RssFile", 0)
         shared = max(shared, kib.get("RssShmem", 0))
     return (own + shared) * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class ServerProcess:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness import free_port
 from service.client import AttentionClient
 
 # The first build on a fresh machine takes minutes (torch in the export stage).
@@ -72,12 +72,6 @@ def _report(request: pytest.FixtureRequest, line: str) -> None:
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(f"\n[container] {line}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _poll(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
@@ -163,8 +157,8 @@ def _server_flags(image: str, name: str, *run: str) -> list[str]:
 @pytest.fixture
 def container(image: str) -> Iterator[Container]:
     """The image as users run it: non-root, read-only, ports on 127.0.0.1 only."""
-    box = Container(f"attention-test-{uuid.uuid4().hex[:8]}", _free_port(), _free_port(),
-                    _free_port())  # fmt: skip
+    box = Container(f"attention-test-{uuid.uuid4().hex[:8]}", free_port(), free_port(),
+                    free_port())  # fmt: skip
     ports = ("-p", f"127.0.0.1:{box.grpc_port}:8001", "-p", f"127.0.0.1:{box.metrics_port}:8002",
              "-p", f"127.0.0.1:{box.http_port}:8000")  # fmt: skip
     _podman(*_server_flags(image, box.name, *ports))
@@ -323,7 +317,7 @@ def test_compose_pair_prometheus_scrapes_the_server_and_loads_the_alerts(
     if prometheus is None:
         pytest.fail("prometheus is not installed (apt-get install prometheus)")
     name = f"attention-compose-{uuid.uuid4().hex[:8]}"
-    port = _free_port()
+    port = free_port()
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost attention\n")
     hosts.chmod(0o644)

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
+from bench.harness import free_port
 from service.client import AttentionClient
 from tests.server_process import ServerProcess
 
@@ -109,12 +109,6 @@ def _autoscaling_queries() -> list[str]:
     return queries
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus scraping the session's server every second."""
@@ -127,7 +121,7 @@ def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) 
         "  - job_name: attention\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{server.metrics_port}']}}]\n"
     )
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     process = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
          f"--web.listen-address={address}"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -16,18 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.harness import free_port
 from service.client import AttentionClient
 from tests.server_process import ServerProcess
 
 PROMETHEUS = shutil.which("prometheus")
 # CI installs Prometheus (apt) and sets this, so a missing binary fails there instead of skipping.
 REQUIRED = os.environ.get("ATTENTION_REQUIRE_PROMETHEUS") == "1"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) 
         "  - job_name: attention\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{server.metrics_port}']}}]\n"
     )
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     process = subprocess.Popen(
         [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
          f"--web.listen-address={address}"],

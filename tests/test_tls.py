@@ -20,12 +20,13 @@ import tritonclient.http as triton_http
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from bench.harness import wait_for
 from service import healthcheck
 from service.client import AttentionClient, tls_options
 from service.settings import load_settings
 from service.transport.tls import TlsError, TlsFiles, channel_credentials, load_material, server_tls
 from tests.server_process import REPO_ROOT, child_pids
-from tests.tls_helpers import Authority, TlsServerProcess, tiny_repository, wait_for
+from tests.tls_helpers import Authority, TlsServerProcess, tiny_repository
 
 # Every server here runs with the gRPC gateway, then without it (the module's server
 # fixtures take grpc_gateway; tests that start their own servers get it from this mark).

@@ -6,8 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,11 +145,3 @@ class TlsServerProcess(ServerProcess):
     def wait_serving(self, timeout_s: float = 60) -> None:
         self.wait_bound(timeout_s)
         secure_ready(self.target, self.credentials, timeout_s)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "it") -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise TimeoutError(f"{what} not met within {timeout_s}s")
-        time.sleep(0.02)

@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.launcher import REPO_ROOT, Service, free_port
+from bench.harness import free_port
+from bench.launcher import REPO_ROOT, Service
 from bench.report import SEQS
 from bench.runner import Runner, log
 

@@ -17,7 +17,8 @@ import subprocess
 from pathlib import Path
 
 from bench import h2load
-from bench.launcher import REPO_ROOT, Service, free_port
+from bench.harness import free_port
+from bench.launcher import REPO_ROOT, Service
 from bench.payloads import SHM
 from bench.report import (
     BESIDE_TRITON,

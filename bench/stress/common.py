@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,16 +161,6 @@ def metric(url: str, name: str, **labels: str) -> float:
         for (sample, sample_labels), value in metrics(url).items()
         if sample == name and set(labels.items()) <= set(sample_labels)
     )
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> float:
-    """Poll until condition() holds; the seconds it took. TimeoutError names what."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"{what} (after {timeout_s:.0f}s)")
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 async def health_status(stub: health_pb2_grpc.HealthStub, timeout_s: float = 5) -> str:

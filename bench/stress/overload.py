@@ -16,6 +16,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2_grpc
 
 from bench.calls import UnaryCaller, open_channels
+from bench.harness import wait_for
 from bench.payloads import Payload, attend_body, v2_body
 from bench.stats import poisson_arrivals
 from bench.stress.common import (
@@ -27,7 +28,6 @@ from bench.stress.common import (
     ms,
     rss_by_process,
     rss_mib,
-    wait_for,
 )
 
 Sample = tuple[float, str]  # (latency s from issue, code)
@@ -210,8 +210,8 @@ def _settle(pid: int, rss_before: float, config: OverloadConfig) -> float:
     try:
         return wait_for(
             lambda: rss_mib(pid) - rss_before <= config.rss_tolerance_mib,
-            "resident memory did not come back",
-            config.settle_timeout_s,
+            what="resident memory coming back",
+            timeout_s=config.settle_timeout_s,
         )
     except TimeoutError:
         return math.nan

@@ -21,9 +21,10 @@ import grpc
 import numpy as np
 
 from bench.calls import CHANNEL_OPTIONS
+from bench.harness import wait_for
 from bench.launcher import Service
 from bench.payloads import METHODS, attend_body, v2_body, with_id
-from bench.stress.common import Figures, ServerSpec, metric, rss_mib, wait_for
+from bench.stress.common import Figures, ServerSpec, metric, rss_mib
 from service.generated.attention.v1 import attention_pb2 as pb
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench.harness import wait_for
 from service.app import run_dir
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
@@ -27,14 +28,6 @@ def _request(seq: int = 4) -> pb.AttendRequest:
     return pb.AttendRequest(
         model="small", embeddings=pb.Tensor(shape=[seq, D], dtype=pb.FLOAT32, data=x.tobytes())
     )
-
-
-def _wait_for(condition, timeout_s: float = 60, what: str = "condition") -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise TimeoutError(f"{what} not reached in {timeout_s}s")
-        time.sleep(0.02)
 
 
 def _queued(server: ServerProcess, at_least: int) -> None:
@@ -59,7 +52,7 @@ def test_a_killed_worker_fails_calls_in_flight_at_once_and_comes_back(
         assert all(call.done() for call in parked), "calls in flight hung after the worker died"
         assert codes == [grpc.StatusCode.UNAVAILABLE] * 8
         assert "worker stopped while this request was in flight" in parked[0].details()
-        _wait_for(lambda: worker_pid(server) != old, what="a new worker")
+        wait_for(lambda: worker_pid(server) != old, what="a new worker")
         server.wait_serving(timeout_s=120)
         full = np.ones((64, 4, D), np.float32)  # a whole batch: it does not wait to fill
         answer = stub.Attend(
@@ -106,7 +99,7 @@ def test_a_worker_that_keeps_dying_ends_the_server_non_zero(model_repository: Pa
         server.wait_serving()
         first = worker_pid(server)
         os.kill(first, signal.SIGKILL)
-        _wait_for(lambda: worker_pid(server) != first, what="a restarted worker")
+        wait_for(lambda: worker_pid(server) != first, what="a restarted worker")
         server.wait_serving(timeout_s=120)
         os.kill(worker_pid(server), signal.SIGKILL)
         assert server.process.wait(60) == 1
@@ -114,7 +107,7 @@ def test_a_worker_that_keeps_dying_ends_the_server_non_zero(model_repository: Pa
     finally:
         server.kill()
     for pid in child_pids(server).values():  # no child outlives the supervisor
-        _wait_for(lambda pid=pid: _gone(pid), 30, f"child {pid} exiting")
+        wait_for(lambda pid=pid: _gone(pid), timeout_s=30, what=f"child {pid} exiting")
 
 
 def test_children_exit_with_the_supervisor_even_when_it_is_killed(model_repository: Path) -> None:
@@ -127,7 +120,7 @@ def test_children_exit_with_the_supervisor_even_when_it_is_killed(model_reposito
         server.process.kill()
         server.process.wait(10)
         for pid in pids.values():
-            _wait_for(lambda pid=pid: _gone(pid), 30, f"child {pid} exiting")
+            wait_for(lambda pid=pid: _gone(pid), timeout_s=30, what=f"child {pid} exiting")
     finally:
         server.kill()
     # Nobody was left to remove its run directory; the next supervisor's sweep does.
@@ -170,7 +163,7 @@ def test_a_hung_worker_is_killed_by_the_watchdog_and_restarted(model_repository:
         assert [call.code() for call in parked] == [grpc.StatusCode.UNAVAILABLE] * 4
         assert 1.5 < ended_s < 15  # after the watchdog's 2 s, long before the 60 s deadline
         assert "sent no heartbeat" in server.log
-        _wait_for(lambda: worker_pid(server) != old, what="a new worker")
+        wait_for(lambda: worker_pid(server) != old, what="a new worker")
         server.wait_serving(timeout_s=120)
         assert server.metric("attention_process_restarts_total", process="worker") == 1
         channel.close()
@@ -188,11 +181,19 @@ def test_a_cancel_read_with_its_request_drops_it_before_compute(model_repository
         os.kill(worker, signal.SIGSTOP)
         try:
             calls = [stub.Attend.future(_request()) for _ in range(10)]  # no deadline
-            _wait_for(lambda: server.metric("attention_inflight_requests") >= 10, 30, "in flight")
+            wait_for(
+                lambda: server.metric("attention_inflight_requests") >= 10,
+                timeout_s=30,
+                what="in flight",
+            )
             for call in calls:
                 call.cancel()
             # The front end has seen every cancel (and sent it on) once its calls have ended.
-            _wait_for(lambda: server.metric("attention_inflight_requests") == 0, 30, "ended")
+            wait_for(
+                lambda: server.metric("attention_inflight_requests") == 0,
+                timeout_s=30,
+                what="ended",
+            )
         finally:
             os.kill(worker, signal.SIGCONT)
         server.wait_metric("attention_requests_dropped_total", dropped + 10)
