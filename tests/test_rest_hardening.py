@@ -6,6 +6,7 @@ timeouts, and every error aiohttp makes by itself as the V2 JSON error body."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import http.client
 import json
@@ -82,18 +83,25 @@ class Probe:
     def __init__(self, server: ServerProcess) -> None:
         self._port = server.http_port
         self.latencies: list[float] = []
+        self.failures: list[str] = []  # the thread's own failures, asserted by slowest_s
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=120)
-        while not self._done.is_set():
-            started = time.monotonic()
-            connection.request("GET", "/v2/health/live")
-            assert connection.getresponse().read() == b'{"live": true}'
-            self.latencies.append(time.monotonic() - started)
-            self._done.wait(0.01)
-        connection.close()
+        try:
+            while not self._done.is_set():
+                started = time.monotonic()
+                connection.request("GET", "/v2/health/live")
+                answer = connection.getresponse().read()
+                if answer != b'{"live": true}':
+                    self.failures.append(f"the probe got {answer[:100]!r}")
+                self.latencies.append(time.monotonic() - started)
+                self._done.wait(0.01)
+        except Exception as err:  # reported to the test by slowest_s
+            self.failures.append(f"the probe failed: {err!r}")
+        finally:
+            connection.close()
 
     def __enter__(self) -> Probe:
         self._thread.start()
@@ -105,6 +113,8 @@ class Probe:
 
     @property
     def slowest_s(self) -> float:
+        assert not self._thread.is_alive(), "the probe is still running (stuck in a request)"
+        assert not self.failures, self.failures
         assert len(self.latencies) >= 3, "the probe must have run during the request"
         return max(self.latencies)
 
@@ -492,3 +502,48 @@ def test_every_json_answer_is_typed_exactly_application_json(
     _, reply_headers, raw = _request(server, method, path, body(), headers)
     assert reply_headers["Content-Type"] == "application/json"
     json.loads(raw)
+
+
+# -- round 3: a compressed body the endpoint does not read ------------------------------------
+
+
+@functools.cache
+def _brotli_bomb(gib: int) -> bytes:
+    """A few KB of brotli that inflate to gib GiB of zeros."""
+    import brotli
+
+    compressor = brotli.Compressor(quality=5)
+    zeros = b"\0" * (64 << 20)
+    return b"".join(compressor.process(zeros) for _ in range(gib * 16)) + compressor.finish()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v2/health/live", 200), ("POST", "/v2/nothing-here", 404),
+     ("POST", "/v2/models/mha", 405)],
+)  # fmt: skip
+def test_an_unread_compressed_body_is_never_inflated(
+    server: ServerProcess, method: str, path: str, status: int
+) -> None:
+    """aiohttp's lingering close read and discarded a body the handler had not read, for up to
+    10 s, inflating it on the event loop: 6 KB of brotli held the loop until the watchdog
+    killed the front end. The connection closes after the answer instead."""
+    frontends = {name: pid for name, pid in child_pids(server).items() if "frontend" in name}
+    bomb = _brotli_bomb(3)
+    assert len(bomb) < 64 << 10
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\n"
+        f"Content-Length: {len(bomb)}\r\n\r\n"
+    )
+    with Probe(server) as probe:
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+            sock.sendall(head.encode() + bomb)
+            got, _, raw = _read_answer(sock)
+            took = _closed_within(sock, 20)
+        time.sleep(0.5)
+    assert got == status, raw[:300]
+    assert took < 2, f"the connection stayed open {took:.1f} s after its answer"
+    assert probe.slowest_s < PROBE_STALL_S, probe.slowest_s
+    current = {name: pid for name, pid in child_pids(server).items() if "frontend" in name}
+    assert current == frontends, "no front end was restarted"
+    assert "sent no heartbeat" not in server.log

@@ -105,17 +105,23 @@ class RestProtocol(RequestHandler):
     """One HTTP/1.1 connection of the REST port."""
 
     def __init__(self, manager: web.Server, *, limits: ConnectionLimits, **kwargs: Any) -> None:
-        super().__init__(
-            manager,
-            keepalive_timeout=limits.idle_s or NEVER_S,  # aiohttp's idle timeout
-            max_line_size=MAX_URL_BYTES,
-            max_field_size=MAX_HEADER_FIELD_BYTES,
-            max_headers=MAX_HEADERS,
-            # No line per request (the request metrics count every call); None is how
-            # aiohttp's runners turn it off, though RequestHandler's annotation lacks it.
-            access_log=None,  # type: ignore[arg-type]
+        # kwargs: the runner's (web.Server's) options; the connection's own bounds below are
+        # the port's and win over any of them.
+        options: dict[str, Any] = {
             **kwargs,
-        )
+            "keepalive_timeout": limits.idle_s or NEVER_S,  # aiohttp's idle timeout
+            "max_line_size": MAX_URL_BYTES,
+            "max_field_size": MAX_HEADER_FIELD_BYTES,
+            "max_headers": MAX_HEADERS,
+            # No line per request (the request metrics count every call); None is how
+            # aiohttp's runners turn it off.
+            "access_log": None,
+            # Never drain a body the handler did not read (aiohttp's "lingering close" reads
+            # and discards it for up to 10 s, inflating a compressed one on the event loop:
+            # a few KB of brotli is GiBs of work): the connection closes after the answer.
+            "lingering_time": 0,
+        }
+        super().__init__(manager, **options)
         self._header_timeout_s = limits.header_timeout_s
         self._header_deadline: asyncio.TimerHandle | None = None
         self._bytes_of_next_request = False
@@ -213,15 +219,18 @@ class RestServer(web.Server):
     """aiohttp's Server, making a RestProtocol for each connection."""
 
     def __init__(self, app_server: web.Server, limits: ConnectionLimits) -> None:
+        # The runner's options (app_server._kwargs: AppRunner(**kwargs) hands them to each
+        # connection) go on to every RestProtocol, as web.Server's own __call__ does.
         super().__init__(
             app_server.request_handler,
             request_factory=app_server.request_factory,
             handler_cancellation=app_server.handler_cancellation,
+            **app_server._kwargs,
         )
         self._limits = limits
 
     def __call__(self) -> RestProtocol:
-        return RestProtocol(self, loop=self._loop, limits=self._limits)
+        return RestProtocol(self, loop=self._loop, limits=self._limits, **self._kwargs)
 
 
 class RestRunner(web.AppRunner):
