@@ -146,7 +146,14 @@ class RestFrontend:
         if then is not None:
             loop = asyncio.get_running_loop()
             job.add_done_callback(lambda _: _call_soon(loop, then))
-        return await asyncio.wrap_future(job)
+        try:
+            return await asyncio.wrap_future(job)
+        finally:
+            # An exception raised by work is held by job, and its traceback holds this frame:
+            # a reference cycle that kept the frames' locals (a decoded body of hundreds of
+            # MiB) alive until a full collection. Without job the exception goes with its
+            # answer.
+            del job
 
     async def body(self, request: web.Request, *, binary_follows: bool = False) -> bytes:
         """The request body, refused before it is read when it cannot be legal. Its JSON (all
