@@ -53,10 +53,6 @@ class AnswersBacklogged(ServingError):
     read are at their bound (--max-undelivered-bytes); retry once they are read."""
 
 
-class CompressionRefused(NotSupported):
-    """A compressed request on a server that takes only uncompressed ones."""
-
-
 class CompressedTooLarge(ServingError):
     """A compressed request that inflates past the receive limit (refused while inflating)."""
 

@@ -25,8 +25,8 @@ from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2
 
 # docs/api.md, "Errors": what a malformed request may get (OK when a case happens to be valid).
-# UNIMPLEMENTED: bytes that do not parse and begin as a gzip or zlib stream does are taken
-# for a compressed request, which the server refuses by default (--grpc-compression).
+# UNIMPLEMENTED: a call that names an encoding the server does not take (gRPC's own refusal,
+# by default: --grpc-compression).
 DOCUMENTED = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED"})
 HUGE_DIMS = [0, 2**31, 2**62, 2**63 - 1]
 # Strings that str.isdigit() accepts: superscripts, other scripts' digits, thousands of them.

@@ -143,8 +143,9 @@ UNDELIVERED_REFUSALS = Counter(
 )
 COMPRESSION_REFUSALS = Counter(
     f"{PREFIX}_compressed_requests_refused_total",
-    "Compressed request messages refused (reason: encoding = compression not accepted "
-    "(--grpc-compression identity) | too_large = inflates past the receive limit | corrupt).",
+    "Compressed request messages refused with --grpc-compression gzip (reason: too_large = "
+    "inflates past the receive limit | corrupt); without it gRPC refuses compressed calls "
+    "itself (UNIMPLEMENTED), uncounted here.",
     ["reason"],
 )
 RESTRICTED_DENIALS = Counter(
