@@ -116,10 +116,6 @@ class RestProtocol(RequestHandler):
             # No line per request (the request metrics count every call); None is how
             # aiohttp's runners turn it off.
             "access_log": None,
-            # Never drain a body the handler did not read (aiohttp's "lingering close" reads
-            # and discards it for up to 10 s, inflating a compressed one on the event loop:
-            # a few KB of brotli is GiBs of work): the connection closes after the answer.
-            "lingering_time": 0,
         }
         super().__init__(manager, **options)
         self._header_timeout_s = limits.header_timeout_s
@@ -149,7 +145,18 @@ class RestProtocol(RequestHandler):
         if resp.status >= 400 and resp.content_type != JSON_TYPE:
             resp = _as_json(resp)
         try:
-            return await super().finish_response(request, resp, start_time)
+            answered = await super().finish_response(request, resp, start_time)
+            if request.headers.get("Content-Encoding", "identity") != "identity" and not (
+                request.content.is_eof()
+            ):
+                # Never drain a compressed body the handler did not read: aiohttp's lingering
+                # close reads and discards it for up to 10 s, inflating it on the event loop
+                # (a few KB of brotli are GiBs of work). The connection closes after the
+                # answer instead. (An unread plain body is drained: only copied, and its
+                # client then reads the answer instead of a reset.)
+                log.debug("closed an HTTP connection after a compressed body left unread")
+                self.force_close()
+            return answered
         finally:
             # A deadline belongs to the request it was armed for; the next one's starts with
             # its first byte (until then the idle timeout holds).
