@@ -569,3 +569,98 @@ def test_refused_big_json_bodies_do_not_pile_up_in_memory(server: ServerProcess)
     growth = server_rss_bytes(server) - base
     # One decoded body is ~500 MiB; six kept would be 3 GiB.
     assert growth < 400 << 20, f"the server grew {growth >> 20} MiB"
+
+
+def _tensor_body(data: bytes, parameters: bytes = b"", outputs: bytes = b"") -> bytes:
+    return (
+        b'{"inputs":[{"name":"embeddings","shape":[32,512,511],"datatype":"FP32",'
+        + parameters + b'"data":' + data + b"}]" + outputs + b"}"
+    )  # fmt: skip
+
+
+def _many(item: bytes, nbytes: int = 16 << 20) -> bytes:
+    return b",".join([item] * (nbytes // (len(item) + 1)))
+
+
+def _names(template: bytes, nbytes: int = 16 << 20) -> bytes:
+    return b",".join(template % i for i in range(nbytes // (len(template) + 2)))
+
+
+NUMBER_FREE = [
+    ("empty-lists", lambda: _tensor_body(b"[" + _many(b"[]") + b"]"), "without numbers"),
+    ("nulls", lambda: _tensor_body(b"[" + _many(b"null") + b"]"), "without numbers"),
+    ("strings", lambda: _tensor_body(b"[" + _many(b'""') + b"]"), "strings"),
+    ("objects", lambda: _tensor_body(b"[" + _many(b"{}") + b"]"), "non-numbers"),
+    ("lists-then-numbers", lambda: _tensor_body(b"[" + _many(b"[]") + b",[1]]"),
+     "without numbers"),
+    ("input-parameters", lambda: _tensor_body(b"[0]", b'"parameters":{' + _names(b'"p%07d":1')
+                                              + b"},"), "strings"),
+    ("request-parameters", lambda: b'{"parameters":{' + _names(b'"p%07d":1') + b'},"inputs":[]}',
+     "strings"),
+    ("outputs", lambda: _tensor_body(b"[0]", outputs=b',"outputs":['
+                                     + _many(b'{"name":"output"}') + b"]"), "strings"),
+    ("inputs", lambda: b'{"inputs":[' + _many(b'{"name":"e","shape":[1],"data":[0]}') + b"]}",
+     "strings"),
+    ("shape", lambda: b'{"inputs":[{"name":"e","shape":[' + _many(b"1") + b'],"data":[0]}]}',
+     "at most 64"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [(body, expected) for _, body, expected in NUMBER_FREE],
+    ids=[name for name, _, _ in NUMBER_FREE],
+)
+def test_json_the_byte_bound_allows_never_holds_the_loop(
+    server: ServerProcess, body: Callable[[], bytes], expected: str
+) -> None:
+    """JSON without numbers gave json.loads no hook to give the GIL back at (millions of
+    empty lists held the loop seconds), and counts the byte bound does not limit (a million
+    parameters, outputs, inputs) were processed on the loop: refused, the loop free."""
+    raw_body = body()
+    assert INLINE_LIMIT < len(raw_body) < JSON_REQUEST_BOUND
+    with Probe(server) as probe:
+        status, headers, raw = _request(server, "POST", INFER, raw_body)
+    assert probe.slowest_s < PROBE_STALL_S, probe.slowest_s
+    assert status == 400, raw[:300]
+    assert expected in _error(headers, raw)
+
+
+INLINE_LIMIT = 64 << 10
+
+
+def _input(parameters: dict[str, object] | None = None) -> dict[str, object]:
+    return {"name": "embeddings", "shape": [1, 1, D], "datatype": "FP32", "data": [0.5] * D,
+            "parameters": parameters or {}}  # fmt: skip
+
+
+MANY = {f"p{i}": 1 for i in range(65)}
+COUNTED = [
+    ("request-parameters", INFER, {"parameters": MANY, "inputs": [_input()]},
+     "request parameters has 65 entries"),
+    ("input-parameters", INFER, {"inputs": [_input(MANY)]}, "parameters has 65 entries"),
+    ("inputs", INFER, {"inputs": [_input()] * 65}, "inputs has 65 entries"),
+    ("outputs", INFER, {"inputs": [_input()], "outputs": [{"name": "output"}] * 65},
+     "outputs has 65 entries"),
+    ("output-parameters", INFER, {"inputs": [_input()], "outputs": [{"name": "output",
+     "parameters": MANY}]}, "parameters has 65 entries"),
+    ("shape", INFER, {"inputs": [dict(_input(), shape=[1] * 65)]}, "shape has 65 entries"),
+    ("load-parameters", "/v2/repository/models/mha/load", {"parameters": MANY},
+     "parameters has 65 entries"),
+    ("log-settings", "/v2/logging", MANY, "request has 65 entries"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "expected"),
+    [(path, body, expected) for _, path, body, expected in COUNTED],
+    ids=[name for name, _, _, _ in COUNTED],
+)
+def test_counts_past_their_bound_are_400(
+    server: ServerProcess, path: str, body: dict[str, object], expected: str
+) -> None:
+    status, headers, raw = _request(server, "POST", path, json.dumps(body).encode())
+    assert status == 400, raw[:300]
+    message = _error(headers, raw)
+    assert expected in message
+    assert "at most 64" in message

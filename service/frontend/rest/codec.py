@@ -71,6 +71,9 @@ def _json(text: bytes, what: str) -> Any:
         raise InvalidInput(
             f"{what} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
         ) from err
+    except pieces.HookFree as err:
+        _nesting(text[: pieces.INLINE_BYTES], what)  # deep nesting: the clearer message
+        raise InvalidInput(f"{what} {err}") from None
     except RecursionError as err:
         raise InvalidInput(
             f"{what} nests arrays or objects too deeply; expected the flat V2 JSON layout"
@@ -80,6 +83,18 @@ def _json(text: bytes, what: str) -> Any:
             f"{what} holds an integer of more than {sys.get_int_max_str_digits()} digits; "
             "expected numbers a tensor's datatype or a 64-bit count can hold"
         ) from err
+
+
+def _nesting(head: bytes, what: str) -> None:
+    """InvalidInput if the start of a JSON text nests too deeply (a short parse)."""
+    try:
+        json.loads(head)
+    except RecursionError as err:
+        raise InvalidInput(
+            f"{what} nests arrays or objects too deeply; expected the flat V2 JSON layout"
+        ) from err
+    except ValueError:
+        pass  # the start of a longer text: no whole JSON
 
 
 def json_length(header_length: str | None) -> int | None:
@@ -127,10 +142,24 @@ def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Counts the byte bound does not limit (a 24 MiB body holds a million parameters), bounded
+# before any of them reaches protobuf or the event loop. Far above what V2 requests use.
+MAX_PARAMETERS = 64  # of a request, an input or an output
+MAX_TENSORS = 64  # inputs of a request; outputs asked for
+MAX_SHAPE = 64  # a shape's dimensions (checked_shape then allows 2 or 3)
+
+
+def counted(items: Any, bound: int, what: str, setting: str = "") -> None:
+    """InvalidInput when a JSON list or object holds more than bound items."""
+    if isinstance(items, (list, dict)) and len(items) > bound:
+        raise InvalidInput(
+            f"{what} has {len(items)} entries; this server takes at most {bound}{setting}"
+        )
 
 
 def _set_parameters(target: Any, parameters: Any, where: str) -> None:
     """JSON parameters into an InferParameter map (v2_codec then refuses unknown names)."""
+    counted(parameters, MAX_PARAMETERS, f"{where} parameters")
     for key, value in _typed(parameters, dict, f"{where} parameters", "an object").items():
         _text(key, f"{where} parameter name")
         if isinstance(value, bool):
@@ -178,6 +207,7 @@ def _add_input(
     name = _typed(tensor.get("name"), str, f"{where} name", "a string")
     where = f"input {shown(name)}"
     raw_shape = _typed(tensor.get("shape"), list, f"{where} shape", "a list of integers")
+    counted(raw_shape, MAX_SHAPE, f"{where} shape")
     shape = checked_shape([_typed(s, int, f"{where} shape", "integers") for s in raw_shape], where)
     if any(dim > MAX_DIM for dim in shape):  # protobuf's int64 would refuse it, unexplained
         raise InvalidInput(f"{where} shape {shape[:4]} has a dimension above {MAX_DIM}")
@@ -208,6 +238,7 @@ def _add_input(
 
 def _add_outputs(request: v2.ModelInferRequest, outputs: Any) -> dict[str, bool]:
     binary = {}
+    counted(outputs, MAX_TENSORS, "outputs")
     for index, output in enumerate(_typed(outputs, list, "outputs", "a list of objects")):
         where = f"output {index}"
         output = _typed(output, dict, where, 'an object with a "name"')
@@ -236,6 +267,7 @@ def decode_infer(body: bytes, header_length: str | None, model: str, version: st
     request.id = _typed(header.get("id", ""), str, "id", "a string")
     _set_parameters(request.parameters, header.get("parameters", {}), "request")
     offset = json_end
+    counted(header.get("inputs"), MAX_TENSORS, "inputs")
     for index, tensor in enumerate(_typed(header.get("inputs"), list, "inputs", "a list")):
         offset = _add_input(request, tensor, index, view, offset)
     if offset != len(body):

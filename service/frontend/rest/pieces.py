@@ -41,13 +41,87 @@ def _integer(text: str) -> int:
     return int(text)  # ValueError beyond Python's digit limit, as json.loads raises it
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(pairs)  # a Python frame per object, as _number is per number
+
+
+class HookFree(ValueError):
+    """JSON whose parse would hold the GIL too long between two hook calls."""
+
+
+# Scanned in slices of this many bytes (each count a short C call).
+SCAN_BYTES = 64 << 10
+# Strings have no hook: the quotes a large body may hold (names, datatypes, parameters; a
+# tensor's data is numbers). Each string costs one short C scan.
+MAX_QUOTES = 1 << 14
+# In each slice outside strings, at most this many more containers and literals than hooked
+# tokens (digits, objects): each a C allocation with no Python frame between (~0.1 us each).
+SLACK_TOKENS = 4096
+_HOOKED = bytes(range(256)).translate(None, b"0123456789{")  # all bytes but these: deleted
+_UNHOOKED = bytes(range(256)).translate(None, b"[ntf")  # "[", null, true, false
+
+
+def _outside_strings(text: bytes) -> bytes:
+    """text without its JSON strings (their quotes found by a bounded Python loop)."""
+    if text.count(b'"') > MAX_QUOTES:
+        raise HookFree(
+            f"holds more than {MAX_QUOTES // 2} strings (names and parameters are few); "
+            "expected tensor data as numbers"
+        )
+    parts: list[bytes] = []
+    start = position = 0
+    while (opening := text.find(b'"', position)) >= 0:
+        closing = opening
+        while True:
+            closing = text.find(b'"', closing + 1)
+            if closing < 0:
+                return b"".join([*parts, text[start:opening]])  # json.loads says what is wrong
+            if not _escaped(text, opening, closing):
+                break
+        parts.append(text[start:opening])
+        start = position = closing + 1
+    parts.append(text[start:])
+    return b"".join(parts)
+
+
+def _escaped(text: bytes, opening: int, closing: int) -> bool:
+    """Whether the quote at closing follows an odd number of backslashes (looked at 64 bytes
+    at a time: never a copy of the whole string)."""
+    count, end = 0, closing
+    while end > opening + 1:
+        window = text[max(opening + 1, end - 64) : end]
+        kept = window.rstrip(b"\\")
+        count += len(window) - len(kept)
+        if kept:
+            break
+        end -= len(window)
+    return count % 2 == 1
+
+
+def check_hooked(text: bytes) -> None:
+    """HookFree unless parsing text with the hooks of loads() calls a hook every few
+    thousand tokens: JSON of millions of empty arrays, strings or nulls (no number, so no
+    hook) held the GIL for seconds."""
+    bare = _outside_strings(text)
+    for start in range(0, len(bare), SCAN_BYTES):
+        piece = bare[start : start + SCAN_BYTES]
+        unhooked = len(piece.translate(None, _UNHOOKED))
+        if unhooked > SLACK_TOKENS and unhooked > len(piece.translate(None, _HOOKED)):
+            raise HookFree(
+                "holds long runs of arrays or literals without numbers (e.g. [[],[],...]); "
+                "expected tensor data as numbers"
+            )
+
+
 def loads(text: bytes) -> Any:
-    """json.loads; for text beyond INLINE_BYTES, with the numbers parsed by Python hooks, so
-    a thread decoding it holds the GIL for microseconds at a time, not for the whole text
-    (about 20% slower)."""
+    """json.loads; for text beyond INLINE_BYTES, with numbers and objects parsed by Python
+    hooks, so a thread decoding it holds the GIL for microseconds at a time, not for the whole
+    text (about 20% slower); HookFree (before parsing) for such text that would run long with
+    no hook (check_hooked)."""
     if len(text) <= INLINE_BYTES:
         return json.loads(text)
-    return json.loads(text, parse_float=_number, parse_int=_integer)
+    check_hooked(text)
+    return json.loads(text, parse_float=_number, parse_int=_integer, object_pairs_hook=_object)
 
 
 def _leading_shape(data: Any) -> tuple[int, ...]:
@@ -68,7 +142,9 @@ def flat_pieces(data: Any) -> Iterator[np.ndarray]:
         return
     inner = _leading_shape(data)[1:]
     per_item = math.prod(inner)
-    rows = len(data) if per_item == 0 else PIECE_VALUES // per_item
+    # A zero inner dimension holds no values (never a legal tensor), but may hold millions of
+    # empty lists: pieces of PIECE_VALUES of them.
+    rows = PIECE_VALUES if per_item == 0 else PIECE_VALUES // per_item
     if rows == 0:  # each item alone is more than a piece: go one level down
         for item in data:
             if _leading_shape(item) != inner:

@@ -14,7 +14,9 @@ from service.frontend.rest.codec import (
     BINARY_TYPE,
     HEADER_LENGTH,
     JSON_TYPE,
+    MAX_PARAMETERS,
     InferBody,
+    counted,
     decode_infer,
     json_object,
     json_response,
@@ -94,6 +96,7 @@ def _parameter_names(body: dict[str, Any], what: str) -> list[str]:
     parameters = body.get("parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidInput(f"{what} parameters is not a JSON object; expected one")
+    counted(parameters, MAX_PARAMETERS, f"{what} parameters")
     return list(parameters)
 
 
@@ -287,6 +290,7 @@ class _Endpoints:
 
     async def update_log_settings(self, request: web.Request) -> web.Response:
         changes = await self._json_body(request, "the log settings request")
+        counted(changes, MAX_PARAMETERS, "the log settings request")
         who = f"peer {shown(str(request.remote or 'unknown'))}"
         return json_response(self.plane.update_log_settings(changes, who))
 
