@@ -664,3 +664,16 @@ def test_counts_past_their_bound_are_400(
     message = _error(headers, raw)
     assert expected in message
     assert "at most 64" in message
+
+
+@pytest.mark.parametrize("value", [b"\xff", b"metadata-Secret-7\xff", b"\xc3\x28", b"\xed\xa0\x80"])
+def test_a_key_header_that_is_not_utf8_is_403(server: ServerProcess, value: bytes) -> None:
+    """A restricted API's key header holding bytes that are not UTF-8 (aiohttp decodes them
+    with surrogateescape) is a wrong key like any other: 403, no 500 and no traceback."""
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+        sock.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\n" + HEADER.encode() + b": " + value
+                     + b"\r\n\r\n")  # fmt: skip
+        status, headers, raw = _read_answer(sock)
+    assert status == 403, raw[:300]
+    assert "with a wrong value in the header" in _error(headers, raw)
+    assert "Traceback" not in server.log

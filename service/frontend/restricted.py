@@ -108,7 +108,7 @@ class Restrictions:
             return True
         sent = headers.get(key.header)
         # Constant time: how much of a guess matched must not show in the answer's timing.
-        return sent is not None and hmac.compare_digest(sent.encode(), key.value.encode())
+        return sent is not None and hmac.compare_digest(_raw(sent), key.value.encode())
 
     def check(self, group: str, headers: Mapping[str, str]) -> None:
         """Raise PermissionDenied unless headers (names in lower case) carry group's key."""
@@ -122,6 +122,14 @@ class Restrictions:
             f"the {group!r} API group is restricted on this server and this call came "
             f"{problem} {key.header!r}; send {key.header!r} with the key for {group!r}"
         )
+
+
+def _raw(sent: str | bytes) -> bytes:
+    """A header value's bytes, for comparing with a key: aiohttp decodes header bytes that
+    are not UTF-8 with surrogateescape (b"\\xff" is "\\udcff", which a plain encode()
+    refuses: a 500 where a wrong key is a 403); surrogatepass encodes any surrogate, to bytes
+    no key (valid UTF-8) has. gRPC's binary (-bin) metadata comes as bytes."""
+    return sent if isinstance(sent, bytes) else sent.encode("utf-8", "surrogatepass")
 
 
 def _parse_one(spec: str, index: int) -> tuple[list[str], Key]:
