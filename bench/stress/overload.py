@@ -158,7 +158,7 @@ async def _scenario(
                     metric(url, "attention_queue_depth_requests") == 0
                     and metric(url, "attention_inflight_requests") == 0
                 ),
-                "the queue did not drain",
+                what="the queue draining",
             )
         after = await health_status(health)
         final = await callers[0].call(Payload.of(body))

@@ -75,12 +75,12 @@ class Round:
 
     async def _queued(self, count: int) -> None:
         """Until count requests wait in the queue (they must be queued to be dropped)."""
-        await asyncio.to_thread(wait_for, lambda: self._depth() >= count, "requests not queued")
+        await asyncio.to_thread(wait_for, lambda: self._depth() >= count, what="requests queued")
 
     async def _empty(self) -> None:
         """Until the last wave's drops are done: a cancel reaches the server after the client
         has moved on, and its requests would otherwise count as this wave's."""
-        await asyncio.to_thread(wait_for, lambda: self._depth() == 0, "queue not empty")
+        await asyncio.to_thread(wait_for, lambda: self._depth() == 0, what="the queue empty")
 
     def _unary(self, index: int, timeout_s: float) -> Any:
         api = "attention" if index % 2 == 0 else "v2"
@@ -169,7 +169,7 @@ async def _scenario(config: VanishConfig, service: Service) -> Figures:
                         metric(url, "attention_queue_depth_requests") == 0
                         and metric(url, "attention_queue_bytes") == 0
                     ),
-                    "the queue did not empty",
+                    what="the queue emptying",
                 )
             )
             answer = await check(request, timeout=120)
