@@ -159,19 +159,8 @@ func TestMetricsFileLayout(t *testing.T) {
 	m.finished("mha", "v2", codeOK, 0.05)
 	m.finished("mha", "v2", codeOK, 3)
 	m.finished("mha", "v2", codeUnavailable, 0.01)
-	data, err := os.ReadFile(filepath.Join(dir, "counter_"+itoa(os.Getpid())+".db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	used := int(binary.LittleEndian.Uint32(data))
-	values := map[string]float64{}
-	for pos := 8; pos < used; {
-		length := int(binary.LittleEndian.Uint32(data[pos:]))
-		pos += 4
-		key := string(data[pos : pos+length])
-		pos += length + (8 - (length+4)%8)
-		values[key] = math.Float64frombits(binary.LittleEndian.Uint64(data[pos:]))
-		pos += 16
+	values := metricValues(t, filepath.Join(dir, "counter_"+itoa(os.Getpid())+".db"))
+	for key := range values {
 		var parsed []any
 		if err := json.Unmarshal([]byte(key), &parsed); err != nil || len(parsed) != 4 {
 			t.Fatalf("key %q: %v", key, err)
