@@ -353,7 +353,8 @@ class Settings:
     http_header_timeout_s: float = _doc(
         "seconds an HTTP/REST client has to send a request's headers, counted from its "
         "connection's accept, or from the first byte of a later request on it; beyond it the "
-        "connection is closed (with a 408 when part of a request came); 0 = no limit",
+        "connection is closed (with a 408 when part of a request came); also the longest a "
+        "request's body may pause (no byte of it for this long: 408 and closed); 0 = no limit",
         default=10.0,
     )
     max_json_request_bytes: int = _doc(

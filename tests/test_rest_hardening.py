@@ -677,3 +677,24 @@ def test_a_key_header_that_is_not_utf8_is_403(server: ServerProcess, value: byte
     assert status == 403, raw[:300]
     assert "with a wrong value in the header" in _error(headers, raw)
     assert "Traceback" not in server.log
+
+
+@pytest.mark.parametrize(
+    "start",
+    [b"Content-Length: 100\r\n\r\n{", b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n",
+     b"Content-Length: 100\r\nExpect: 100-continue\r\n\r\n"],
+    ids=["short-body", "unfinished-chunks", "expect-then-nothing"],
+)  # fmt: skip
+def test_a_body_that_stops_coming_gets_408(server: ServerProcess, start: bytes) -> None:
+    """Headers, then part of a body (or none) and silence: the connection stayed open for
+    ever, its handler waiting."""
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+        began = time.monotonic()
+        sock.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n" + start)
+        status, headers, raw = _read_answer(sock)
+        if status == 100:  # the interim answer to Expect: the final one follows
+            status, headers, raw = _read_answer(sock)
+        took = _closed_within(sock, 15) + time.monotonic() - began
+    assert status == 408, raw[:300]
+    assert "--http-header-timeout-s" in _error(headers, raw)
+    assert took < HEADER_TIMEOUT_S + 3, took

@@ -32,7 +32,7 @@ from service.frontend.delivery import AnswerBudget
 from service.frontend.rest import routes
 from service.frontend.rest.codec import HEADER_LENGTH, error_response, json_length
 from service.frontend.rest.pieces import INLINE_BYTES
-from service.frontend.rest.protocol import ConnectionLimits, RestRunner
+from service.frontend.rest.protocol import CLOSE_NOW, ConnectionLimits, RestRunner
 from service.frontend.restricted import Restrictions
 from service.frontend.status import SERVER_FAULTS, code_for, http_status
 from service.frontend.v2_plane import V2Plane
@@ -170,7 +170,7 @@ class RestFrontend:
         if json_declared is not None and json_declared > self.max_json_request_bytes:
             raise self._json_too_large(json_declared)
         try:
-            raw = await request.read()
+            raw = await self._read_while_it_comes(request)
         except web.HTTPRequestEntityTooLarge:  # chunked or compressed, found while reading
             raise self._too_large("more bytes") from None
         except RequestPayloadError as err:
@@ -181,6 +181,37 @@ class RestFrontend:
         if sent > self.max_json_request_bytes:
             raise self._json_too_large(sent)
         return raw
+
+    async def _read_while_it_comes(self, request: web.Request) -> bytes:
+        """request.read(), refused with 408 (and the connection closed) once no byte of the
+        body came for --http-header-timeout-s: a body declared and never sent held its
+        connection and handler for ever."""
+        timeout_s = self._connections.header_timeout_s
+        if timeout_s <= 0 or request.content.is_eof():  # (no body: aiohttp's empty reader)
+            return await request.read()
+        reading = asyncio.ensure_future(request.read())
+        try:
+            loop = asyncio.get_running_loop()
+            seen, since = -1, loop.time()
+            while not reading.done():
+                await asyncio.wait({reading}, timeout=timeout_s / 4)
+                now, came = loop.time(), getattr(request.content, "total_raw_bytes", 0)
+                if came != seen:
+                    seen, since = came, now
+                elif now - since >= timeout_s and not reading.done():
+                    raise HttpRefusal(
+                        408,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no byte of the request's body came for {timeout_s:g} s "
+                        "(--http-header-timeout-s); closing the connection",
+                        close=True,
+                    )
+            return reading.result()
+        finally:
+            if not reading.done():
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reading
 
     def _too_large(self, sent: str) -> HttpRefusal:
         return HttpRefusal(
@@ -229,6 +260,7 @@ class RestFrontend:
             refusal = error_response(status, str(err))
             if err.close:
                 refusal.force_close()
+                request[CLOSE_NOW] = True
             return refusal
         except web.HTTPException as err:  # aiohttp's: no such route or method
             code, status = CODE_OF_HTTP.get(err.status, grpc.StatusCode.UNKNOWN), err.status

@@ -41,6 +41,8 @@ MAX_HEADERS = 128  # (aiohttp's default)
 NEVER_S = 10 * 365 * 86400.0  # aiohttp's keep-alive timer has no "never" (0 closes at once)
 TOO_MANY_HEADERS = "Too many headers received"  # aiohttp's message
 TLS_ON_PLAIN = "Received HTTPS traffic on an HTTP port"  # aiohttp's message
+# A request key: its answer closes the connection at once, its unread body never drained.
+CLOSE_NOW = "attention.close_now"
 
 
 @dataclass(frozen=True)
@@ -146,15 +148,15 @@ class RestProtocol(RequestHandler):
             resp = _as_json(resp)
         try:
             answered = await super().finish_response(request, resp, start_time)
-            if request.headers.get("Content-Encoding", "identity") != "identity" and not (
-                request.content.is_eof()
-            ):
+            compressed = request.headers.get("Content-Encoding", "identity") != "identity"
+            if (compressed or request.get(CLOSE_NOW)) and not request.content.is_eof():
                 # Never drain a compressed body the handler did not read: aiohttp's lingering
                 # close reads and discards it for up to 10 s, inflating it on the event loop
                 # (a few KB of brotli are GiBs of work). The connection closes after the
                 # answer instead. (An unread plain body is drained: only copied, and its
-                # client then reads the answer instead of a reset.)
-                log.debug("closed an HTTP connection after a compressed body left unread")
+                # client then reads the answer instead of a reset; unless the answer closes
+                # the connection at once: CLOSE_NOW, as the 408 to a body that stopped coming.)
+                log.debug("closed an HTTP connection after a body left unread")
                 self.force_close()
             return answered
         finally:
