@@ -698,3 +698,21 @@ def test_a_body_that_stops_coming_gets_408(server: ServerProcess, start: bytes) 
     assert status == 408, raw[:300]
     assert "--http-header-timeout-s" in _error(headers, raw)
     assert took < HEADER_TIMEOUT_S + 3, took
+
+
+def test_a_pipelined_partial_request_gets_408(server: ServerProcess) -> None:
+    """A whole request and the start of the next in one packet, then silence: the header
+    deadline was never armed for the second (its bytes came before the first was answered),
+    and the connection stayed open."""
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+        began = time.monotonic()
+        sock.sendall(
+            b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\nGET /v2/health/live HTTP/1.1\r\nHo"
+        )
+        status, _, raw = _read_answer(sock)
+        assert (status, raw) == (200, b'{"live": true}')
+        status, headers, raw = _read_answer(sock)
+        took = time.monotonic() - began
+    assert status == 408, raw[:300]
+    assert "--http-header-timeout-s" in _error(headers, raw)
+    assert took < HEADER_TIMEOUT_S + 1.5, took  # not the idle timeout (IDLE_S)

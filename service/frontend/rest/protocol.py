@@ -123,6 +123,7 @@ class RestProtocol(RequestHandler):
         self._header_timeout_s = limits.header_timeout_s
         self._header_deadline: asyncio.TimerHandle | None = None
         self._bytes_of_next_request = False
+        self._next_started = False  # bytes of a pipelined request came (data_received)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -133,13 +134,25 @@ class RestProtocol(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        queued = len(self._messages)
         super().data_received(data)
         if self._awaiting_headers():
             self._bytes_of_next_request = self._bytes_of_next_request or bool(data)
             if self._header_deadline is None:
                 self._arm_header_deadline()  # a later request's headers: due from its first byte
-        elif self._waiter_done():
+            return
+        if self._waiter_done():
             self._disarm_header_deadline()  # these bytes completed a request's headers
+        # Bytes of a next request that came with or during this one (pipelined): its headers'
+        # deadline starts when this one is answered (finish_response). Bytes after a request
+        # with no body that end mid-headers are the next one's; a body's are not.
+        if len(self._messages) > queued:
+            last_payload = self._messages[-1][1]
+            started = last_payload.is_eof() and not data.endswith(b"\r\n\r\n")
+        else:
+            current = self._current_request
+            started = bool(data) and current is not None and current.content.is_eof()
+        self._next_started = self._next_started or started
 
     async def finish_response(
         self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
@@ -164,6 +177,11 @@ class RestProtocol(RequestHandler):
             # its first byte (until then the idle timeout holds).
             self._disarm_header_deadline()
             self._bytes_of_next_request = False
+            if self._next_started and not self._messages:
+                # Part of the next request came already: its headers are due from now.
+                self._next_started = False
+                self._bytes_of_next_request = True
+                self._arm_header_deadline()
 
     def handle_error(
         self,
