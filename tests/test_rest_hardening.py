@@ -716,3 +716,46 @@ def test_a_pipelined_partial_request_gets_408(server: ServerProcess) -> None:
     assert status == 408, raw[:300]
     assert "--http-header-timeout-s" in _error(headers, raw)
     assert took < HEADER_TIMEOUT_S + 1.5, took  # not the idle timeout (IDLE_S)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "where"),
+    [({"binary_data_output": "true"}, None), ({"binary_data_output": 1}, None),
+     (None, {"binary_data": "no"}), (None, {"binary_data": 0})],
+)  # fmt: skip
+def test_binary_flags_that_are_not_booleans_are_400(
+    server: ServerProcess, parameters: dict[str, object] | None, where: dict[str, object] | None
+) -> None:
+    """ "binary_data": "no" was taken as true, "binary_data_output": "true" as false."""
+    body: dict[str, object] = {"inputs": [_input()]}
+    if parameters is not None:
+        body["parameters"] = parameters
+    if where is not None:
+        body["outputs"] = [{"name": "output", "parameters": where}]
+    status, headers, raw = _request(server, "POST", INFER, json.dumps(body).encode())
+    assert status == 400, raw[:300]
+    assert "expected true or false" in _error(headers, raw)
+
+
+def test_a_json_length_past_the_body_is_400(server: ServerProcess) -> None:
+    body = b'{"inputs": []}'
+    status, headers, raw = _request(
+        server, "POST", INFER, body, {"Inference-Header-Content-Length": str(100 << 20)}
+    )
+    assert status == 400, raw[:300]
+    assert f"at most the body's {len(body)}" in _error(headers, raw)
+
+
+def test_a_405_says_what_is_allowed(server: ServerProcess) -> None:
+    status, headers, raw = _request(server, "DELETE", "/v2/health/live")
+    assert status == 405, raw[:300]
+    assert "GET" in headers["Allow"]
+    _error(headers, raw)
+
+
+def test_no_inputs_names_none(server: ServerProcess) -> None:
+    status, headers, raw = _request(server, "POST", INFER, b'{"inputs": []}')
+    assert status == 400, raw[:300]
+    message = _error(headers, raw)
+    assert "got 0" in message
+    assert "got 0:" not in message

@@ -45,9 +45,10 @@ def _single_input(
         return request.inputs[0]
     names = [shown(tensor.name) for tensor in request.inputs[:4]]
     if len(request.inputs) != 1:
+        listed = f": {', '.join(names)}{' ...' if len(request.inputs) > 4 else ''}" if names else ""
         raise InvalidInput(
             f"expected 1 input ('{INPUT_NAME}') for {_model_ref(model)}, got "
-            f"{len(request.inputs)}: {', '.join(names)}{' ...' if len(request.inputs) > 4 else ''}"
+            f"{len(request.inputs)}{listed}"
         )
     if request.inputs[0].name != INPUT_NAME:
         raise InvalidInput(

@@ -283,7 +283,10 @@ class V2Plane:
         estimated before computing it: the output is as large as the input; the weights,
         when asked for, add h * seq float32 values per position; an output asked for in
         client shared memory carries nothing. An input in client shared memory counts by its
-        declared shape (within the limits)."""
+        declared shape (within the limits). Nothing for a request with no input (infer
+        refuses it, saying so)."""
+        if not request.inputs:
+            return {}
         tensor = request.inputs[0]
         itemsize = 2 if tensor.datatype == "FP16" else 4
         in_region = {o.name for o in request.outputs if PARAMETERS.intersection(o.parameters)}

@@ -167,6 +167,13 @@ class RestFrontend:
         spelled = request.headers.get(HEADER_LENGTH) if binary_follows else None
         header = None if spelled is None else json_length(spelled)
         json_declared = declared if spelled is None else header
+        if header is not None and declared is not None and header > declared:
+            raise HttpRefusal(
+                400,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{HEADER_LENGTH} is {header}; expected the JSON's length in bytes, at most "
+                f"the body's {declared}",
+            )
         if json_declared is not None and json_declared > self.max_json_request_bytes:
             raise self._json_too_large(json_declared)
         try:
@@ -264,7 +271,10 @@ class RestFrontend:
             return refusal
         except web.HTTPException as err:  # aiohttp's: no such route or method
             code, status = CODE_OF_HTTP.get(err.status, grpc.StatusCode.UNKNOWN), err.status
-            return error_response(status, _refusal_message(request, err))
+            refusal = error_response(status, _refusal_message(request, err))
+            if "Allow" in err.headers:  # a 405's methods served (RFC 9110 requires it)
+                refusal.headers["Allow"] = err.headers["Allow"]
+            return refusal
         except asyncio.CancelledError:
             code, status = grpc.StatusCode.CANCELLED, 499  # the client went away
             raise

@@ -246,8 +246,19 @@ def _add_outputs(request: v2.ModelInferRequest, outputs: Any) -> dict[str, bool]
         target = request.outputs.add(name=name)
         parameters = output.get("parameters", {})
         _set_parameters(target.parameters, parameters, f"output {shown(name)}")
-        binary[name] = bool(parameters.get("binary_data", False))
+        binary[name] = _flag(parameters, "binary_data", f"output {shown(name)}")
     return binary
+
+
+def _flag(parameters: Any, name: str, where: str) -> bool:
+    """A boolean parameter (false when absent); InvalidInput for anything but true or false
+    ("no" was taken as true, "true" as false)."""
+    value = parameters.get(name, False) if isinstance(parameters, dict) else False
+    if not isinstance(value, bool):
+        raise InvalidInput(
+            f"{where} parameter {name} is {shown(json.dumps(value))}; expected true or false"
+        )
+    return value
 
 
 def decode_infer(body: bytes, header_length: str | None, model: str, version: str) -> InferBody:
@@ -276,7 +287,7 @@ def decode_infer(body: bytes, header_length: str | None, model: str, version: st
             "total; expected none"
         )
     binary_outputs = _add_outputs(request, header.get("outputs", []))
-    binary_default = header.get("parameters", {}).get("binary_data_output", False) is True
+    binary_default = _flag(header.get("parameters", {}), "binary_data_output", "request")
     return InferBody(request, binary_outputs, binary_default)
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from service.errors import InvalidInput, ModelNotFound, ShuttingDown
+from service.errors import InvalidInput, ModelNotFound, ServingError, ShuttingDown
 from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, Reservation
 from service.frontend.rest.answer import encode_infer
 from service.frontend.rest.codec import (
@@ -202,7 +202,7 @@ class _Endpoints:
         --max-json-answer-bytes."""
         try:
             sizes = self.plane.answer_sizes(body.request)
-        except Exception:  # a malformed request: the plane says what is wrong with it
+        except ServingError:  # a malformed request: the plane says what is wrong with it
             sizes = {}
         as_json = {
             name: nbytes // itemsize * JSON_BYTES_PER_VALUE
