@@ -1,4 +1,4 @@
-"""The ratios the issue's targets are stated in, each from rows of the same run."""
+"""The ratios the performance targets are stated in, each from rows of the same run."""
 
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ def unpinned(rows: list[Row]) -> list[Row]:
     return out
 
 
-# The issue's targets against each peer, by sequence length (our server's mixed row is the
+# The performance targets against each peer, by sequence length (our server's mixed row is the
 # mixed group's "grouping on").
 PEER_GOALS = {"triton": {"16": 1.3, "128": 1.3, MIXED: 1.5}, "mlserver": {"16": 3.0, "128": 3.0}}
 
@@ -400,7 +400,7 @@ def all_ratios(rows: list[Row], unary: str, groups: set[str], pinned: bool = Tru
 
 
 def targets(entries: list[Row]) -> list[Row]:
-    """The entries that state one of the issue's targets, for the "Targets" block."""
+    """The entries that state one of the performance targets, for the "Targets" block."""
     return [item for item in entries if item["target"]]
 
 
