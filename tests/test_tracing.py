@@ -1,5 +1,5 @@
-"""--tracing on: spans decoded by a real OTLP/gRPC receiver; an unreachable collector costs
-the requests nothing."""
+"""--tracing on: spans decoded by a real OTLP/gRPC receiver, for calls the gateway answers
+and calls Python answers alike; an unreachable collector costs the requests nothing."""
 
 from __future__ import annotations
 
@@ -10,14 +10,18 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 
 from export.pipeline import ExportRequest, run_export
+from service.client import attend_request
+from service.generated.attention.v1 import attention_pb2_grpc
 from tests.otlp_receiver import OtlpReceiver, attributes
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, behind_gateway
 
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
 D, H = 64, 4
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -40,11 +44,13 @@ def _otel_env(endpoint: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def traced(repository: Path) -> Iterator[tuple[ServerProcess, OtlpReceiver]]:
+def traced(repository: Path, grpc_gateway: str) -> Iterator[tuple[ServerProcess, OtlpReceiver]]:
     with OtlpReceiver() as receiver:
         flags = ("--default-model", "small", "--tracing", "on", "--max-queue-delay-ms", "200",
                  "--max-batch-size", "2")  # fmt: skip
         with ServerProcess(repository, *flags, env=_otel_env(receiver.endpoint), http=True) as s:
+            # Tracing keeps the fast path: the gateway serves the port when it is on.
+            assert behind_gateway(s) == (grpc_gateway == "on")
             yield s, receiver
 
 
@@ -85,6 +91,106 @@ def test_grpc_call_has_queue_and_compute_spans_in_the_callers_trace(traced) -> N
     assert [link.span_id for link in compute.links] == [call.span_id]
     assert attributes(call)["rpc.grpc.status_code"] == 0
     assert receiver.service_names == {"attention-under-test"}
+
+
+def _infer(server: ServerProcess, seq: int, headers: dict[str, str] | None = None) -> None:
+    client = triton_grpc.InferenceServerClient(server.target)
+    x = np.ones((1, seq, D), np.float32)
+    tensor = triton_grpc.InferInput("embeddings", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    client.infer("small", [tensor], headers=headers)
+    client.close()
+
+
+def _calls(spans, name: str = "inference.GRPCInferenceService/ModelInfer"):
+    return [s for s in spans if s.name == name]
+
+
+def test_a_call_without_a_traceparent_starts_its_own_trace(traced) -> None:
+    server, receiver = traced
+    _infer(server, seq=7)  # a length no other test sends: it finds this call's span
+
+    def this_call(spans):
+        return [s for s in _calls(spans) if attributes(s).get("attention.sequence_length") == 7]
+
+    spans = receiver.wait_for(lambda got: len(this_call(got)) == 1)
+    (call,) = this_call(spans)
+    assert call.parent_span_id == b"" and call.trace_id != bytes(16)
+    children = [s for s in spans if s.parent_span_id == call.span_id]
+    assert sorted(s.name for s in children) == ["compute", "queue"]
+    assert all(s.trace_id == call.trace_id for s in children)
+
+
+def test_an_attend_call_is_traced_under_its_caller(traced) -> None:
+    server, receiver = traced
+    trace_id = "5" * 32
+    with grpc.insecure_channel(server.target) as channel:
+        attend = attention_pb2_grpc.AttentionServiceStub(channel).Attend
+        attend(attend_request(np.ones((1, 4, D), np.float32), model="small"),
+               metadata=[("traceparent", _traceparent(trace_id))], timeout=30)  # fmt: skip
+    spans = receiver.wait_for(lambda got: len(_of_trace(got, trace_id)) >= 3)
+    (call,) = _calls(_of_trace(spans, trace_id), "attention.v1.AttentionService/Attend")
+    assert call.parent_span_id.hex() == CALLER_SPAN
+    assert attributes(call)["rpc.method"] == "Attend"
+    assert attributes(call)["attention.code"] == "OK"
+    compute = next(s for s in _of_trace(spans, trace_id) if s.name == "compute")
+    assert call.span_id in [link.span_id for link in compute.links]
+
+
+def test_a_caller_that_samples_nothing_gets_no_spans(traced) -> None:
+    server, receiver = traced
+    unsampled, marker = "6" * 32, "7" * 32
+    _infer(server, seq=2, headers={"traceparent": f"00-{unsampled}-{CALLER_SPAN}-00"})
+    _infer(server, seq=2, headers={"traceparent": _traceparent(marker)})
+    # Spans are recorded in the order calls end: once the later call's are in, the
+    # earlier call's would be.
+    spans = receiver.wait_for(lambda got: len(_of_trace(got, marker)) >= 3)
+    assert _of_trace(spans, unsampled) == []
+
+
+def test_a_refused_call_has_a_span_with_its_code(traced) -> None:
+    server, receiver = traced
+    trace_id = "8" * 32
+    client = triton_grpc.InferenceServerClient(server.target)
+    x = np.ones((1, 2, D + 1), np.float32)  # the wrong embedding size
+    tensor = triton_grpc.InferInput("embeddings", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    with pytest.raises(triton_grpc.InferenceServerException):
+        client.infer("small", [tensor], headers={"traceparent": _traceparent(trace_id)})
+    client.close()
+    spans = receiver.wait_for(lambda got: len(_calls(_of_trace(got, trace_id))) == 1)
+    (call,) = _calls(_of_trace(spans, trace_id))
+    assert attributes(call)["attention.code"] == "INVALID_ARGUMENT"
+    assert attributes(call)["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+def test_a_ratio_sampler_samples_the_trace_ids_the_sdk_would(repository: Path) -> None:
+    """OTEL_TRACES_SAMPLER=traceidratio: a trace is sampled when its id's low 64 bits are
+    below the SDK's bound, whichever process answers; roots are sampled at the ratio."""
+    bound = round(0.25 * 2**64)  # opentelemetry.sdk.trace.sampling.TraceIdRatioBased
+    ids = [f"{i:016x}{(i * 0x9E3779B97F4A7C15) % 2**64:016x}" for i in range(1, 41)]
+    expected = {t for t in ids if int(t[16:], 16) < bound}
+    assert 0 < len(expected) < len(ids)
+    env = {**_otel_env(""), "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}
+    with OtlpReceiver() as receiver:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+        with ServerProcess(repository, "--default-model", "small", "--tracing", "on", env=env) as s:
+            for trace_id in ids:
+                _infer(s, seq=2, headers={"traceparent": _traceparent(trace_id)})
+            roots = 200
+            for _ in range(roots):
+                _infer(s, seq=3)
+            marker = "9" * 16 + "0" * 16  # low bits 0: sampled
+            _infer(s, seq=2, headers={"traceparent": _traceparent(marker)})
+            spans = receiver.wait_for(lambda got: len(_calls(_of_trace(got, marker))) == 1)
+    sampled = {s.trace_id.hex() for s in _calls(spans)}
+    assert sampled & set(ids) == expected
+    sampled_roots = sum(
+        attributes(s).get("attention.sequence_length") == 3 and s.parent_span_id == b""
+        for s in _calls(spans)
+    )
+    # Binomial(200, 0.25): mean 50, standard deviation 6.1; five of them either side.
+    assert 19 <= sampled_roots <= 81
 
 
 def _rest_infer(server: ServerProcess, trace_id: str, seq: int) -> None:

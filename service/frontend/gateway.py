@@ -25,7 +25,8 @@ from prometheus_client import multiprocess
 from prometheus_client.utils import floatToGoString
 
 from service.dataplane import DEADLINE_SLACK_S
-from service.observability import logs, metrics
+from service.frontend.gateway_spans import SpanSink
+from service.observability import logs, metrics, tracing
 from service.settings import Settings
 from service.transport import grpc_options
 
@@ -65,9 +66,22 @@ def find_binary(configured: str) -> str:
 def gateway_off_reason(settings: Settings, inference_restricted: bool) -> str:
     """Why the gateway would have to hand every call to Python, or ''."""
     if settings.tracing == "on":
-        return "tracing is on (only the Python front end traces)"
+        untraceable = _untraceable_here()
+        if untraceable:
+            return untraceable
     if inference_restricted:
         return "the inference API is restricted (only the Python front end checks keys)"
+    return ""
+
+
+def _untraceable_here() -> str:
+    """Why the gateway cannot trace as this process does (tracing on), or ''."""
+    if not tracing.gateway_sampler():
+        return "the gateway applies only the samplers OTEL_TRACES_SAMPLER names"
+    propagators = os.environ.get("OTEL_PROPAGATORS", "tracecontext,baggage")
+    names = {name.strip() for name in propagators.split(",") if name.strip()}
+    if "tracecontext" not in names or names - {"tracecontext", "baggage"}:
+        return f"OTEL_PROPAGATORS={propagators!r}: the gateway reads only W3C traceparent"
     return ""
 
 
@@ -157,6 +171,9 @@ class Gateway:
         self.pid: int | None = None
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
+        # Tracing on: where the gateway's sampled calls come to be made spans.
+        spans = backend.with_name(f"{name}-spans.sock")
+        self._spans = SpanSink(spans) if tracing.enabled() else None
 
     def _command(self, address: str) -> list[str]:
         s = self._settings
@@ -196,6 +213,9 @@ class Gateway:
             f"--log-format={state.format}",
             f"--log-settings={self._worker_socket.parent / logs.SETTINGS_FILE}",
         ]
+        if self._spans is not None:
+            command += [f"--trace-sampler={tracing.gateway_sampler()}",
+                        f"--spans-socket={self._spans.path}"]  # fmt: skip
         if s.tls_cert and s.tls_key:
             command += [f"--tls-cert={s.tls_cert}", f"--tls-key={s.tls_key}"]
             if s.tls_client_ca:
@@ -208,6 +228,8 @@ class Gateway:
         if metrics_dir:
             forget_dead_processes(metrics_dir)
         env = {**os.environ, "ATTENTION_GATEWAY_METRICS": json.dumps(metrics_spec())}
+        if self._spans is not None:
+            self._spans.start()
         try:
             # Its log lines go straight to standard error, as this process's do; its standard
             # output says "listening ADDRESS", or "failed WHY".
@@ -256,3 +278,5 @@ class Gateway:
             await process.wait()
         if self._watch is not None:
             await self._watch
+        if self._spans is not None:
+            await asyncio.to_thread(self._spans.stop)  # after the gateway: its records are in

@@ -122,12 +122,12 @@ class FrontendServer:
         except TlsError as err:
             raise StartupError(str(err)) from err
         restrictions = self._restrictions_in_force = self._restrictions()
-        self._gateway_on = self._use_gateway()
-        if settings.tracing == "on":
+        if settings.tracing == "on":  # first: whether the gateway can serve depends on it
             try:
                 tracing.start(max_queue_spans=settings.tracing_max_queue_spans)
             except tracing.TracingError as err:
                 raise StartupError(str(err)) from err
+        self._gateway_on = self._use_gateway()
         self.plane.start()
         await self.plane.wait_welcomed()
         receive_bytes, send_bytes = message_limits(self.plane.models.all(), settings)

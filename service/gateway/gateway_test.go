@@ -407,7 +407,7 @@ func TestRegionReferencesAreReadAsPythonReadsThem(t *testing.T) {
 		t.Fatalf("slab sizes %v", sizes)
 	}
 	var message map[string]any
-	if err := json.Unmarshal(inferRefsMessage(7, p, [3]int64{-1, -1, -1}, nanDeadline()), &message); err != nil {
+	if err := json.Unmarshal(inferRefsMessage(7, p, [3]int64{-1, -1, -1}, nanDeadline(), nil), &message); err != nil {
 		t.Fatal(err)
 	}
 	if _, has := message["deadline"]; has || message["t"] != "infer" || len(message["iref"].([]any)) != 5 {

@@ -13,6 +13,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,6 +39,7 @@ type inferRequest struct {
 	outRefs                     map[string]*shmRef // outputs asked for in a client's region
 	weights                     bool               // Attend: return_attention_weights
 	flat                        bool               // Attend: [seq, d] in, [seq, d] out
+	trace                       *callTrace         // nil: not sampled (or tracing off)
 }
 
 // parseInfer reads a ModelInferRequest; nil when it is not plain (the Python front end
@@ -315,6 +317,8 @@ type fastPath struct {
 	closing       chan struct{} // closed when draining starts: streams stop reading
 	streams       streamLimits
 	inFlight      sync.WaitGroup // unary calls and streams
+	sampler       *sampler       // nil: tracing off
+	spans         *spanSink
 }
 
 // serve answers a plain call (req, nil when it was not one) and returns true, or returns
@@ -337,6 +341,7 @@ func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, req *inferRequ
 		return false
 	}
 	started := time.Now()
+	req.trace = fp.sampler.sample(r.Header, started)
 	fp.inFlight.Add(1)
 	defer fp.inFlight.Done()
 	fp.metrics.inFlight(req.api, 1)
@@ -344,7 +349,19 @@ func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, req *inferRequ
 	code, answered := fp.infer(w, r, req, p, unlock)
 	// Server time until the answer existed: a slow reader does not stretch it (as Python).
 	fp.metrics.finished(p.model.Name, req.api, code, answered.Sub(started).Seconds())
+	fp.traced(r.RequestURI, req, p, code, time.Now())
 	return true
+}
+
+// traced hands a sampled call's record to the Python front end, which makes its spans.
+func (fp *fastPath) traced(method string, req *inferRequest, p *plan, code int, ended time.Time) {
+	if req.trace == nil {
+		return
+	}
+	fp.spans.record(req.trace, callSpan{
+		method: strings.TrimPrefix(method, "/"), code: code, answered: ended,
+		model: p.model.Name, version: p.model.Version, sequences: p.shape[0], length: p.shape[1],
+	})
 }
 
 func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequest, p *plan, sent func()) (int, time.Time) {
@@ -464,7 +481,7 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 		defer timer.Stop()
 		expired = timer.C
 	}
-	call := &pending{done: make(chan answer, 1), regions: regions}
+	call := &pending{done: make(chan answer, 1), regions: regions, traced: req.trace != nil}
 	l.mu.Lock()
 	fp.worker.nextID++
 	id := fp.worker.nextID
@@ -472,9 +489,12 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	l.mu.Unlock()
 	var message []byte
 	if p.inRegions() {
-		message = inferRefsMessage(id, p, at, workerDeadline)
+		message = inferRefsMessage(id, p, at, workerDeadline, req.trace)
 	} else {
 		message = inferMessage(id, p.weights, p.shape, at, workerDeadline, p.model.Key, p.dtype.numpy)
+		if req.trace != nil {
+			message = append(message, req.trace.tag()...)
+		}
 	}
 	if !l.send(message) {
 		l.slab.release(regions)
@@ -492,6 +512,9 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 		return fp.abandon(l, id, call, code)
 	case <-expired:
 		return fp.abandon(l, id, call, codeDeadlineExceeded)
+	}
+	if req.trace != nil {
+		req.trace.done = a.done
 	}
 	if a.kind != "" {
 		l.slab.release(regions)

@@ -209,6 +209,7 @@ type options struct {
 	keepalive, keepaliveTimeout, deadlineSlack      time.Duration
 	refuseLinger                                    time.Duration
 	idle, maxAge, notServing, grace                 time.Duration
+	traceSampler, spansSocket                       string
 }
 
 func parseOptions() options {
@@ -246,6 +247,8 @@ func parseOptions() options {
 	flag.Float64Var(&notServingS, "shutdown-not-serving-s", 2, "")
 	flag.Float64Var(&graceS, "grace-period-s", 30, "")
 	flag.Float64Var(&lingerS, "refuse-linger-s", 0.2, "drain: refuse new calls this long before closing")
+	flag.StringVar(&o.traceSampler, "trace-sampler", "", "[parentbased_](always_on|always_off|ratio:BOUND); empty: tracing off")
+	flag.StringVar(&o.spansSocket, "spans-socket", "", "Unix socket the Python front end reads sampled calls' records from")
 	flag.Parse()
 	o.fastPath = fast == "on"
 	o.idle = time.Duration(idleS * float64(time.Second))
@@ -299,6 +302,12 @@ func run(o options) error {
 			deadlineSlack: o.deadlineSlack, closing: make(chan struct{}), streams: o.streams,
 			answers: newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection, m)}
 		g.fast.accepting.Store(true)
+		if g.fast.sampler, err = parseSampler(o.traceSampler); err != nil {
+			return err
+		}
+		if g.fast.sampler != nil {
+			g.fast.spans = newSpanSink(o.spansSocket)
+		}
 	}
 	go g.returnMemoryWhenIdle()
 	listener, err := listen(o.listen)

@@ -182,7 +182,7 @@ func (r *shmRef) refJSON(dtype string) []any {
 
 // inferRefsMessage is the INFER of a call with a tensor in a client's region: JSON, as the
 // Python front end sends it (the packed layout has no room for references).
-func inferRefsMessage(id uint64, p *plan, at [3]int64, deadline float64) []byte {
+func inferRefsMessage(id uint64, p *plan, at [3]int64, deadline float64, trace *callTrace) []byte {
 	message := map[string]any{
 		"t": "infer", "id": id, "model": p.model.Key, "w": p.weights,
 		"shape": p.shape[:], "dtype": p.dtype.numpy,
@@ -203,6 +203,9 @@ func inferRefsMessage(id uint64, p *plan, at [3]int64, deadline float64) []byte 
 	}
 	if p.wRef != nil {
 		message["wref"] = p.wRef.refJSON("<f4")
+	}
+	if trace != nil {
+		message["tag"] = trace.tagJSON()
 	}
 	body, _ := json.Marshal(message) // strings are valid UTF-8, numbers finite
 	return body

@@ -369,9 +369,11 @@ func (s *stream) answer(req *inferRequest, p *plan, buffer []byte, answerBytes i
 	defer s.tasks.Done()
 	api := s.method.api
 	started := time.Now()
+	req.trace = s.fp.sampler.sample(s.r.Header, started) // a span per message, as Python's
 	s.gateway.busy.Add(1)
 	s.fp.metrics.inFlight(api, 1)
 	o := s.fp.compute(s.ctx, s.r.RemoteAddr, req, p, s.deadline, sent)
+	defer s.fp.traced(s.r.RequestURI, req, p, o.code, time.Now())
 	s.fp.metrics.inFlight(api, -1)
 	s.gateway.busy.Add(-1)
 	recycle(buffer) // its tensor is in shared memory by now (or never will be)

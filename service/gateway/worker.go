@@ -54,12 +54,14 @@ type answer struct {
 	queueS, computeS float64
 	batch            int64
 	kind, message    string
+	done             []byte // a traced call's DONE as the worker packed it
 }
 
 type pending struct {
 	done      chan answer
 	regions   []region
 	abandoned bool
+	traced    bool // its answer keeps the DONE, for its spans
 }
 
 type link struct {
@@ -251,13 +253,14 @@ func (w *worker) readLoop(l *link, welcomed func()) {
 }
 
 func (w *worker) dispatch(l *link, body []byte, welcomed func()) error {
-	if len(body) == doneSize && body[0] == doneKind {
+	// A DONE; a traced call's has the tags of its batch's traced calls after it.
+	if len(body) >= doneSize && body[0] == doneKind && (len(body)-doneSize)%tagSize == 0 {
 		id := binary.LittleEndian.Uint64(body[1:])
 		w.finish(l, id, answer{
 			queueS:   math.Float64frombits(binary.LittleEndian.Uint64(body[9:])),
 			computeS: math.Float64frombits(binary.LittleEndian.Uint64(body[17:])),
 			batch:    int64(binary.LittleEndian.Uint64(body[25:])),
-		})
+		}, body)
 		return nil
 	}
 	var message struct {
@@ -277,9 +280,9 @@ func (w *worker) dispatch(l *link, body []byte, welcomed func()) error {
 	}
 	switch message.T {
 	case "done":
-		w.finish(l, message.ID, answer{queueS: message.Q, computeS: message.C, batch: message.B})
+		w.finish(l, message.ID, answer{queueS: message.Q, computeS: message.C, batch: message.B}, nil)
 	case "fail":
-		w.finish(l, message.ID, answer{kind: message.Kind, message: message.Msg})
+		w.finish(l, message.ID, answer{kind: message.Kind, message: message.Msg}, nil)
 	case "reply":
 		// control calls are the Python front end's; none are made here
 	case "welcome", "models":
@@ -305,13 +308,18 @@ func (w *worker) dispatch(l *link, body []byte, welcomed func()) error {
 	return nil
 }
 
-func (w *worker) finish(l *link, id uint64, a answer) {
+// finish hands the call its answer; packed is the DONE as read (kept only for a traced call:
+// the read buffer is reused).
+func (w *worker) finish(l *link, id uint64, a answer, packed []byte) {
 	l.mu.Lock()
 	call := l.calls[id]
 	delete(l.calls, id)
 	l.mu.Unlock()
 	if call == nil {
 		return
+	}
+	if call.traced && packed != nil {
+		a.done = append([]byte(nil), packed...)
 	}
 	if call.abandoned {
 		l.slab.release(call.regions) // the worker wrote nothing more into them

@@ -10,8 +10,10 @@ and sampler are configured by the standard OTEL_* variables.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -26,6 +28,12 @@ TRACER_NAME = "attention-serving"
 
 _tracer: Any = None  # opentelemetry.trace.Tracer while tracing is on
 _provider: Any = None
+# Spans of calls the gateway answered: the gateway sampled them and chose their ids, which
+# this tracer takes (its provider samples everything and shares _provider's exporter).
+_gateway_tracer: Any = None
+_PRESET_IDS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "preset_span_ids", default=None
+)
 
 
 class TracingError(ValueError):
@@ -62,7 +70,7 @@ def _protocol(environ: Mapping[str, str]) -> str:
 
 def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> None:
     """Install the SDK's tracer provider with an OTLP exporter chosen by the OTEL_* variables."""
-    global _tracer, _provider
+    global _tracer, _provider, _gateway_tracer
     # Imported here: with tracing off the SDK costs neither import time nor memory.
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -81,10 +89,10 @@ def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> 
     )
     # No sampler given: the SDK reads OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG itself.
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(
-        BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=max_queue_spans)
-    )
+    processor = BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=max_queue_spans)
+    provider.add_span_processor(processor)
     _provider, _tracer = provider, provider.get_tracer(TRACER_NAME)
+    _gateway_tracer = _gateway_provider(resource, processor).get_tracer(TRACER_NAME)
     log.info("tracing on: OTLP %s to %s, sampler %s, at most %d spans queued", protocol,
              environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
              or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "the exporter's default endpoint"),
@@ -94,8 +102,8 @@ def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> 
 def stop(timeout_s: float) -> None:
     """Export what is queued, for at most timeout_s (an unreachable collector must not hold
     up the exit), then forget the provider."""
-    global _tracer, _provider
-    provider, _tracer, _provider = _provider, None, None
+    global _tracer, _provider, _gateway_tracer
+    provider, _tracer, _provider, _gateway_tracer = _provider, None, None, None
     if provider is None:
         return
     closer = threading.Thread(target=provider.shutdown, daemon=True, name="tracing-shutdown")
@@ -155,6 +163,112 @@ def current_tag() -> Tag | None:
     return Tag(ids.trace_id, ids.span_id, int(ids.trace_flags)) if ids.is_valid else None
 
 
+def _gateway_provider(resource: Any, processor: Any) -> Any:
+    """A provider that records every span it is asked for, with the ids _PRESET_IDS holds,
+    into processor (which the main provider owns and shuts down)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+    class PresetIds(RandomIdGenerator):
+        def generate_trace_id(self) -> int:
+            preset = _PRESET_IDS.get()
+            return preset[0] if preset else super().generate_trace_id()
+
+        def generate_span_id(self) -> int:
+            preset = _PRESET_IDS.get()
+            return preset[1] if preset else super().generate_span_id()
+
+    provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, id_generator=PresetIds())
+    provider.add_span_processor(processor)
+    return provider
+
+
+# The samplers OTEL_TRACES_SAMPLER names, as the SDK describes them.
+_SAMPLER = re.compile(
+    r"(?P<parent>ParentBased\{root:)?"
+    r"(?:(?P<on>AlwaysOnSampler)|(?P<off>AlwaysOffSampler)|TraceIdRatioBased\{(?P<rate>[^}]*)\})"
+    r"(?(parent),remoteParentSampled:AlwaysOnSampler,remoteParentNotSampled:AlwaysOffSampler,"
+    r"localParentSampled:AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler\})"
+)
+
+
+def gateway_sampler() -> str:
+    """The running sampler as the gateway's --trace-sampler takes it ('' when it is not one
+    the gateway knows): [parentbased_](always_on|always_off|ratio:BOUND), BOUND being the
+    SDK's own bound on a trace id's low 64 bits, so both sample exactly the same traces."""
+    if _provider is None:
+        return ""
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    found = _SAMPLER.fullmatch(_provider.sampler.get_description())
+    if found is None:
+        return ""
+    prefix = "parentbased_" if found["parent"] else ""
+    if found["on"] or found["off"]:
+        return prefix + ("always_on" if found["on"] else "always_off")
+    return f"{prefix}ratio:{TraceIdRatioBased.get_bound_for_rate(float(found['rate']))}"
+
+
+@dataclass(frozen=True)
+class GatewayCall:
+    """A call the gateway answered and sampled: what its spans are made of."""
+
+    trace_id: int
+    span_id: int
+    parent_span_id: int  # 0: none (the gateway started the trace)
+    parent_flags: int
+    trace_state: str
+    name: str  # package.Service/Method
+    received_ns: int  # wall clock
+    answered_ns: int
+    code: str  # gRPC status name
+    error: bool  # a server-side failure
+    attributes: Mapping[str, Any]
+    batch: Mapping[str, Any] | None  # the worker's DONE, when it computed the call
+
+
+def record_gateway_call(call: GatewayCall) -> None:
+    """The call's server span, with the ids the gateway gave it (the worker's batches link to
+    them), and its queue and compute children."""
+    if _gateway_tracer is None:
+        return
+    from opentelemetry import propagate, trace
+    from opentelemetry.trace import Status, StatusCode
+
+    parent = None
+    if call.parent_span_id:
+        carrier = {
+            "traceparent": f"00-{call.trace_id:032x}-{call.parent_span_id:016x}-"
+            f"{call.parent_flags:02x}"
+        }
+        if call.trace_state:
+            carrier["tracestate"] = call.trace_state
+        parent = propagate.extract(carrier)
+    token = _PRESET_IDS.set((call.trace_id, call.span_id))
+    try:
+        span = _gateway_tracer.start_span(
+            call.name, context=parent, kind=trace.SpanKind.SERVER, start_time=call.received_ns,
+            attributes={**call.attributes, "attention.code": call.code},
+        )  # fmt: skip
+    finally:
+        _PRESET_IDS.reset(token)
+    if call.batch is not None:
+        done = call.batch
+        record_batch(
+            model=str(call.attributes.get("attention.model", "")),
+            version=int(call.attributes.get("attention.model_version", 0)),
+            sequences=int(call.attributes.get("attention.sequences", 0)),
+            length=int(call.attributes.get("attention.sequence_length", 0)),
+            queue_s=done["q"], compute_s=done["c"], started_at=done["s"],
+            batch_size=done["b"], padding=done["p"], batch_id=done["i"],
+            tags=tags_from_json(done["tags"]), parent=span, tracer=_gateway_tracer,
+        )  # fmt: skip
+    if call.error:
+        span.set_status(Status(StatusCode.ERROR, call.code))
+    span.end(end_time=max(call.answered_ns, call.received_ns))
+
+
 def _epoch_ns(monotonic_s: float) -> int:
     """A time.monotonic() instant on the wall clock spans are stamped with."""
     return time.time_ns() - round((time.monotonic() - monotonic_s) * 1e9)
@@ -173,14 +287,18 @@ def record_batch(
     padding: float,
     batch_id: int,
     tags: Iterable[object],
+    parent: Any = None,
+    tracer: Any = None,
 ) -> None:
-    """Queue and compute child spans of the current request, with explicit times; compute
-    links to the span of every request its batch served."""
-    if _tracer is None:
+    """Queue and compute child spans of parent (default: the current span), with explicit
+    times; compute links to the span of every traced request its batch served."""
+    tracer = tracer or _tracer
+    if tracer is None:
         return
     from opentelemetry import trace
 
-    current = trace.get_current_span()
+    current = parent or trace.get_current_span()
+    under = trace.set_span_in_context(current)
     request: dict[str, Any] = {
         "attention.model": model,
         "attention.model_version": version,
@@ -194,16 +312,17 @@ def record_batch(
         "attention.batch_id": batch_id,
     }
     queued_at, started = _epoch_ns(started_at - queue_s), _epoch_ns(started_at)
-    queue = _tracer.start_span("queue", start_time=queued_at, attributes=request)
+    queue = tracer.start_span("queue", context=under, start_time=queued_at, attributes=request)
     queue.end(end_time=started)
     links = [
         trace.Link(trace.SpanContext(t.trace_id, t.span_id, True, trace.TraceFlags(t.trace_flags)))
         for t in tags
         if isinstance(t, Tag)
     ]
-    compute = _tracer.start_span(
-        "compute", start_time=started, links=links, attributes={**request, **batch}
-    )
+    compute = tracer.start_span(
+        "compute", context=under, start_time=started, links=links,
+        attributes={**request, **batch},
+    )  # fmt: skip
     compute.end(end_time=started + round(compute_s * 1e9))
 
 

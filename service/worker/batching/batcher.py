@@ -87,7 +87,7 @@ class _Pending:
     queue: _Queue
     queued: bool = True
     timer: asyncio.TimerHandle | None = None
-    tag: object = None  # the caller's, handed back to every request of its batch
+    tag: object = None  # the caller's, handed back to every traced request of its batch
     into: Targets | None = None  # where its output (and weights) are written once computed
 
 
@@ -243,9 +243,10 @@ class Batcher:
 
         deadline is on the time.monotonic() clock; past it the request is never computed.
         tag (small, plain data; e.g. a trace's span ids) comes back in Result.batch_tags of
-        every request computed with this one. into: arrays of the answer's shapes that the
-        answer is written into (the Result then holds them); the caller keeps them valid until
-        the future is done, also after withdraw() returned False.
+        every tagged request computed with this one (an untagged one gets none). into: arrays
+        of the answer's shapes that the answer is written into (the Result then holds them);
+        the caller keeps them valid until the future is done, also after withdraw() returned
+        False.
         """
         self._admit(embeddings.nbytes)
         loop = asyncio.get_running_loop()
@@ -708,7 +709,7 @@ class Batcher:
                         started_at=started,
                         padding=computed.padding,
                         batch_id=batch_id,
-                        batch_tags=tags,
+                        batch_tags=tags if item.tag is not None else (),
                     )
                 )
         self.statistics.record_batch(runner.key, sequences, succeeded, computed.compute_s)
