@@ -20,6 +20,7 @@ from bench.report import (
     MIXED,
     SEQS,
     TRACING_ON,
+    TRACING_SAMPLED,
     Row,
     at_least,
     entry,
@@ -345,9 +346,12 @@ def protocols(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
         out.append(entry(f"seq {seq}: echo front end / bare gRPC server, CPU per request",
                          ratio(frontend_us(echo), floor_us)))  # fmt: skip
         out.append(entry(f"seq {seq}: bare gRPC server (seq/s)", seq_per_s(floor)))
-    traced, plain = server(unary, SEQS[0], TRACING_ON), server(unary, SEQS[0])
-    out.append(entry(f"seq {SEQS[0]}: tracing on / off (seq/s)",
-                     ratio(seq_per_s(traced), seq_per_s(plain))))  # fmt: skip
+    for seq in SEQS:
+        plain = seq_per_s(server(unary, seq))
+        for name, goal in ((TRACING_SAMPLED, 0.9), (TRACING_ON, 0.6)):
+            value = ratio(seq_per_s(server(unary, seq, name)), plain)
+            out.append(entry(f"seq {seq}: {name} / tracing off (seq/s)", value, f">= {goal}",
+                             at_least(value, goal)))  # fmt: skip
     return out
 
 

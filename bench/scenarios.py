@@ -22,6 +22,7 @@ from bench.report import (
     MIXED,
     SEQS,
     TRACING_ON,
+    TRACING_SAMPLED,
     Row,
     find,
     one_caller_name,
@@ -204,24 +205,30 @@ def open_loop(load: Callable[..., object], capacity_per_s: float) -> None:
         )
 
 
+TRACED = {  # the server's name in the rows, and its sampler
+    TRACING_SAMPLED: {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                      "OTEL_TRACES_SAMPLER_ARG": "0.01"},
+    TRACING_ON: {"OTEL_TRACES_SAMPLER": "always_on"},
+}  # fmt: skip
+
+
 def tracing_on(r: Runner, groups: set[str]) -> None:
-    """The default server with every request traced and exported (to a sink on the load
-    generator's CPUs), at seq 16 where a request's own work weighs most."""
+    """The default server with tracing on, 1% of requests and every request sampled, their
+    spans exported (to a sink on the load generator's CPUs), at each length."""
     if "headline" not in groups:
         return
     pinning = r.config.pinning
     cpus = cpu_set(pinning.client_cpus) if pinning.client_cpus else None
-    with OtlpSink(cpus) as sink:
-        env = {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_TRACES_SAMPLER": "always_on",
-        }
-        with r.server(TRACING_ON, ["--tracing", "on"], pinning, env) as service:
-            r.load(service, group="headline", target="server", name=TRACING_ON,
-                   api=r.config.api, seq=SEQS[0], pinning=pinning)  # fmt: skip
-        if not sink.exports:
-            r.note(f"{TRACING_ON}: the server exported no spans")
+    for name, sampler in TRACED.items():
+        with OtlpSink(cpus) as sink:
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+                   "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", **sampler}  # fmt: skip
+            with r.server(name, ["--tracing", "on"], pinning, env) as service:
+                for seq in SEQS:
+                    r.load(service, group="headline", target="server", name=name,
+                           api=r.config.api, seq=seq, pinning=pinning)  # fmt: skip
+            if not sink.exports:
+                r.note(f"{name}: the server exported no spans")
     tracing_off_cost(r)
 
 
