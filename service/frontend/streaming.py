@@ -31,7 +31,7 @@ from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Rese
 from service.frontend.handlers import Undecodable
 from service.frontend.rpc import STREAM_METHOD_OF_API, end_span, serialized, start_span
 from service.frontend.status import code_for
-from service.observability import metrics
+from service.observability import logs, metrics
 from service.text import shown
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,8 @@ class _Stream(Generic[Request, Response]):
         code = grpc.StatusCode.OK
         self._inflight.inc()
         model = calls.model_label(request)
+        # What this message logs carries its request id (this task's own context: no reset).
+        logs.REQUEST_ID.set(calls.request_id(request))
         # A span per message: a stream may live for hours, and its messages are the requests.
         span = start_span(calls.api, STREAM_METHOD_OF_API.get(calls.api, "stream"), self._context)
         try:
