@@ -26,8 +26,10 @@ $(STAMP): pyproject.toml constraints.txt
 # standard library only, so no module downloads.
 gateway: $(BIN)/attention-gateway
 
+GO := cd service/gateway && CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off $(abspath $(BIN))/go
+
 $(BIN)/attention-gateway: $(wildcard service/gateway/*.go) service/gateway/go.mod
-	cd service/gateway && CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off $(abspath $(BIN))/go build -trimpath -o $(abspath $@) .
+	$(GO) build -trimpath -o $(abspath $@) .
 
 proto: setup
 	$(BIN)/python proto/generate.py
@@ -39,10 +41,16 @@ export: setup
 serve: export
 	$(BIN)/python -m service --model-repository $(MODELS)
 
+# The gateway's Go is checked as the Python is: a missing toolchain fails, never skips.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy service export
+	@test -x $(BIN)/go || { echo "lint: no Go toolchain at $(BIN)/go (make setup installs it)"; exit 1; }
+	$(GO) vet ./...
+	@cd service/gateway && unformatted=$$($$($(abspath $(BIN))/go env GOROOT)/bin/gofmt -l .) && \
+		test -z "$$unformatted" || { echo "lint: gofmt failed or these need it: $$unformatted"; exit 1; }
+	$(GO) test -count=1 ./...
 
 test: lint docs
 	$(BIN)/python -m pytest

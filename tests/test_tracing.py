@@ -115,7 +115,8 @@ def test_a_call_without_a_traceparent_starts_its_own_trace(traced) -> None:
 
     spans = receiver.wait_for(lambda got: len(this_call(got)) == 1)
     (call,) = this_call(spans)
-    assert call.parent_span_id == b"" and call.trace_id != bytes(16)
+    assert call.parent_span_id == b""
+    assert call.trace_id != bytes(16)
     children = [s for s in spans if s.parent_span_id == call.span_id]
     assert sorted(s.name for s in children) == ["compute", "queue"]
     assert all(s.trace_id == call.trace_id for s in children)
@@ -171,7 +172,11 @@ def test_a_ratio_sampler_samples_the_trace_ids_the_sdk_would(repository: Path) -
     ids = [f"{i:016x}{(i * 0x9E3779B97F4A7C15) % 2**64:016x}" for i in range(1, 41)]
     expected = {t for t in ids if int(t[16:], 16) < bound}
     assert 0 < len(expected) < len(ids)
-    env = {**_otel_env(""), "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}
+    env = {
+        **_otel_env(""),
+        "OTEL_TRACES_SAMPLER": "traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.25",
+    }
     with OtlpReceiver() as receiver:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
         with ServerProcess(repository, "--default-model", "small", "--tracing", "on", env=env) as s:
