@@ -14,17 +14,17 @@ import (
 const attendPath = "/attention.v1.AttentionService/Attend"
 
 // regionFields name AttendRequest's region fields, as the worker's errors name them.
-var regionFields = map[int]string{6: "embeddings_region", 7: "output_region", 8: "attention_weights_region"}
+var regionFields = map[int]string{
+	fieldAttendRequestEmbeddingsRegion:       "embeddings_region",
+	fieldAttendRequestOutputRegion:           "output_region",
+	fieldAttendRequestAttentionWeightsRegion: "attention_weights_region",
+}
 
 // regionOutputs are the outputs AttendRequest's output region fields are for.
-var regionOutputs = map[int]string{7: outputName, 8: weightsName}
-
-// The attention.v1 DataType values a plain request may name (0 reads as FLOAT32).
-const (
-	dataTypeUnspecified = 0
-	dataTypeFloat32     = 1
-	dataTypeFloat16     = 2
-)
+var regionOutputs = map[int]string{
+	fieldAttendRequestOutputRegion:           outputName,
+	fieldAttendRequestAttentionWeightsRegion: weightsName,
+}
 
 // parseAttend reads an AttendRequest into the plan's terms; nil when it is not plain.
 func parseAttend(msg []byte) *inferRequest {
@@ -32,22 +32,23 @@ func parseAttend(msg []byte) *inferRequest {
 	plain, embeddings := true, 0
 	err := eachField(msg, func(f field) error {
 		switch f.num {
-		case 1:
+		case fieldAttendRequestModel:
 			plain = stringField(f, &req.modelName) && plain
-		case 2:
+		case fieldAttendRequestModelVersion:
 			plain = stringField(f, &req.modelVersion) && plain
-		case 5:
+		case fieldAttendRequestRequestID:
 			plain = stringField(f, &req.id) && plain
-		case 3:
+		case fieldAttendRequestEmbeddings:
 			embeddings++
 			plain = plain && f.wire == wireBytes && req.parseTensor(f.bytes)
-		case 4:
+		case fieldAttendRequestReturnAttentionWeights:
 			plain = plain && f.wire == wireVarint
 			req.weights = f.value != 0
-		case 6, 7, 8: // client shared memory
+		case fieldAttendRequestEmbeddingsRegion, fieldAttendRequestOutputRegion,
+			fieldAttendRequestAttentionWeightsRegion: // client shared memory
 			ref, ok := attendRef(f, regionFields[f.num])
 			plain = plain && ok
-			if f.num == 6 {
+			if f.num == fieldAttendRequestEmbeddingsRegion {
 				plain = plain && req.inRef == nil // given twice: protobuf merges, Python answers
 				req.inRef = ref
 			} else {
@@ -84,9 +85,9 @@ func (req *inferRequest) parseTensor(msg []byte) bool {
 	err := eachField(msg, func(f field) error {
 		var err error
 		switch f.num {
-		case 1:
+		case fieldTensorShape:
 			req.shape, err = readInt64s(f, req.shape)
-		case 2:
+		case fieldTensorDtype: // a DataType; unspecified reads as FLOAT32
 			plain = plain && f.wire == wireVarint
 			switch f.value {
 			case dataTypeUnspecified, dataTypeFloat32:
@@ -96,7 +97,7 @@ func (req *inferRequest) parseTensor(msg []byte) bool {
 			default:
 				plain = false
 			}
-		case 3:
+		case fieldTensorData:
 			plain = plain && f.wire == wireBytes
 			req.raw = f.bytes
 		}
@@ -109,16 +110,16 @@ func (req *inferRequest) parseTensor(msg []byte) bool {
 // tensors' bytes referenced in shared memory.
 func attendResponse(req *inferRequest, p *plan, answers answerTensors, a answer) [][]byte {
 	m := newMessage()
-	m.built = appendStringField(m.built, 3, p.model.Name)
-	m.built = appendStringField(m.built, 4, strconv.FormatInt(p.model.Version, 10))
+	m.built = appendStringField(m.built, fieldAttendResponseModel, p.model.Name)
+	m.built = appendStringField(m.built, fieldAttendResponseModelVersion, strconv.FormatInt(p.model.Version, 10))
 	if req.id != "" {
-		m.built = appendStringField(m.built, 5, req.id)
+		m.built = appendStringField(m.built, fieldAttendResponseRequestID, req.id)
 	}
 	var timing []byte
-	timing = appendVarintField(timing, 1, uint64(int64(math.RoundToEven(a.queueS*1e6))))
-	timing = appendVarintField(timing, 2, uint64(int64(math.RoundToEven(a.computeS*1e6))))
-	timing = appendVarintField(timing, 3, uint64(a.batch))
-	m.built = appendBytesField(m.built, 6, timing)
+	timing = appendVarintField(timing, fieldServerTimingQueueUs, uint64(int64(math.RoundToEven(a.queueS*1e6))))
+	timing = appendVarintField(timing, fieldServerTimingComputeUs, uint64(int64(math.RoundToEven(a.computeS*1e6))))
+	timing = appendVarintField(timing, fieldServerTimingBatchSize, uint64(a.batch))
+	m.built = appendBytesField(m.built, fieldAttendResponseTiming, timing)
 	n, seq, d := p.shape[0], p.shape[1], p.shape[2]
 	outShape, wShape := []int64{n, seq, d}, []int64{n, p.model.NumHeads, seq, seq}
 	if req.flat {
@@ -128,9 +129,9 @@ func attendResponse(req *inferRequest, p *plan, answers answerTensors, a answer)
 	if p.dtype.size == 2 {
 		outType = dataTypeFloat16
 	}
-	tensor(m, 1, outShape, outType, answers.out)
+	tensor(m, fieldAttendResponseOutput, outShape, outType, answers.out)
 	if p.weights {
-		tensor(m, 2, wShape, dataTypeFloat32, answers.weights)
+		tensor(m, fieldAttendResponseAttentionWeights, wShape, dataTypeFloat32, answers.weights)
 	}
 	return m.finish()
 }
@@ -139,16 +140,17 @@ func attendResponse(req *inferRequest, p *plan, answers answerTensors, a answer)
 // no data (nil) for one written into a client's region.
 func tensor(m *message, num int, shape []int64, dtype uint64, data []byte) {
 	var head []byte
-	head = appendPackedInt64s(head, 1, shape)
-	head = appendVarintField(head, 2, dtype)
+	head = appendPackedInt64s(head, fieldTensorShape, shape)
+	head = appendVarintField(head, fieldTensorDtype, dtype)
 	if data == nil {
 		m.built = appendBytesField(m.built, num, head)
 		return
 	}
 	m.built = appendTag(m.built, num, wireBytes)
-	m.built = appendVarint(m.built, uint64(len(head)+1+varintSize(uint64(len(data)))+len(data)))
+	dataTag := varintSize(fieldTensorData<<3 | wireBytes)
+	m.built = appendVarint(m.built, uint64(len(head)+dataTag+varintSize(uint64(len(data)))+len(data)))
 	m.built = append(m.built, head...)
-	m.bytesField(3, data)
+	m.bytesField(fieldTensorData, data)
 }
 
 // appendVarintField writes a varint field, left out when zero (proto3's default).

@@ -379,15 +379,15 @@ func shmRequest(extra ...[]byte) []byte {
 	input = appendStringField(input, 1, inputName)
 	input = appendStringField(input, 2, "FP32")
 	input = appendPackedInt64s(input, 3, []int64{1, 2, 2})
-	input = append(input, param(4, paramRegion, appendStringField(nil, paramString, "io"))...)
-	input = append(input, param(4, paramOffset, count(paramInt64, 0))...)
-	input = append(input, param(4, paramByteSize, count(paramUint64, 16))...)
+	input = append(input, param(4, paramRegion, appendStringField(nil, fieldInferParameterStringParam, "io"))...)
+	input = append(input, param(4, paramOffset, count(fieldInferParameterInt64Param, 0))...)
+	input = append(input, param(4, paramByteSize, count(fieldInferParameterUint64Param, 16))...)
 	for _, p := range extra {
 		input = append(input, p...)
 	}
 	output := appendStringField(nil, 1, outputName)
-	output = append(output, param(2, paramRegion, appendStringField(nil, paramString, "io"))...)
-	output = append(output, param(2, paramByteSize, count(paramInt64, 16))...)
+	output = append(output, param(2, paramRegion, appendStringField(nil, fieldInferParameterStringParam, "io"))...)
+	output = append(output, param(2, paramByteSize, count(fieldInferParameterInt64Param, 16))...)
 	var msg []byte
 	msg = appendStringField(msg, 1, "mha")
 	msg = appendBytesField(msg, 5, input)
@@ -416,15 +416,15 @@ func TestRegionReferencesAreReadAsPythonReadsThem(t *testing.T) {
 	if parseInfer(shmRequest()).check(servedMHA(), limits{maxSeqLen: 8, maxBatchSize: 4}) != nil {
 		t.Error("taken with client shared memory off")
 	}
-	tolerated := param(4, "binary_data_size", count(paramInt64, 16))
+	tolerated := param(4, "binary_data_size", count(fieldInferParameterInt64Param, 16))
 	if parseInfer(shmRequest(tolerated)) == nil {
 		t.Error("binary_data_size made it not plain")
 	}
 	notPlain := map[string][]byte{
-		"negative offset": param(4, paramOffset, count(paramInt64, math.MaxUint64)),
-		"string size":     param(4, paramByteSize, appendStringField(nil, paramString, "16")),
-		"region as int":   param(4, paramRegion, count(paramInt64, 1)),
-		"unknown":         param(4, "priority", count(paramInt64, 1)),
+		"negative offset": param(4, paramOffset, count(fieldInferParameterInt64Param, math.MaxUint64)),
+		"string size":     param(4, paramByteSize, appendStringField(nil, fieldInferParameterStringParam, "16")),
+		"region as int":   param(4, paramRegion, count(fieldInferParameterInt64Param, 1)),
+		"unknown":         param(4, "priority", count(fieldInferParameterInt64Param, 1)),
 	}
 	for name, extra := range notPlain {
 		if parseInfer(shmRequest(extra)) != nil {
@@ -438,12 +438,12 @@ func TestRegionReferencesAreReadAsPythonReadsThem(t *testing.T) {
 }
 
 func TestParametersProtobufWouldRefuseAreLeftToPython(t *testing.T) {
-	badString := param(4, "binary_data_size", appendStringField(nil, paramString, "\xff"))
+	badString := param(4, "binary_data_size", appendStringField(nil, fieldInferParameterStringParam, "\xff"))
 	entry := appendStringField(nil, 1, paramRegion)
-	entry = appendBytesField(entry, 2, appendStringField(nil, paramString, "io"))
-	twoValues := appendBytesField(nil, 4, appendBytesField(entry, 2, appendStringField(nil, paramString, "\xff")))
+	entry = appendBytesField(entry, 2, appendStringField(nil, fieldInferParameterStringParam, "io"))
+	twoValues := appendBytesField(nil, 4, appendBytesField(entry, 2, appendStringField(nil, fieldInferParameterStringParam, "\xff")))
 	extraField := appendBytesField(nil, 4, append(appendBytesField(appendStringField(nil, 1, "binary_data_size"), 2,
-		count(paramInt64, 1)), count(3, 1)...))
+		count(fieldInferParameterInt64Param, 1)), count(3, 1)...))
 	for name, extra := range map[string][]byte{"invalid UTF-8 in a tolerated value": badString,
 		"a second value": twoValues, "an entry with a third field": extraField} {
 		if parseInfer(shmRequest(extra)) != nil {

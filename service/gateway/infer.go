@@ -50,16 +50,16 @@ func parseInfer(msg []byte) *inferRequest {
 	plain := true
 	err := eachField(msg, func(f field) error {
 		switch f.num {
-		case 1:
+		case fieldModelInferRequestModelName:
 			plain = stringField(f, &req.modelName) && plain
-		case 2:
+		case fieldModelInferRequestModelVersion:
 			plain = stringField(f, &req.modelVersion) && plain
-		case 3:
+		case fieldModelInferRequestID:
 			plain = stringField(f, &req.id) && plain
-		case 5:
+		case fieldModelInferRequestInputs:
 			inputs++
 			plain = plain && f.wire == wireBytes && req.parseInput(f.bytes)
-		case 6:
+		case fieldModelInferRequestOutputs:
 			name, ref, ok := parseOutput(f)
 			plain = plain && ok
 			req.outputs = append(req.outputs, name)
@@ -69,13 +69,13 @@ func parseInfer(msg []byte) *inferRequest {
 				}
 				req.outRefs[name] = ref
 			}
-		case 7:
+		case fieldModelInferRequestRawInputContents:
 			raws++
 			if f.wire != wireBytes {
 				plain = false
 			}
 			req.raw = f.bytes
-		case 4: // request parameters: the Python front end says which it tolerates
+		case fieldModelInferRequestParameters: // the Python front end says which it tolerates
 			plain = false
 		}
 		return nil
@@ -109,17 +109,17 @@ func (req *inferRequest) parseInput(msg []byte) bool {
 	err := eachField(msg, func(f field) error {
 		var err error
 		switch f.num {
-		case 1:
+		case fieldInferInputTensorName:
 			plain = plain && f.wire == wireBytes && string(f.bytes) == inputName
 			named = true
-		case 2:
+		case fieldInferInputTensorDatatype:
 			plain = plain && f.wire == wireBytes && utf8.Valid(f.bytes) // every value, not the last
 			req.datatype = string(f.bytes)
-		case 3:
+		case fieldInferInputTensorShape:
 			req.shape, err = readInt64s(f, req.shape)
-		case 4:
+		case fieldInferInputTensorParameters:
 			params.add(f, toleratedInputParams)
-		case 5: // typed contents
+		case fieldInferInputTensorContents: // typed contents
 			plain = false
 		}
 		return err
@@ -138,10 +138,10 @@ func parseOutput(f field) (string, *shmRef, bool) {
 	params := newRefParams()
 	err := eachField(f.bytes, func(g field) error {
 		switch g.num {
-		case 1:
+		case fieldInferRequestedOutputTensorName:
 			plain = plain && g.wire == wireBytes && utf8.Valid(g.bytes)
 			name = string(g.bytes)
-		case 2:
+		case fieldInferRequestedOutputTensorParameters:
 			params.add(g, toleratedOutputParams)
 		}
 		return nil
@@ -563,25 +563,26 @@ type answerTensors struct{ out, weights []byte }
 // written into a client's region names it in its parameters and has no bytes here.
 func v2Response(req *inferRequest, p *plan, answers answerTensors) [][]byte {
 	m := newMessage()
-	m.built = appendStringField(m.built, 1, p.model.Name)
-	m.built = appendStringField(m.built, 2, strconv.FormatInt(p.model.Version, 10))
+	m.built = appendStringField(m.built, fieldModelInferResponseModelName, p.model.Name)
+	m.built = appendStringField(m.built, fieldModelInferResponseModelVersion, strconv.FormatInt(p.model.Version, 10))
 	if req.id != "" {
-		m.built = appendStringField(m.built, 3, req.id)
+		m.built = appendStringField(m.built, fieldModelInferResponseID, req.id)
 	}
 	for _, name := range p.outputs {
 		var tensor []byte
-		tensor = appendStringField(tensor, 1, name)
+		tensor = appendStringField(tensor, fieldInferOutputTensorName, name)
 		if name == outputName {
-			tensor = appendStringField(tensor, 2, p.dtype.v2)
-			tensor = appendPackedInt64s(tensor, 3, p.shape[:])
+			tensor = appendStringField(tensor, fieldInferOutputTensorDatatype, p.dtype.v2)
+			tensor = appendPackedInt64s(tensor, fieldInferOutputTensorShape, p.shape[:])
 		} else {
-			tensor = appendStringField(tensor, 2, "FP32")
-			tensor = appendPackedInt64s(tensor, 3, []int64{p.shape[0], p.model.NumHeads, p.shape[1], p.shape[1]})
+			weightsShape := []int64{p.shape[0], p.model.NumHeads, p.shape[1], p.shape[1]}
+			tensor = appendStringField(tensor, fieldInferOutputTensorDatatype, "FP32")
+			tensor = appendPackedInt64s(tensor, fieldInferOutputTensorShape, weightsShape)
 		}
 		if ref := p.refOf(name); ref != nil {
-			tensor = appendRefParameters(tensor, 4, ref)
+			tensor = appendRefParameters(tensor, fieldInferOutputTensorParameters, ref)
 		}
-		m.built = appendBytesField(m.built, 5, tensor)
+		m.built = appendBytesField(m.built, fieldModelInferResponseOutputs, tensor)
 	}
 	for _, name := range p.outputs {
 		// raw_output_contents pair with outputs by position: empty for one in a region.
@@ -589,7 +590,7 @@ func v2Response(req *inferRequest, p *plan, answers answerTensors) [][]byte {
 		if name == weightsName {
 			data = answers.weights
 		}
-		m.bytesField(6, data)
+		m.bytesField(fieldModelInferResponseRawOutputContents, data)
 	}
 	return m.finish()
 }

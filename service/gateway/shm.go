@@ -47,8 +47,7 @@ type refParams struct {
 
 func newRefParams() refParams { return refParams{ok: true} }
 
-// add reads one map entry (key 1, value 2); tolerated names are ignored, others make the
-// tensor not plain. The last entry of a name wins, as when protobuf parses a map.
+// add reads one map entry; tolerated names are ignored, others make the tensor not plain. The last entry of a name wins, as when protobuf parses a map.
 func (rp *refParams) add(f field, tolerated map[string]bool) {
 	if f.wire != wireBytes {
 		rp.ok = false
@@ -59,11 +58,11 @@ func (rp *refParams) add(f field, tolerated map[string]bool) {
 	var value field
 	err := eachField(f.bytes, func(g field) error {
 		switch g.num {
-		case 1:
+		case fieldParametersEntryKey:
 			if !stringField(g, &key) {
 				rp.ok = false
 			}
-		case 2:
+		case fieldParametersEntryValue:
 			// Every value given is parsed (and merged) by protobuf: each must be valid.
 			valid := false
 			if g.wire == wireBytes {
@@ -82,7 +81,7 @@ func (rp *refParams) add(f field, tolerated map[string]bool) {
 	switch key {
 	case paramRegion:
 		rp.anyShm = true
-		rp.named = kind == paramString
+		rp.named = kind == fieldInferParameterStringParam
 		rp.region = string(value.bytes)
 	case paramOffset, paramByteSize:
 		rp.anyShm = true
@@ -112,17 +111,15 @@ func (rp *refParams) ref(where string) (*shmRef, bool) {
 	return &shmRef{region: rp.region, offset: rp.offset, byteSize: rp.byteSize, where: where}, true
 }
 
-// InferParameter's oneof: bool 1, int64 2, string 3, double 4, uint64 5.
-const (
-	paramInt64  = 2
-	paramString = 3
-	paramUint64 = 5
-)
-
-// parameterWires are the wire types of InferParameter's oneof fields; a field of another
-// wire type is an unknown field to protobuf, skipped.
-var parameterWires = map[int]int{1: wireVarint, paramInt64: wireVarint, paramString: wireBytes,
-	4: wireFixed64, paramUint64: wireVarint}
+// parameterWires are the wire types of InferParameter's oneof fields (bool, int64, string,
+// double, uint64); a field of another wire type is an unknown field to protobuf, skipped.
+var parameterWires = map[int]int{
+	fieldInferParameterBoolParam:   wireVarint,
+	fieldInferParameterInt64Param:  wireVarint,
+	fieldInferParameterStringParam: wireBytes,
+	fieldInferParameterDoubleParam: wireFixed64,
+	fieldInferParameterUint64Param: wireVarint,
+}
 
 // parameterValue is an InferParameter's choice: the last of its oneof fields, as protobuf
 // reads a oneof; valid is whether protobuf would parse it at all (well formed, every string
@@ -132,7 +129,7 @@ func parameterValue(msg []byte) (kind int, value field, valid bool) {
 	err := eachField(msg, func(f field) error {
 		if wire, known := parameterWires[f.num]; known && f.wire == wire {
 			kind, value = f.num, f
-			valid = valid && (f.num != paramString || utf8.Valid(f.bytes))
+			valid = valid && (f.num != fieldInferParameterStringParam || utf8.Valid(f.bytes))
 		}
 		return nil
 	})
@@ -142,13 +139,13 @@ func parameterValue(msg []byte) (kind int, value field, valid bool) {
 // byteCount reads a byte count as the Python front end does: an int64 or uint64 choice, not
 // negative (and, here, within int64).
 func byteCount(kind int, v field) (int64, bool) {
-	if (kind != paramInt64 && kind != paramUint64) || v.value > math.MaxInt64 {
+	if (kind != fieldInferParameterInt64Param && kind != fieldInferParameterUint64Param) || v.value > math.MaxInt64 {
 		return 0, false
 	}
 	return int64(v.value), true
 }
 
-// attendRef reads an attention.v1 SharedMemoryRef (region 1, offset 2, byte_size 3).
+// attendRef reads an attention.v1 SharedMemoryRef.
 func attendRef(f field, where string) (*shmRef, bool) {
 	if f.wire != wireBytes {
 		return nil, false
@@ -156,11 +153,11 @@ func attendRef(f field, where string) (*shmRef, bool) {
 	ref, plain := &shmRef{where: where}, true
 	err := eachField(f.bytes, func(g field) error {
 		switch g.num {
-		case 1:
+		case fieldSharedMemoryRefRegion:
 			plain = stringField(g, &ref.region) && plain
-		case 2, 3:
+		case fieldSharedMemoryRefOffset, fieldSharedMemoryRefByteSize:
 			plain = plain && g.wire == wireVarint && g.value <= math.MaxInt64
-			if g.num == 2 {
+			if g.num == fieldSharedMemoryRefOffset {
 				ref.offset = int64(g.value)
 			} else {
 				ref.byteSize = int64(g.value)
@@ -211,18 +208,20 @@ func inferRefsMessage(id uint64, p *plan, at [3]int64, deadline float64, trace *
 	return body
 }
 
-// appendRefParameters writes an output's parameters naming its region, as Triton answers
-// (map entries: key 1, InferParameter 2).
+// appendRefParameters writes an output's parameters naming its region, as Triton answers.
 func appendRefParameters(b []byte, num int, r *shmRef) []byte {
 	entry := func(key string, value []byte) {
 		var e []byte
-		e = appendStringField(e, 1, key)
-		e = appendBytesField(e, 2, value)
+		e = appendStringField(e, fieldParametersEntryKey, key)
+		e = appendBytesField(e, fieldParametersEntryValue, value)
 		b = appendBytesField(b, num, e)
 	}
-	entry(paramRegion, appendStringField(nil, paramString, r.region))
+	entry(paramRegion, appendStringField(nil, fieldInferParameterStringParam, r.region))
 	// A oneof's choice is written even when zero.
-	entry(paramOffset, appendVarint(appendTag(nil, paramInt64, wireVarint), uint64(r.offset)))
-	entry(paramByteSize, appendVarint(appendTag(nil, paramInt64, wireVarint), uint64(r.byteSize)))
+	int64Param := func(v int64) []byte {
+		return appendVarint(appendTag(nil, fieldInferParameterInt64Param, wireVarint), uint64(v))
+	}
+	entry(paramOffset, int64Param(r.offset))
+	entry(paramByteSize, int64Param(r.byteSize))
 	return b
 }

@@ -497,30 +497,35 @@ func formatTimeout(d time.Duration) string {
 }
 
 // v2StreamAnswer is a ModelStreamInferResponse holding the ModelInferResponse.
-func v2StreamAnswer(_ *inferRequest, answer [][]byte) [][]byte { return nested(nil, 2, answer) }
+func v2StreamAnswer(_ *inferRequest, answer [][]byte) [][]byte {
+	return nested(nil, fieldModelStreamInferResponseInferResponse, answer)
+}
 
 // v2StreamError is Triton's stream error: the message, and the request's id and model so
 // the client can tell which request failed.
 func v2StreamError(req *inferRequest, _ int, message string) [][]byte {
 	var inner []byte
-	inner = appendNonEmpty(inner, 1, req.modelName)
-	inner = appendNonEmpty(inner, 2, req.modelVersion)
-	inner = appendNonEmpty(inner, 3, req.id)
-	m := appendNonEmpty(make([]byte, 5, 5+len(message)+len(inner)+16), 1, message)
-	return [][]byte{appendBytesField(m, 2, inner)}
+	inner = appendNonEmpty(inner, fieldModelInferResponseModelName, req.modelName)
+	inner = appendNonEmpty(inner, fieldModelInferResponseModelVersion, req.modelVersion)
+	inner = appendNonEmpty(inner, fieldModelInferResponseID, req.id)
+	m := make([]byte, 5, 5+len(message)+len(inner)+16)
+	m = appendNonEmpty(m, fieldModelStreamInferResponseErrorMessage, message)
+	return [][]byte{appendBytesField(m, fieldModelStreamInferResponseInferResponse, inner)}
 }
 
 // attendStreamAnswer is an AttendStreamResponse holding the AttendResponse.
 func attendStreamAnswer(req *inferRequest, answer [][]byte) [][]byte {
-	return nested(appendNonEmpty(nil, 1, req.id), 2, answer)
+	head := appendNonEmpty(nil, fieldAttendStreamResponseRequestID, req.id)
+	return nested(head, fieldAttendStreamResponseResponse, answer)
 }
 
 func attendStreamError(req *inferRequest, code int, message string) [][]byte {
 	var inner []byte
-	inner = appendVarintField(inner, 1, uint64(code))
-	inner = appendNonEmpty(inner, 2, message)
-	m := appendNonEmpty(make([]byte, 5, 5+len(message)+len(req.id)+16), 1, req.id)
-	return [][]byte{appendBytesField(m, 3, inner)}
+	inner = appendVarintField(inner, fieldStreamErrorCode, uint64(code))
+	inner = appendNonEmpty(inner, fieldStreamErrorMessage, message)
+	m := make([]byte, 5, 5+len(message)+len(req.id)+16)
+	m = appendNonEmpty(m, fieldAttendStreamResponseRequestID, req.id)
+	return [][]byte{appendBytesField(m, fieldAttendStreamResponseError, inner)}
 }
 
 // nested is a message of the fields head, then inner (segments, the first with room for
