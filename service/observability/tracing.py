@@ -233,18 +233,17 @@ def record_gateway_call(call: GatewayCall) -> None:
     them), and its queue and compute children."""
     if _gateway_tracer is None:
         return
-    from opentelemetry import propagate, trace
+    from opentelemetry import trace
     from opentelemetry.trace import Status, StatusCode
 
     parent = None
-    if call.parent_span_id:
-        carrier = {
-            "traceparent": f"00-{call.trace_id:032x}-{call.parent_span_id:016x}-"
-            f"{call.parent_flags:02x}"
-        }
-        if call.trace_state:
-            carrier["tracestate"] = call.trace_state
-        parent = propagate.extract(carrier)
+    if call.parent_span_id:  # the gateway read it by the W3C propagator's rules
+        state = trace.TraceState.from_header([call.trace_state]) if call.trace_state else None
+        remote = trace.SpanContext(
+            call.trace_id, call.parent_span_id, is_remote=True,
+            trace_flags=trace.TraceFlags(call.parent_flags), trace_state=state,
+        )  # fmt: skip
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(remote))
     token = _PRESET_IDS.set((call.trace_id, call.span_id))
     try:
         span = _gateway_tracer.start_span(
@@ -263,6 +262,7 @@ def record_gateway_call(call: GatewayCall) -> None:
             queue_s=done["q"], compute_s=done["c"], started_at=done["s"],
             batch_size=done["b"], padding=done["p"], batch_id=done["i"],
             tags=tags_from_json(done["tags"]), parent=span, tracer=_gateway_tracer,
+            parent_has_request=True,
         )  # fmt: skip
     if call.error:
         span.set_status(Status(StatusCode.ERROR, call.code))
@@ -289,9 +289,11 @@ def record_batch(
     tags: Iterable[object],
     parent: Any = None,
     tracer: Any = None,
+    parent_has_request: bool = False,
 ) -> None:
     """Queue and compute child spans of parent (default: the current span), with explicit
-    times; compute links to the span of every traced request its batch served."""
+    times; compute links to the span of every traced request its batch served. The parent
+    gets the request's attributes too, unless it has them (parent_has_request)."""
     tracer = tracer or _tracer
     if tracer is None:
         return
@@ -305,7 +307,8 @@ def record_batch(
         "attention.sequences": sequences,
         "attention.sequence_length": length,
     }
-    current.set_attributes(request)
+    if not parent_has_request:
+        current.set_attributes(request)
     batch: dict[str, Any] = {
         "attention.batch_size": batch_size,
         "attention.batch_padding_ratio": padding,
