@@ -257,8 +257,7 @@ class Settings:
         "--shared-memory-bytes, and hands every other call to the front end's Python "
         "process; off: Python serves the port; auto: on when the gateway's executable is "
         "found (make setup and the container image build it), else off. Python serves the "
-        "port also while the inference API is restricted (only Python checks keys), or "
-        "while tracing is on with a propagator other than W3C tracecontext",
+        "port also while tracing is on with a propagator other than W3C tracecontext",
         default="auto",
     )
     grpc_gateway_binary: str = _doc(

@@ -26,6 +26,7 @@ from prometheus_client.utils import floatToGoString
 
 from service.dataplane import DEADLINE_SLACK_S
 from service.frontend.gateway_spans import SpanSink
+from service.frontend.restricted import Restrictions
 from service.observability import logs, metrics, tracing
 from service.settings import Settings
 from service.transport import grpc_options
@@ -35,6 +36,10 @@ BINARY = "attention-gateway"
 # As the Python front end's drain (server.py): refuse new calls this long before closing.
 REFUSE_LINGER_S = 0.2
 START_TIMEOUT_S = 10.0
+# The API groups of the calls the gateway answers itself (it hands the rest to Python): it
+# checks their keys, which it reads from the file descriptor this variable names.
+ANSWERED_GROUPS = ("inference",)
+RESTRICTED_FD_VARIABLE = "ATTENTION_GATEWAY_RESTRICTED_FD"
 
 
 class GatewayError(RuntimeError):
@@ -63,14 +68,12 @@ def find_binary(configured: str) -> str:
     return found
 
 
-def gateway_off_reason(settings: Settings, inference_restricted: bool) -> str:
+def gateway_off_reason(settings: Settings) -> str:
     """Why the gateway would have to hand every call to Python, or ''."""
     if settings.tracing == "on":
         untraceable = _untraceable_here()
         if untraceable:
             return untraceable
-    if inference_restricted:
-        return "the inference API is restricted (only the Python front end checks keys)"
     return ""
 
 
@@ -83,6 +86,21 @@ def _untraceable_here() -> str:
     if "tracecontext" not in names or names - {"tracecontext", "baggage"}:
         return f"OTEL_PROPAGATORS={propagators!r}: the gateway reads only W3C traceparent"
     return ""
+
+
+def _restrictions_file(restrictions: dict[str, Any]) -> int:
+    """An anonymous file (named on no file system) holding restrictions as JSON, to be read
+    from its start; the caller closes it."""
+    fd = os.memfd_create("restricted-api", os.MFD_CLOEXEC)
+    try:
+        data = json.dumps(restrictions).encode()
+        while data:
+            data = data[os.write(fd, data) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _family(collector: Any) -> Any:
@@ -123,6 +141,7 @@ def metrics_spec() -> dict[str, Any]:
     in_flight = _family(metrics.IN_FLIGHT)
     undelivered = _family(metrics.UNDELIVERED_BYTES)
     refusals = _family(metrics.UNDELIVERED_REFUSALS)
+    denials = _family(metrics.RESTRICTED_DENIALS)
     bounds = [*metrics.LATENCY_BUCKETS_S, float("inf")]
     return {
         "requests": {
@@ -152,6 +171,11 @@ def metrics_spec() -> dict[str, Any]:
             "sample": f"{refusals.name}_total",
             "help": refusals.documentation,
         },
+        "restricted_denials": {
+            "family": denials.name,
+            "sample": f"{denials.name}_total",
+            "help": denials.documentation,
+        },
     }
 
 
@@ -160,8 +184,10 @@ class Gateway:
     exits on its own (the front end then exits, and the supervisor restarts both)."""
 
     def __init__(self, settings: Settings, *, name: str, backend: Path, worker_socket: Path,
-                 slab_bytes: int, receive_bytes: int) -> None:  # fmt: skip
+                 slab_bytes: int, receive_bytes: int,
+                 restrictions: Restrictions | None = None) -> None:  # fmt: skip
         self._settings = settings
+        self._restrictions = restrictions or Restrictions()
         self._name = name
         self._backend = backend
         self._worker_socket = worker_socket
@@ -230,14 +256,21 @@ class Gateway:
         env = {**os.environ, "ATTENTION_GATEWAY_METRICS": json.dumps(metrics_spec())}
         if self._spans is not None:
             self._spans.start()
+        # The keys it checks: in a file only it inherits, never on its command line (which
+        # anyone on the host can read) nor in its environment.
+        restricted = _restrictions_file(self._restrictions.for_gateway(ANSWERED_GROUPS))
+        env[RESTRICTED_FD_VARIABLE] = str(restricted)
         try:
             # Its log lines go straight to standard error, as this process's do; its standard
             # output says "listening ADDRESS", or "failed WHY".
             process = await asyncio.create_subprocess_exec(
-                *self._command(address), env=env, stdout=asyncio.subprocess.PIPE
-            )
+                *self._command(address), env=env, stdout=asyncio.subprocess.PIPE,
+                pass_fds=(restricted,),
+            )  # fmt: skip
         except OSError as err:
             raise GatewayError(f"cannot run the gateway: {err}") from err
+        finally:
+            os.close(restricted)
         self._process = process
         assert process.stdout is not None
         try:

@@ -1,6 +1,8 @@
 """Restricted APIs, as Triton's --grpc-restricted-protocol: calls in a restricted group need a
 header with a key. One check, Restrictions.check(group, headers), serves gRPC (the interceptor
-below) and REST alike; it raises PermissionDenied naming the header, never the value."""
+below) and REST alike; it raises PermissionDenied naming the header, never the value. The gRPC
+gateway checks the calls it answers itself by the same rule, with what for_gateway() gives it
+(service/gateway/restricted.go)."""
 
 from __future__ import annotations
 
@@ -114,14 +116,37 @@ class Restrictions:
         """Raise PermissionDenied unless headers (names in lower case) carry group's key."""
         if self.allows(group, headers):
             return
-        key = self._keys[group]
-        sent = headers.get(key.header)
+        sent = headers.get(self._keys[group].header) is not None
         metrics.RESTRICTED_DENIALS.labels(group).inc()
-        problem = "without the header" if sent is None else "with a wrong value in the header"
-        raise PermissionDenied(
+        raise PermissionDenied(self.denial(group, sent=sent))
+
+    def denial(self, group: str, *, sent: bool) -> str:
+        """Why a call of restricted group is refused: it came without the header (sent
+        false) or with a wrong value in it. Names the header, never the value."""
+        header = self._keys[group].header
+        problem = "with a wrong value in the header" if sent else "without the header"
+        return (
             f"the {group!r} API group is restricted on this server and this call came "
-            f"{problem} {key.header!r}; send {key.header!r} with the key for {group!r}"
+            f"{problem} {header!r}; send {header!r} with the key for {group!r}"
         )
+
+    def for_gateway(self, groups: Iterable[str]) -> dict[str, Any]:
+        """What the gateway needs to check the calls of groups it answers itself as check()
+        does: the group of every restricted method, and each of those groups' header, key and
+        refusals. It holds keys: it goes to the gateway by a file descriptor, never logged."""
+        return {
+            "methods": {m: g for m, g in GROUP_OF_METHOD.items() if g in self._keys},
+            "keys": {
+                group: {
+                    "header": key.header,
+                    "value": key.value,
+                    "without": self.denial(group, sent=False),
+                    "wrong": self.denial(group, sent=True),
+                }
+                for group in groups
+                if (key := self._keys.get(group)) is not None
+            },
+        }
 
 
 def _raw(sent: str | bytes) -> bytes:

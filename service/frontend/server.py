@@ -195,8 +195,7 @@ class FrontendServer:
         mode = self._settings.grpc_gateway
         if mode == "off":
             return False
-        restricted = self._restrictions_in_force.restricted("inference")
-        off = gateway_off_reason(self._settings, restricted)
+        off = gateway_off_reason(self._settings)
         if not off and mode == "auto" and locate_binary(self._settings.grpc_gateway_binary) is None:
             off = f"no {GATEWAY_BINARY} beside {sys.executable} or on PATH (make setup builds it)"
         if off:
@@ -223,6 +222,7 @@ class FrontendServer:
         self._gateway = Gateway(
             settings, name=self.name, backend=backend, worker_socket=self._worker_socket,
             slab_bytes=slab_bytes(settings, self._queue_bytes), receive_bytes=receive_bytes,
+            restrictions=self._restrictions_in_force,
         )  # fmt: skip
         try:
             return await self._gateway.start(grpc_address(settings.host, port), _gateway_died)

@@ -39,7 +39,8 @@ const modelInferPath = "/inference.GRPCInferenceService/ModelInfer"
 var fastMethods = map[string]func([]byte) *inferRequest{modelInferPath: parseInfer, attendPath: parseAttend}
 
 type gateway struct {
-	fast       *fastPath // nil: every call goes to the Python front end
+	fast       *fastPath     // nil: every call goes to the Python front end
+	restricted *restrictions // the keys the calls answered here need; nil: none
 	proxy      http.Handler
 	backend    *http.Transport // to the Python front end
 	maxReceive int64
@@ -67,7 +68,9 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity")
 	// RequestURI is the :path as sent: a query or percent-encoding is not this method.
 	if method := streamMethods[r.RequestURI]; plainCall && method != nil && g.fast.accepting.Load() {
-		g.serveStream(w, r, method)
+		if g.restricted.admit(w, r) {
+			g.serveStream(w, r, method)
+		}
 		return
 	}
 	parse := fastMethods[r.RequestURI]
@@ -84,8 +87,15 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			writeStatus(w, codeDeadlineExceeded, "Deadline Exceeded")
 			return
 		}
+		var request *inferRequest
+		if ok {
+			request = parse(message)
+		}
+		if request != nil && !g.restricted.admit(w, r) {
+			return // refused as Python refuses it: after reading the message, as Python does
+		}
 		g.busy.Add(1)
-		served := ok && g.fast.serve(w, r, parse(message))
+		served := g.fast.serve(w, r, request)
 		g.busy.Add(-1)
 		if served {
 			if cap(read) <= maxPooledBuffer {
@@ -286,6 +296,11 @@ func main() {
 func run(o options) error {
 	backend := newBackend(o.backend, 1<<20)
 	g := &gateway{proxy: newProxy(backend), backend: backend, maxReceive: o.maxReceive}
+	restricted, err := loadRestrictions()
+	if err != nil {
+		return err
+	}
+	g.restricted = restricted
 	if o.fastPath {
 		var spec metricsSpec
 		if err := json.Unmarshal([]byte(os.Getenv("ATTENTION_GATEWAY_METRICS")), &spec); err != nil {
@@ -302,6 +317,9 @@ func run(o options) error {
 			deadlineSlack: o.deadlineSlack, closing: make(chan struct{}), streams: o.streams,
 			answers: newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection, m)}
 		g.fast.accepting.Store(true)
+		if g.restricted != nil {
+			g.restricted.metrics = m
+		}
 		if g.fast.sampler, err = parseSampler(o.traceSampler); err != nil {
 			return err
 		}

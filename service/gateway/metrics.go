@@ -33,6 +33,8 @@ type metricsSpec struct {
 	InFlight    metricSpec `json:"in_flight"`
 	Undelivered metricSpec `json:"undelivered"`
 	Refusals    metricSpec `json:"undelivered_refusals"`
+	// Calls refused by --restricted-api (restricted.go).
+	RestrictedDenials metricSpec `json:"restricted_denials"`
 }
 
 type mmapFile struct {
