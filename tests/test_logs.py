@@ -47,6 +47,17 @@ def test_json_lines_carry_the_fields_and_the_request_id() -> None:
     assert "trace_id" not in record  # tracing is off
 
 
+@pytest.mark.parametrize("format_name", ["text", "json"])
+def test_an_undecodable_header_value_grpc_logs_is_never_shown(format_name: str) -> None:
+    """gRPC's Python layer logs a metadata value that is not UTF-8; a key, one stray byte
+    apart, must not reach the log."""
+    record = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, __file__, 1,
+                               "Invalid encoding on %s", (b"secret-key\xff",), None)  # fmt: skip
+    line = LineFormatter("frontend-0", format_name).format(record)
+    assert "secret-key" not in line
+    assert logs.HIDDEN_HEADER in line
+
+
 def test_json_lines_hold_an_exception_and_no_request_id_outside_a_request() -> None:
     formatter = LineFormatter("worker", "json")
     try:

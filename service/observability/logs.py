@@ -75,6 +75,19 @@ def rfc3339(created: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{micros:06d}Z"
 
 
+# gRPC core's Python layer logs a metadata value that is not UTF-8 whole: with a key header
+# (--restricted-api) that value may be a key, one stray byte apart. Its bytes are never shown.
+_GRPC_UNDECODABLE = "Invalid encoding on %s"
+HIDDEN_HEADER = "a header value that is not UTF-8 (not shown)"
+
+
+def _without_header_values(record: logging.LogRecord) -> logging.LogRecord:
+    if record.msg == _GRPC_UNDECODABLE and record.name.startswith("grpc"):
+        record = logging.makeLogRecord(record.__dict__)
+        record.args = (HIDDEN_HEADER,)
+    return record
+
+
 class LineFormatter(logging.Formatter):
     """TEXT_LAYOUT or one JSON object per line; use() switches between them at run time."""
 
@@ -87,6 +100,7 @@ class LineFormatter(logging.Formatter):
         self.json = format_name == "json"
 
     def format(self, record: logging.LogRecord) -> str:
+        record = _without_header_values(record)
         if self.json:
             return self._json(record)
         record.process_role = self.process
