@@ -112,10 +112,13 @@ def command(
     requests: int = 0,
     duration_ms: int = 0,
     log_file: Path | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> list[str]:
-    """h2load posting body_file to ModelInfer: -n requests, or for -D duration_ms."""
+    """h2load posting body_file to ModelInfer: -n requests, or for -D duration_ms; metadata:
+    more headers on every call (a key, a traceparent)."""
     bound = ["-n", str(requests)] if requests else ["-D", f"{duration_ms}ms"]
-    headers = [token for header in HEADERS for token in ("-H", header)]
+    every = (*HEADERS, *(f"{name}: {value}" for name, value in metadata))
+    headers = [token for header in every for token in ("-H", header)]
     log = [f"--log-file={log_file}"] if log_file else []
     return [
         h2load,
@@ -132,14 +135,16 @@ def command(
     ]
 
 
-def grpc_check(target: str, message: bytes, timeout_s: float = 60.0) -> int:
-    """Send message as a real gRPC ModelInfer; the answer's size (bytes of the message), or
-    H2loadError with the status when it is not OK."""
+def grpc_check(
+    target: str, message: bytes, timeout_s: float = 60.0, metadata: tuple[tuple[str, str], ...] = ()
+) -> int:
+    """Send message as a real gRPC ModelInfer (with metadata); the answer's size (bytes of
+    the message), or H2loadError with the status when it is not OK."""
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     with grpc.insecure_channel(target, options=options) as channel:
         call = channel.unary_unary(METHODS["v2"])  # bytes in, bytes out
         try:
-            answer = call(message, timeout=timeout_s)
+            answer = call(message, timeout=timeout_s, metadata=metadata or None)
         except grpc.RpcError as err:
             code, details = err.code(), err.details()  # type: ignore[attr-defined]
             raise H2loadError(
@@ -183,6 +188,7 @@ class Plan:
     warmup_s: float
     client_prefix: tuple[str, ...] = ()  # taskset -c CPUS
     min_requests: int = 20
+    metadata: tuple[tuple[str, str], ...] = ()  # headers every call carries
 
 
 def measure(h2load: str, server: Target, message: bytes, plan: Plan, scratch: Path) -> dict:
@@ -191,7 +197,7 @@ def measure(h2load: str, server: Target, message: bytes, plan: Plan, scratch: Pa
     scratch.mkdir(parents=True, exist_ok=True)
     body_file = scratch / f"h2load-{len(message)}.bin"
     body_file.write_bytes(frame(message))
-    answer_bytes = grpc_check(server.address, message)
+    answer_bytes = grpc_check(server.address, message, metadata=plan.metadata)
     warm = _warm_up(h2load, server, body_file, plan)
     requests = max(
         plan.min_requests,
@@ -202,13 +208,12 @@ def measure(h2load: str, server: Target, message: bytes, plan: Plan, scratch: Pa
     log_file.unlink(missing_ok=True)  # h2load appends to it
     argv = [
         *plan.client_prefix,
-        *command(
-            h2load, server.address, body_file, plan.shape, requests=requests, log_file=log_file
-        ),
-    ]
+        *command(h2load, server.address, body_file, plan.shape, requests=requests,
+                 log_file=log_file, metadata=plan.metadata),
+    ]  # fmt: skip
     result = _measured(argv, server, plan, requests, log_file, answer_bytes)
     try:
-        grpc_check(server.address, message)
+        grpc_check(server.address, message, metadata=plan.metadata)
     except H2loadError as err:
         raise H2loadError(f"after the run, {err}", result["h2load"]) from err
     return result
@@ -218,7 +223,14 @@ def _warm_up(h2load: str, server: Target, body_file: Path, plan: Plan) -> Summar
     duration_ms = max(MIN_WARMUP_MS, round(plan.warmup_s * 1000))
     argv = [
         *plan.client_prefix,
-        *command(h2load, server.address, body_file, plan.shape, duration_ms=duration_ms),
+        *command(
+            h2load,
+            server.address,
+            body_file,
+            plan.shape,
+            duration_ms=duration_ms,
+            metadata=plan.metadata,
+        ),
     ]
     output, _ = run(argv, timeout_s=duration_ms / 1000 * 4 + 60)
     summary = _parsed(output)

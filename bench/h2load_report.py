@@ -10,7 +10,10 @@ from bench.report import (
     BESIDE_TRITON,
     GRPC_FLOOR,
     H2LOAD,
+    RESTRICTED,
     SEQS,
+    TRACING_ON,
+    TRACING_SAMPLED,
     Row,
     at_least,
     at_most,
@@ -26,6 +29,8 @@ ONE_CALLER_P50_MS = 0.75  # seq 16
 WORKER_OVER_ORT_US = 60.0  # a lone request, over ONNX Runtime's own run of it
 GATEWAY_US = {"16": 150.0, "128": 450.0}
 OVER_TRITON = 1.3
+# Throughput kept with a feature on, against the default server in the same run.
+KEPT = {TRACING_SAMPLED: 0.9, TRACING_ON: 0.6, RESTRICTED: 0.95}
 
 
 def _row(rows: list[Row], pinned: bool, **criteria: Any) -> Row | None:
@@ -150,6 +155,13 @@ def streams(rows: list[Row], pinned: bool, peers: bool) -> list[Row]:
                 ratio(_value(server, "requests_per_s"), _value(measured(floor), "requests_per_s")),
             )
         )
+        for name, goal in KEPT.items():
+            kept = ratio(
+                _value(_many(rows, pinned, "server", name, seq), "requests_per_s"),
+                _value(server, "requests_per_s"),
+            )
+            out.append(entry(f"h2load, {label}, seq {seq}: {name} / default (req/s)", kept,
+                             f">= {goal:g}", at_least(kept, goal)))  # fmt: skip
         if peers:
             out += against_triton(rows, pinned, seq, server, label)
     return out

@@ -24,6 +24,7 @@ HEAD_TO_HEAD_ROUNDS = 4
 ONE_CALLER = "one caller"  # ends the names of the floors' c=1 rows (latencies, not capacities)
 TRACING_ON = "tracing on"  # the default server with every request traced and exported
 TRACING_SAMPLED = "tracing on, 1% sampled"  # parentbased_traceidratio 0.01
+RESTRICTED = "inference key checked"  # --restricted-api inference:..., calls carry the key
 H2LOAD = "h2load"  # group of the rows measured with h2load (bench/h2load.py)
 BESIDE_TRITON = "server, beside triton"  # our h2load rows measured next to Triton's
 

@@ -254,13 +254,15 @@ class Runner:
         seq: str,
         shape: h2load.Shape,
         pinning: Pinning,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> dict[str, Any]:
         """One h2load run against service (bench/h2load.py), pinned as the load generator is,
-        with the load generator's request bytes; a failed check is a FAILED row."""
+        with the load generator's request bytes (and metadata on every call); a failed check
+        is a FAILED row."""
         c = self.config
         server = h2load.Target(service.target, service.pid, service.children, service.metrics_url)
         client = tuple(pinning.prefix(pinning.client_cpus))
-        plan = h2load.Plan(shape, c.duration_s, c.warmup_s, client)
+        plan = h2load.Plan(shape, c.duration_s, c.warmup_s, client, metadata=metadata)
         message = h2load.request_message(int(seq), c.embed_dim, c.model)
         try:
             tool = h2load.find() or "h2load"

@@ -20,6 +20,7 @@ from bench.report import (
     GRPC_FLOOR,
     H2LOAD,
     MIXED,
+    RESTRICTED,
     SEQS,
     TRACING_ON,
     TRACING_SAMPLED,
@@ -141,15 +142,44 @@ def grpc_floor(r: Runner, groups: set[str]) -> None:
             h2load_rows(r, service, target=GRPC_FLOOR, name=GRPC_FLOOR)
 
 
-def h2load_rows(r: Runner, service: Service, *, target: str, name: str) -> None:
-    """h2load against service at seq 16 and 128: one caller, and the headline concurrency as
-    streams on one connection; skipped (with a note) where h2load is not installed."""
+def h2load_rows(
+    r: Runner, service: Service, *, target: str, name: str, streams_only: bool = False,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> None:  # fmt: skip
+    """h2load against service at seq 16 and 128: one caller (unless streams_only), and the
+    headline concurrency as streams on one connection; skipped (with a note) where h2load is
+    not installed."""
     if not r.h2load_ready():
         return
     for seq in SEQS:
-        for shape in h2load.shapes(r.config.concurrency):
+        for shape in h2load.shapes(r.config.concurrency)[1 if streams_only else 0 :]:
             labels = {"group": H2LOAD, "target": target, "name": name, "seq": seq}
-            r.h2load_row(service, **labels, shape=shape, pinning=r.config.pinning)
+            r.h2load_row(service, **labels, shape=shape, pinning=r.config.pinning,
+                         metadata=metadata)  # fmt: skip
+
+
+BENCH_KEY = ("x-bench-key", "bench-only-key-0123456789")
+
+
+def fast_path_features(r: Runner, groups: set[str]) -> None:
+    """What tracing (1% and every call sampled, spans exported to a sink) and a checked
+    inference key cost the gateway's fast path, measured with h2load beside the default
+    server's rows."""
+    if H2LOAD not in groups or not r.h2load_ready():
+        return
+    pinning = r.config.pinning
+    cpus = cpu_set(pinning.client_cpus) if pinning.client_cpus else None
+    for name, sampler in TRACED.items():
+        with OtlpSink(cpus) as sink:
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+                   "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", **sampler}  # fmt: skip
+            with r.server(name, ["--tracing", "on"], pinning, env) as service:
+                h2load_rows(r, service, target="server", name=name, streams_only=True)
+    header, key = BENCH_KEY
+    flags = ["--restricted-api", f"inference:{header}={key}"]
+    with r.server(RESTRICTED, flags, pinning) as service:
+        h2load_rows(r, service, target="server", name=RESTRICTED, streams_only=True,
+                    metadata=(BENCH_KEY,))  # fmt: skip
 
 
 def default_server(r: Runner, groups: set[str]) -> None:
@@ -328,6 +358,7 @@ def run(r: Runner, groups: set[str]) -> None:
     echo(r, groups)
     grpc_floor(r, groups)
     default_server(r, groups)
+    fast_path_features(r, groups)
     tracing_on(r, groups)
     client_shared_memory(r, groups)
     other_servers(r, groups)

@@ -193,8 +193,8 @@ def h2load_beside(r: Runner, ours: Service, peer: Service, name: str) -> None:
     for seq in SEQS:
         for shape in h2load.shapes(r.config.concurrency):
             for service, target, who in pair if turn % 2 == 0 else pair[::-1]:
-                labels = {"group": H2LOAD, "target": target, "name": who, "seq": seq}
-                r.h2load_row(service, **labels, shape=shape, pinning=r.config.pinning)
+                r.h2load_row(service, group=H2LOAD, target=target, name=who, seq=seq,
+                             shape=shape, pinning=r.config.pinning)  # fmt: skip
             turn += 1
 
 
