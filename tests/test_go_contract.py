@@ -1,11 +1,15 @@
-"""The gateway's Go keeps no private copy of the contract: protobuf field numbers come from
-the generated Go (scripts/go_contract.py, from the descriptors Python serves with), never
-from literals. tests/test_status_page.py checks that the generated Go is current."""
+"""The gateway's Go keeps no private copy of the contract: protobuf field numbers and the
+status messages it writes come from the generated Go (scripts/go_contract.py, from the
+descriptors Python serves with and from service/status_texts.py), never from literals.
+tests/test_status_page.py checks that the generated Go is current."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from service import status_texts
+from service.ipc import status_page
 
 GATEWAY = Path(__file__).resolve().parent.parent / "service" / "gateway"
 # The protowire helpers, and which argument (from 0) is the field number.
@@ -138,6 +142,20 @@ def test_no_hand_written_go_has_a_literal_field_number() -> None:
         if (where := literal_field_numbers(path.read_text()))
     }
     assert not found, f"use the field<Message><Field> constants of proto_gen.go: {found}"
+
+
+def test_no_hand_written_go_spells_out_a_status_message() -> None:
+    """Each message of the catalogue (a string literal starting with its words, up to any
+    number) is in the generated Go alone."""
+    messages = [status_page.QUEUE_FULL_BY_COUNT, status_page.QUEUE_FULL_BY_BYTES]
+    messages += [value for name, value in vars(status_texts).items() if name.isupper()]
+    found = [
+        f"{path.name}: {words!r}"
+        for path in _hand_written_go()
+        for message in messages
+        if '"' + (words := message.split("{")[0][:40]) in _without_comments(path.read_text())
+    ]
+    assert not found, f"use the constants and formatters of contract_gen.go: {found}"
 
 
 def test_the_check_finds_literal_field_numbers() -> None:

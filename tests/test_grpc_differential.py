@@ -26,6 +26,7 @@ from service.client import attend_request
 from service.frontend.handlers import MORE_THAN_ONE_REQUEST, NO_REQUEST
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2pb
+from service.status_texts import BAD_TE, BAD_TIMEOUT
 from tests.h2_raw import RawGrpc
 from tests.server_process import ServerProcess, behind_gateway
 
@@ -39,8 +40,6 @@ SERVER_LIVE = "/inference.GRPCInferenceService/ServerLive"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 INTERNAL, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED = 13, 4, 8, 12
 INVALID_ARGUMENT = 3
-BAD_TIMEOUT = "Error parsing 'grpc-timeout' metadata"
-BAD_TE = "Error parsing 'te' metadata"
 # --max-batch-size 1 x --max-seq-len 16 x d 512 float32, and the 1 MiB envelope.
 RECEIVE_LIMIT = 16 * 512 * 4 + (1 << 20)
 # gRPC's mapping of an HTTP status without grpc-status to the code a client reports

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from service.errors import AnswersBacklogged
 from service.observability import metrics
+from service.status_texts import ANSWERS_BACKLOGGED_BY_CONNECTION, ANSWERS_BACKLOGGED_BY_SERVER
 
 GRPC_LOGGER = "grpc._cython.cygrpc"
 # Memory an answer holds until written, per byte of it: the serialized bytes gRPC Python keeps
@@ -55,18 +56,16 @@ class AnswerBudget:
         if self.total and self.total + nbytes > self.max_bytes:
             metrics.UNDELIVERED_REFUSALS.labels("server").inc()
             raise AnswersBacklogged(
-                f"answers computed for clients but not yet read by them hold {self.total} "
-                f"bytes, and this one needs about {nbytes} more than the server's bound of "
-                f"{self.max_bytes} (--max-undelivered-bytes) allows; retry shortly, or ask "
-                "for less (no attention weights)"
+                ANSWERS_BACKLOGGED_BY_SERVER.format(
+                    total=self.total, nbytes=nbytes, max_bytes=self.max_bytes
+                )
             )
         if held and held + nbytes > self.max_bytes_per_connection:
             metrics.UNDELIVERED_REFUSALS.labels("connection").inc()
             raise AnswersBacklogged(
-                f"this connection has {held} bytes of answers it has not read yet; this one "
-                f"needs about {nbytes} more than its share of {self.max_bytes_per_connection} "
-                "(--max-undelivered-bytes-per-connection): read the answers, or spread the "
-                "calls over more connections"
+                ANSWERS_BACKLOGGED_BY_CONNECTION.format(
+                    held=held, nbytes=nbytes, max_bytes_per_connection=self.max_bytes_per_connection
+                )
             )
         reservation = Reservation(self, peer)
         reservation.resize(nbytes)

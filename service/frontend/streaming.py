@@ -32,6 +32,7 @@ from service.frontend.handlers import Undecodable
 from service.frontend.rpc import STREAM_METHOD_OF_API, end_span, serialized, start_span
 from service.frontend.status import code_for
 from service.observability import logs, metrics
+from service.status_texts import STREAM_CLOSED
 from service.text import shown
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,6 @@ class StreamCalls(Generic[Request, Response]):
 
 
 DEFAULT_PENDING_BYTES = 64 << 20  # the --max-stream-pending-bytes default
-
-CLOSED_MESSAGE = (
-    "server shutting down: every request read from this stream was answered; "
-    "send the rest to another replica"
-)
 
 
 class StreamCloser:
@@ -98,7 +94,7 @@ async def serve_stream(
     and every answer is written, or end with UNAVAILABLE once the server shuts down."""
     closer = calls.closer
     if closer is not None and closer.closing:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, CLOSED_MESSAGE)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, STREAM_CLOSED)
     stream = _Stream(calls, context, max_inflight, max_pending_bytes)
     if closer is not None:
         closer.add(stream)
@@ -108,7 +104,7 @@ async def serve_stream(
         if closer is not None:
             closer.discard(stream)
     if stream.closed:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, CLOSED_MESSAGE)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, STREAM_CLOSED)
 
 
 class _CallEnded(Exception):

@@ -31,12 +31,11 @@ from service.ipc.slab import Region, RegionAllocator, Slab
 from service.ipc.status_page import StatusView, page_path
 from service.memory.budget import release_free_memory
 from service.observability import tracing
+from service.status_texts import NOT_ACCEPTING, WORKER_GONE, WORKER_RESTARTING
 
 log = logging.getLogger(__name__)
 RECONNECT_FIRST_S = 0.05
 RECONNECT_MAX_S = 1.0
-NOT_ACCEPTING = "server is not accepting requests (starting up or shutting down); retry"
-WORKER_GONE = "the ONNX Runtime worker stopped while this request was in flight; retry"
 
 
 @dataclass(eq=False)
@@ -278,7 +277,7 @@ class WorkerClient:
             raise ShuttingDown(NOT_ACCEPTING)
         link = self._link
         if link is None or not link.alive:
-            raise ShuttingDown("the ONNX Runtime worker is restarting; retry")
+            raise ShuttingDown(WORKER_RESTARTING)
         if not self.worker_ready:
             raise ShuttingDown(NOT_ACCEPTING)
         return link
@@ -414,7 +413,7 @@ class WorkerClient:
     async def _call(self, op: str, args: dict[str, Any]) -> Any:
         link = self._link
         if link is None or not link.alive:
-            raise ShuttingDown("the ONNX Runtime worker is restarting; retry")
+            raise ShuttingDown(WORKER_RESTARTING)
         call = _Call(asyncio.get_running_loop().create_future())
         call_id = next(self._ids)
         link.calls[call_id] = call

@@ -5,10 +5,7 @@ package main
 // per connection (--max-undelivered-bytes, --max-undelivered-bytes-per-connection, this
 // front end's share), as the Python front end does.
 
-import (
-	"fmt"
-	"sync"
-)
+import "sync"
 
 type answerBudget struct {
 	maxBytes, maxPerConnection int64
@@ -35,18 +32,12 @@ func (b *answerBudget) reserve(peer string, nbytes int64) (*reservation, string)
 	defer b.mu.Unlock()
 	if b.total > 0 && b.total+nbytes > b.maxBytes {
 		b.metrics.refused("server")
-		return nil, fmt.Sprintf("answers computed for clients but not yet read by them hold %d "+
-			"bytes, and this one needs about %d more than the server's bound of %d "+
-			"(--max-undelivered-bytes) allows; retry shortly, or ask for less (no attention "+
-			"weights)", b.total, nbytes, b.maxBytes)
+		return nil, answersBackloggedByServer(b.total, nbytes, b.maxBytes)
 	}
 	held := b.byConnection[peer]
 	if held > 0 && held+nbytes > b.maxPerConnection {
 		b.metrics.refused("connection")
-		return nil, fmt.Sprintf("this connection has %d bytes of answers it has not read yet; "+
-			"this one needs about %d more than its share of %d "+
-			"(--max-undelivered-bytes-per-connection): read the answers, or spread the calls "+
-			"over more connections", held, nbytes, b.maxPerConnection)
+		return nil, answersBackloggedByConnection(held, nbytes, b.maxPerConnection)
 	}
 	b.total += nbytes
 	b.byConnection[peer] = held + nbytes

@@ -236,11 +236,6 @@ func skipSpaces(value string, i int) int {
 	return i
 }
 
-const (
-	badTimeout = "Error parsing 'grpc-timeout' metadata"
-	badTE      = "Error parsing 'te' metadata"
-)
-
 // acceptEncoding is grpc-accept-encoding on every answer that carries a message: the
 // encodings the Python front end's server takes (--grpc-compression), which its own
 // answers advertise.
@@ -264,7 +259,7 @@ func checkCallHeaders(w http.ResponseWriter, r *http.Request) bool {
 		panic(http.ErrAbortHandler) // RST_STREAM INTERNAL_ERROR, as gRPC core resets it
 	}
 	if te[0] != "trailers" {
-		writeStatus(w, codeInternal, badTE)
+		writeStatus(w, codeInternal, badTe)
 		return true
 	}
 	timeouts := r.Header.Values("Grpc-Timeout")

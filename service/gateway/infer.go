@@ -21,10 +21,9 @@ import (
 )
 
 const (
-	inputName    = "embeddings"
-	outputName   = "output"
-	weightsName  = "attention_weights"
-	notAccepting = "server is not accepting requests (starting up or shutting down); retry"
+	inputName   = "embeddings"
+	outputName  = "output"
+	weightsName = "attention_weights"
 )
 
 // inferRequest is a plain call of either API in the same terms.
@@ -431,7 +430,7 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	defer sent()
 	l := fp.worker.use()
 	if l == nil {
-		return failed(codeUnavailable, workerStarting)
+		return failed(codeUnavailable, workerRestarting)
 	}
 	linkHeld := true
 	defer func() {
@@ -550,7 +549,7 @@ func (fp *fastPath) abandon(l *link, id uint64, call *pending, code int) outcome
 		l.slab.release(call.regions)
 	}
 	if code == codeDeadlineExceeded {
-		return failed(code, "Deadline Exceeded")
+		return failed(code, deadlineExceeded)
 	}
 	return failed(code, "")
 }

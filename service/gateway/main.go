@@ -84,7 +84,7 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		read, message, ok := g.readUnary(r.Body)
 		if !ok && limited && !time.Now().Before(deadline) {
-			writeStatus(w, codeDeadlineExceeded, "Deadline Exceeded")
+			writeStatus(w, codeDeadlineExceeded, deadlineExceeded)
 			return
 		}
 		var request *inferRequest

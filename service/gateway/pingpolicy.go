@@ -229,7 +229,7 @@ func (c *policedConn) Write(p []byte) (int, error) {
 // sendAway writes GOAWAY (ENHANCE_YOUR_CALM, "too_many_pings") and closes; under mu, at an
 // outbound frame boundary.
 func (c *policedConn) sendAway() {
-	const debug = "too_many_pings"
+	const debug = tooManyPings
 	frame := make([]byte, frameHeaderBytes+8+len(debug))
 	length := 8 + len(debug)
 	frame[0], frame[1], frame[2] = byte(length>>16), byte(length>>8), byte(length)

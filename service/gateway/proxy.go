@@ -17,7 +17,6 @@ import (
 const (
 	proxyStreamWindow     = 64 << 10
 	proxyConnectionWindow = 64 << 20
-	backendGone           = "this front end's protocol process is restarting; retry"
 	peerHeader            = "X-Attention-Gateway-Peer"
 	subjectHeader         = "X-Attention-Gateway-Subject"
 )

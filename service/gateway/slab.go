@@ -152,12 +152,9 @@ type slabError struct {
 
 func (e *slabError) Error() string {
 	if e.tooSmall {
-		return fmt.Sprintf("this request needs %d bytes of shared memory for its tensors (input, "+
-			"output and any weights), more than the front end has (%d, --shared-memory-bytes); "+
-			"send fewer or shorter sequences per request, or raise the setting", e.need, e.size)
+		return slabTooSmall(e.need, e.size)
 	}
-	return fmt.Sprintf("shared memory full: %d of %d bytes hold tensors of requests in flight, "+
-		"this one needs %d more (--shared-memory-bytes); retry with backoff", e.used, e.size, e.need)
+	return slabFull(e.used, e.size, e.need)
 }
 
 // releaseIfEmpty gives every page back when no region is held (after a burst).

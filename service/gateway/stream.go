@@ -31,8 +31,6 @@ import (
 const (
 	modelStreamInferPath = "/inference.GRPCInferenceService/ModelStreamInfer"
 	attendStreamPath     = "/attention.v1.AttentionService/AttendStream"
-	streamClosed         = "server shutting down: every request read from this stream was " +
-		"answered; send the rest to another replica"
 )
 
 // streamMethod is what one streaming method plugs in.
@@ -192,13 +190,13 @@ func (s *stream) status() (int, string) {
 	s.mu.Unlock()
 	switch {
 	case errors.Is(cause, context.DeadlineExceeded):
-		return codeDeadlineExceeded, grpcMessage("Deadline Exceeded")
+		return codeDeadlineExceeded, grpcMessage(deadlineExceeded)
 	case closed:
 		return codeUnavailable, grpcMessage(streamClosed)
 	case errors.As(cause, &failure):
 		code, err := strconv.Atoi(failure.status)
 		if err != nil {
-			return codeInternal, grpcMessage("the stream's protocol process ended it without a status")
+			return codeInternal, grpcMessage(streamEndedWithoutStatus)
 		}
 		return code, failure.message
 	}

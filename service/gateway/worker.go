@@ -22,13 +22,11 @@ import (
 )
 
 const (
-	inferKind      = 1
-	doneKind       = 2
-	doneSize       = 1 + 8 + 8 + 8 + 8 + 8 + 8 + 8
-	inferHeadSize  = 1 + 8 + 1 + 8*6 + 8 + 2 + 1
-	maxMessage     = 16 << 20
-	workerGone     = "the ONNX Runtime worker stopped while this request was in flight; retry"
-	workerStarting = "the ONNX Runtime worker is restarting; retry"
+	inferKind     = 1
+	doneKind      = 2
+	doneSize      = 1 + 8 + 8 + 8 + 8 + 8 + 8 + 8
+	inferHeadSize = 1 + 8 + 1 + 8*6 + 8 + 2 + 1
+	maxMessage    = 16 << 20
 )
 
 // modelInfo is one served version, as the worker reports it.

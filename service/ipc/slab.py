@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.errors import QueueFull
+from service.status_texts import SLAB_FULL, SLAB_TOO_SMALL
 
 log = logging.getLogger(__name__)
 ALIGN = 64  # cache-line aligned regions: numpy and ONNX Runtime read them at full speed
@@ -100,12 +101,7 @@ class RegionAllocator:
     def alloc(self, nbytes: int) -> Region:
         need = _aligned(nbytes)
         if need > self.size:
-            raise SlabTooSmall(
-                f"this request needs {need} bytes of shared memory for its tensors (input, "
-                f"output and any weights), more than the front end has ({self.size}, "
-                "--shared-memory-bytes); send fewer or shorter sequences per request, or "
-                "raise the setting"
-            )
+            raise SlabTooSmall(SLAB_TOO_SMALL.format(need=need, size=self.size))
         for start in self._starts:
             length = self._lengths[start]
             if length >= need:
@@ -113,10 +109,7 @@ class RegionAllocator:
                 self.used += need
                 self._taken[start] = need
                 return Region(start, need)
-        raise SlabFull(
-            f"shared memory full: {self.used} of {self.size} bytes hold tensors of requests in "
-            f"flight, this one needs {need} more (--shared-memory-bytes); retry with backoff"
-        )
+        raise SlabFull(SLAB_FULL.format(used=self.used, size=self.size, need=need))
 
     def _take(self, start: int, length: int, need: int) -> None:
         index = bisect.bisect_left(self._starts, start)

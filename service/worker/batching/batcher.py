@@ -32,6 +32,7 @@ from service.errors import DeadlineExpired, NonFiniteOutput, QueueFull, Shutting
 from service.ipc.status_page import QueueFill
 from service.memory.budget import TRIM_AFTER_BATCH_BYTES, is_large_batch, release_free_memory
 from service.observability import metrics
+from service.status_texts import NOT_ACCEPTING
 from service.worker.batching.live_caps import LiveCaps
 from service.worker.batching.policy import choose_batch, merge, padding_ratio, split
 from service.worker.batching.protocol import (
@@ -295,9 +296,7 @@ class Batcher:
         if self._failure is not None:
             raise SchedulerFailed("this server's batch scheduler failed; retry on another replica")
         if not self._accepting:
-            raise ShuttingDown(
-                "server is not accepting requests (starting up or shutting down); retry"
-            )
+            raise ShuttingDown(NOT_ACCEPTING)
         fill = QueueFill(self._pending, self._pending_bytes, limits.max_queue_size,
                          limits.max_queue_bytes)  # fmt: skip
         refusal = fill.refusal(nbytes)  # the rule front ends apply at the edge, by the page

@@ -1,0 +1,52 @@
+"""Status messages the Python front end and the Go gateway both write, word for word. The
+gateway's are generated from this module (scripts/go_contract.py writes
+service/gateway/contract_gen.go), so the two cannot drift; a {placeholder} is a number,
+filled in by str.format here and by a generated Go function there. The queue's refusals live
+with the status page that decides them (service/ipc/status_page.py).
+"""
+
+from __future__ import annotations
+
+# Admission: the server is starting up or draining (the worker's batcher says so too).
+NOT_ACCEPTING = "server is not accepting requests (starting up or shutting down); retry"
+# The worker process went away, or is not back yet.
+WORKER_GONE = "the ONNX Runtime worker stopped while this request was in flight; retry"
+WORKER_RESTARTING = "the ONNX Runtime worker is restarting; retry"
+# A stream that shutdown ended.
+STREAM_CLOSED = (
+    "server shutting down: every request read from this stream was answered; "
+    "send the rest to another replica"
+)
+# The undelivered-answers bound (--max-undelivered-bytes, and a connection's share).
+ANSWERS_BACKLOGGED_BY_SERVER = (
+    "answers computed for clients but not yet read by them hold {total} bytes, and this one "
+    "needs about {nbytes} more than the server's bound of {max_bytes} (--max-undelivered-bytes) "
+    "allows; retry shortly, or ask for less (no attention weights)"
+)
+ANSWERS_BACKLOGGED_BY_CONNECTION = (
+    "this connection has {held} bytes of answers it has not read yet; this one needs about "
+    "{nbytes} more than its share of {max_bytes_per_connection} "
+    "(--max-undelivered-bytes-per-connection): read the answers, or spread the calls over more "
+    "connections"
+)
+# A front end's shared memory for tensors (--shared-memory-bytes).
+SLAB_TOO_SMALL = (
+    "this request needs {need} bytes of shared memory for its tensors (input, output and any "
+    "weights), more than the front end has ({size}, --shared-memory-bytes); send fewer or "
+    "shorter sequences per request, or raise the setting"
+)
+SLAB_FULL = (
+    "shared memory full: {used} of {size} bytes hold tensors of requests in flight, this one "
+    "needs {need} more (--shared-memory-bytes); retry with backoff"
+)
+
+# Written by the gateway alone: its own front end's protocol process is away.
+BACKEND_GONE = "this front end's protocol process is restarting; retry"
+STREAM_ENDED_WITHOUT_STATUS = "the stream's protocol process ended it without a status"
+
+# gRPC core's words: the Python front end's server (gRPC core) writes them itself, the gateway
+# as core does (tests/test_grpc_differential.py compares the two).
+DEADLINE_EXCEEDED = "Deadline Exceeded"
+BAD_TIMEOUT = "Error parsing 'grpc-timeout' metadata"
+BAD_TE = "Error parsing 'te' metadata"
+TOO_MANY_PINGS = "too_many_pings"  # the debug data of a GOAWAY for pinging too often
