@@ -215,11 +215,16 @@ def cpu_table(rows: list[Row]) -> str:
         kinds = by_kind(row)
         if not kinds:
             continue
-        who = row["name"] if row["name"].startswith(row["target"]) else row["target"]
+        # A server's rows go by the configuration's name (tracing on, ...), a peer's by target.
+        who = (
+            row["name"]
+            if row["target"] == "server" or row["name"].startswith(row["target"])
+            else row["target"]
+        )
         label = f"{who} seq {row['seq']} {row['load']}"
         cells = [f"{kinds[k]:>11.0f}" if k in kinds else f"{'-':>11}" for k in KINDS]
-        lines.append(f"  {label:<44}{''.join(cells)}{sum(kinds.values()):>11.0f}")
+        lines.append(f"  {label:<50}{''.join(cells)}{sum(kinds.values()):>11.0f}")
     if not lines:
         return ""
-    head = f"  {'':<44}{''.join(f'{k:>11}' for k in (*KINDS, 'total'))}"
+    head = f"  {'':<50}{''.join(f'{k:>11}' for k in (*KINDS, 'total'))}"
     return "\n".join([head, *lines])

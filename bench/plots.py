@@ -50,8 +50,10 @@ def _seq_order(item: tuple[str, object]) -> tuple[bool, int]:
     return (not seq.isdigit(), int(seq) if seq.isdigit() else 0)
 
 
-def throughput_vs_p99(document: dict[str, Any], path: Path) -> Path:
+def throughput_vs_p99(document: dict[str, Any], path: Path) -> Path | None:
     by_seq = series(load_rows(document))
+    if not by_seq:
+        return None  # a run of groups without the load generator's rows (h2load alone)
     fig, axes = plt.subplots(1, len(by_seq), figsize=(6.5 * len(by_seq), 5), squeeze=False)
     for ax, (seq, configs) in zip(axes[0], sorted(by_seq.items(), key=_seq_order), strict=True):
         for label, points in sorted(configs.items()):
@@ -67,15 +69,17 @@ def throughput_vs_p99(document: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def batch_sizes(document: dict[str, Any], path: Path) -> Path:
+def batch_sizes(document: dict[str, Any], path: Path) -> Path | None:
     """Share of batches per batch-size bucket, for each server run with /metrics."""
     runs = [
         r
         for r in load_rows(document)
         if (r.get("server_metrics") or {}).get("batches") and r["load"] == "c=64"
     ]
+    if not runs:
+        return None
     fig, ax = plt.subplots(figsize=(10, 5))
-    width = 0.8 / max(len(runs), 1)
+    width = 0.8 / len(runs)
     for index, row in enumerate(runs):
         buckets = row["server_metrics"]["batch_size_buckets"]
         total = sum(buckets.values()) or 1.0
@@ -105,11 +109,13 @@ def _caption(document: dict[str, Any]) -> str:
 
 
 def render(document: dict[str, Any], out: Path) -> list[Path]:
+    """The plots the document has rows for."""
     out.mkdir(parents=True, exist_ok=True)
-    return [
+    drawn = [
         throughput_vs_p99(document, out / "bench-throughput-p99.png"),
         batch_sizes(document, out / "bench-batch-sizes.png"),
     ]
+    return [path for path in drawn if path is not None]
 
 
 def main(argv: list[str] | None = None) -> int:

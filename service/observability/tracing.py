@@ -10,9 +10,9 @@ and sampler are configured by the standard OTEL_* variables.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
+import random
 import re
 import threading
 import time
@@ -28,12 +28,9 @@ TRACER_NAME = "attention-serving"
 
 _tracer: Any = None  # opentelemetry.trace.Tracer while tracing is on
 _provider: Any = None
-# Spans of calls the gateway answered: the gateway sampled them and chose their ids, which
-# this tracer takes (its provider samples everything and shares _provider's exporter).
-_gateway_tracer: Any = None
-_PRESET_IDS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
-    "preset_span_ids", default=None
-)
+# Where the spans of calls the gateway answered go, finished (it sampled and timed them):
+# the provider's processor and exporter, with its resource and the tracer's scope.
+_finished: Any = None
 
 
 class TracingError(ValueError):
@@ -70,7 +67,7 @@ def _protocol(environ: Mapping[str, str]) -> str:
 
 def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> None:
     """Install the SDK's tracer provider with an OTLP exporter chosen by the OTEL_* variables."""
-    global _tracer, _provider, _gateway_tracer
+    global _tracer, _provider, _finished
     # Imported here: with tracing off the SDK costs neither import time nor memory.
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -92,7 +89,7 @@ def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> 
     processor = BatchSpanProcessor(OTLPSpanExporter(), max_queue_size=max_queue_spans)
     provider.add_span_processor(processor)
     _provider, _tracer = provider, provider.get_tracer(TRACER_NAME)
-    _gateway_tracer = _gateway_provider(resource, processor).get_tracer(TRACER_NAME)
+    _finished = _Finished(processor, resource)
     log.info("tracing on: OTLP %s to %s, sampler %s, at most %d spans queued", protocol,
              environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
              or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "the exporter's default endpoint"),
@@ -102,8 +99,8 @@ def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> 
 def stop(timeout_s: float) -> None:
     """Export what is queued, for at most timeout_s (an unreachable collector must not hold
     up the exit), then forget the provider."""
-    global _tracer, _provider, _gateway_tracer
-    provider, _tracer, _provider, _gateway_tracer = _provider, None, None, None
+    global _tracer, _provider, _finished
+    provider, _tracer, _provider, _finished = _provider, None, None, None
     if provider is None:
         return
     closer = threading.Thread(target=provider.shutdown, daemon=True, name="tracing-shutdown")
@@ -163,25 +160,27 @@ def current_tag() -> Tag | None:
     return Tag(ids.trace_id, ids.span_id, int(ids.trace_flags)) if ids.is_valid else None
 
 
-def _gateway_provider(resource: Any, processor: Any) -> Any:
-    """A provider that records every span it is asked for, with the ids _PRESET_IDS holds,
-    into processor (which the main provider owns and shuts down)."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+class _Finished:
+    """Spans recorded elsewhere (by the gateway, which sampled and timed them), handed to the
+    span processor as the SDK's finished spans: the same exporter, resource and scope as the
+    tracer's, without a live span's bookkeeping (context, sampler, attribute checks: the
+    attributes are ours and valid), which cost several times more per call."""
 
-    class PresetIds(RandomIdGenerator):
-        def generate_trace_id(self) -> int:
-            preset = _PRESET_IDS.get()
-            return preset[0] if preset else super().generate_trace_id()
+    def __init__(self, processor: Any, resource: Any) -> None:
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-        def generate_span_id(self) -> int:
-            preset = _PRESET_IDS.get()
-            return preset[1] if preset else super().generate_span_id()
+        self.processor = processor
+        self.resource = resource
+        self.scope = InstrumentationScope(TRACER_NAME)
 
-    provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, id_generator=PresetIds())
-    provider.add_span_processor(processor)
-    return provider
+    def end(self, name: str, context: Any, parent: Any, start_ns: int, end_ns: int,
+            attributes: Mapping[str, Any], **more: Any) -> None:  # fmt: skip
+        from opentelemetry.sdk.trace import ReadableSpan
+
+        self.processor.on_end(ReadableSpan(
+            name, context, parent, self.resource, dict(attributes), start_time=start_ns,
+            end_time=end_ns, instrumentation_scope=self.scope, **more,
+        ))  # fmt: skip
 
 
 # The samplers OTEL_TRACES_SAMPLER names, as the SDK describes them.
@@ -230,43 +229,75 @@ class GatewayCall:
 
 def record_gateway_call(call: GatewayCall) -> None:
     """The call's server span, with the ids the gateway gave it (the worker's batches link to
-    them), and its queue and compute children."""
-    if _gateway_tracer is None:
+    them), and its queue and compute children, as the Python path makes them."""
+    finished = _finished
+    if finished is None:
         return
     from opentelemetry import trace
     from opentelemetry.trace import Status, StatusCode
 
+    state = (
+        trace.TraceState.from_header([call.trace_state]) if call.trace_state else trace.TraceState()
+    )
     parent = None
     if call.parent_span_id:  # the gateway read it by the W3C propagator's rules
-        state = trace.TraceState.from_header([call.trace_state]) if call.trace_state else None
-        remote = trace.SpanContext(
+        parent = trace.SpanContext(
             call.trace_id, call.parent_span_id, is_remote=True,
             trace_flags=trace.TraceFlags(call.parent_flags), trace_state=state,
         )  # fmt: skip
-        parent = trace.set_span_in_context(trace.NonRecordingSpan(remote))
-    token = _PRESET_IDS.set((call.trace_id, call.span_id))
-    try:
-        span = _gateway_tracer.start_span(
-            call.name, context=parent, kind=trace.SpanKind.SERVER, start_time=call.received_ns,
-            attributes={**call.attributes, "attention.code": call.code},
-        )  # fmt: skip
-    finally:
-        _PRESET_IDS.reset(token)
-    if call.batch is not None:
-        done = call.batch
-        record_batch(
-            model=str(call.attributes.get("attention.model", "")),
-            version=int(call.attributes.get("attention.model_version", 0)),
-            sequences=int(call.attributes.get("attention.sequences", 0)),
-            length=int(call.attributes.get("attention.sequence_length", 0)),
-            queue_s=done["q"], compute_s=done["c"], started_at=done["s"],
-            batch_size=done["b"], padding=done["p"], batch_id=done["i"],
-            tags=tags_from_json(done["tags"]), parent=span, tracer=_gateway_tracer,
-            parent_has_request=True,
-        )  # fmt: skip
-    if call.error:
-        span.set_status(Status(StatusCode.ERROR, call.code))
-    span.end(end_time=max(call.answered_ns, call.received_ns))
+    sampled = trace.TraceFlags(trace.TraceFlags.SAMPLED)
+    context = trace.SpanContext(
+        call.trace_id, call.span_id, is_remote=False, trace_flags=sampled, trace_state=state
+    )
+    done = call.batch
+    if done is not None:
+        request = {
+            key: call.attributes[key] for key in REQUEST_ATTRIBUTES if key in call.attributes
+        }
+        queue_s, started_at, compute_s = done["q"], done["s"], done["c"]
+        started = _epoch_ns(started_at)
+        batch = {
+            **request, "attention.batch_size": done["b"],
+            "attention.batch_padding_ratio": done["p"], "attention.batch_id": done["i"],
+        }  # fmt: skip
+        links = _links(tags_from_json(done["tags"]))
+        for name, start_ns, end_ns, attributes, more in (
+            ("queue", _epoch_ns(started_at - queue_s), started, request, {}),
+            ("compute", started, started + round(compute_s * 1e9), batch, {"links": links}),
+        ):
+            child = trace.SpanContext(call.trace_id, _span_id(), is_remote=False,
+                                      trace_flags=sampled, trace_state=state)  # fmt: skip
+            finished.end(name, child, context, start_ns, end_ns, attributes, **more)
+    status = Status(StatusCode.ERROR, call.code) if call.error else Status(StatusCode.UNSET)
+    finished.end(
+        call.name, context, parent, call.received_ns, max(call.answered_ns, call.received_ns),
+        {**call.attributes, "attention.code": call.code}, kind=trace.SpanKind.SERVER,
+        status=status,
+    )  # fmt: skip
+
+
+REQUEST_ATTRIBUTES = (
+    "attention.model", "attention.model_version", "attention.sequences",
+    "attention.sequence_length",
+)  # fmt: skip
+
+
+def _span_id() -> int:
+    """A new span id, as the SDK's random id generator makes one."""
+    while True:
+        span_id = random.getrandbits(64)
+        if span_id:
+            return span_id
+
+
+def _links(tags: Iterable[object]) -> list[Any]:
+    from opentelemetry import trace
+
+    return [
+        trace.Link(trace.SpanContext(t.trace_id, t.span_id, True, trace.TraceFlags(t.trace_flags)))
+        for t in tags
+        if isinstance(t, Tag)
+    ]
 
 
 def _epoch_ns(monotonic_s: float) -> int:
@@ -287,45 +318,32 @@ def record_batch(
     padding: float,
     batch_id: int,
     tags: Iterable[object],
-    parent: Any = None,
-    tracer: Any = None,
-    parent_has_request: bool = False,
 ) -> None:
-    """Queue and compute child spans of parent (default: the current span), with explicit
-    times; compute links to the span of every traced request its batch served. The parent
-    gets the request's attributes too, unless it has them (parent_has_request)."""
-    tracer = tracer or _tracer
-    if tracer is None:
+    """Queue and compute child spans of the current request, with explicit times; compute
+    links to the span of every traced request its batch served."""
+    if _tracer is None:
         return
     from opentelemetry import trace
 
-    current = parent or trace.get_current_span()
-    under = trace.set_span_in_context(current)
+    current = trace.get_current_span()
     request: dict[str, Any] = {
         "attention.model": model,
         "attention.model_version": version,
         "attention.sequences": sequences,
         "attention.sequence_length": length,
     }
-    if not parent_has_request:
-        current.set_attributes(request)
+    current.set_attributes(request)
     batch: dict[str, Any] = {
         "attention.batch_size": batch_size,
         "attention.batch_padding_ratio": padding,
         "attention.batch_id": batch_id,
     }
     queued_at, started = _epoch_ns(started_at - queue_s), _epoch_ns(started_at)
-    queue = tracer.start_span("queue", context=under, start_time=queued_at, attributes=request)
+    queue = _tracer.start_span("queue", start_time=queued_at, attributes=request)
     queue.end(end_time=started)
-    links = [
-        trace.Link(trace.SpanContext(t.trace_id, t.span_id, True, trace.TraceFlags(t.trace_flags)))
-        for t in tags
-        if isinstance(t, Tag)
-    ]
-    compute = tracer.start_span(
-        "compute", context=under, start_time=started, links=links,
-        attributes={**request, **batch},
-    )  # fmt: skip
+    compute = _tracer.start_span(
+        "compute", start_time=started, links=_links(tags), attributes={**request, **batch}
+    )
     compute.end(end_time=started + round(compute_s * 1e9))
 
 
