@@ -260,7 +260,10 @@ def record_gateway_call(call: GatewayCall) -> None:
             **request, "attention.batch_size": done["b"],
             "attention.batch_padding_ratio": done["p"], "attention.batch_id": done["i"],
         }  # fmt: skip
-        links = _links(tags_from_json(done["tags"]))
+        links = [  # straight from the DONE's rows: per traced call, one per traced batchmate
+            trace.Link(trace.SpanContext(row[0], row[1], True, trace.TraceFlags(row[2])))
+            for row in done["tags"]
+        ]
         for name, start_ns, end_ns, attributes, more in (
             ("queue", _epoch_ns(started_at - queue_s), started, request, {}),
             ("compute", started, started + round(compute_s * 1e9), batch, {"links": links}),
