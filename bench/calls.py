@@ -132,8 +132,9 @@ class RestCaller:
     """V2 inference over HTTP/REST on one keep-alive connection pool, as a REST client
     calls it (one connection per call in flight)."""
 
-    def __init__(self, session: aiohttp.ClientSession, target: str, model: str,
-                 timeout_s: float) -> None:  # fmt: skip
+    def __init__(
+        self, session: aiohttp.ClientSession, target: str, model: str, timeout_s: float
+    ) -> None:
         self._session = session
         self._url = f"http://{target}/v2/models/{model}/infer"
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -172,8 +173,14 @@ class SharedMemoryCaller:
     in flight never share one), the input at its start and the output after it. Each call
     copies its input into the region (the client's own cost) and leaves the answer there."""
 
-    def __init__(self, channel: grpc.aio.Channel, name: str, bodies: dict[int, bytes],
-                 region_bytes: int, timeout_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        name: str,
+        bodies: dict[int, bytes],
+        region_bytes: int,
+        timeout_s: float,
+    ) -> None:
         self._channel = channel
         self._name = name
         self._bodies = bodies  # by sequence length
@@ -189,8 +196,14 @@ class SharedMemoryCaller:
         self._region_bytes = region_bytes
 
     @classmethod
-    async def open(cls, channel: grpc.aio.Channel, index: int, shapes: dict[int, list[int]],
-                   model: str, timeout_s: float) -> SharedMemoryCaller:  # fmt: skip
+    async def open(
+        cls,
+        channel: grpc.aio.Channel,
+        index: int,
+        shapes: dict[int, list[int]],
+        model: str,
+        timeout_s: float,
+    ) -> SharedMemoryCaller:
         """Create the caller's object and register it with the server as one region."""
         name = f"bench-{os.getpid()}-{index}"
         largest = max(4 * int(np.prod(shape)) for shape in shapes.values())
@@ -202,9 +215,15 @@ class SharedMemoryCaller:
             response_deserializer=v2.SystemSharedMemoryRegisterResponse.FromString,
         )
         try:
-            await register(v2.SystemSharedMemoryRegisterRequest(
-                name=name, key=f"/{name}", offset=0, byte_size=2 * largest,
-            ), timeout=timeout_s)  # fmt: skip
+            await register(
+                v2.SystemSharedMemoryRegisterRequest(
+                    name=name,
+                    key=f"/{name}",
+                    offset=0,
+                    byte_size=2 * largest,
+                ),
+                timeout=timeout_s,
+            )
         except BaseException:
             caller._remove()
             raise
@@ -225,8 +244,9 @@ class SharedMemoryCaller:
             response_deserializer=v2.SystemSharedMemoryUnregisterResponse.FromString,
         )
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await unregister(v2.SystemSharedMemoryUnregisterRequest(name=self._name),
-                             timeout=self._timeout_s)  # fmt: skip
+            await unregister(
+                v2.SystemSharedMemoryUnregisterRequest(name=self._name), timeout=self._timeout_s
+            )
         self._remove()
 
     def _remove(self) -> None:

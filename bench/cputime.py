@@ -91,8 +91,10 @@ def thread_cpu_s(pid: int, proc: Path = PROC) -> dict[int, tuple[str, float]]:
     for entry in entries:
         try:
             text = (entry / "stat").read_text()
-            found[int(entry.name)] = (text[text.index("(") + 1 : text.rindex(")")],
-                                      parse_stat(text, ticks)[1])  # fmt: skip
+            found[int(entry.name)] = (
+                text[text.index("(") + 1 : text.rindex(")")],
+                parse_stat(text, ticks)[1],
+            )
         except (OSError, ValueError, IndexError):
             continue  # exited meanwhile
     return found

@@ -44,8 +44,12 @@ def _load(files: VersionFiles, providers: list[str], **kwargs: Any) -> OnnxModel
     return OnnxModel(files, providers, 0, **kwargs)
 
 
-def _load_with_fused(files: VersionFiles, providers: list[str], cuda_options: CudaOptions,
-                     fused_errors: dict[str, str]) -> OnnxModel:  # fmt: skip
+def _load_with_fused(
+    files: VersionFiles,
+    providers: list[str],
+    cuda_options: CudaOptions,
+    fused_errors: dict[str, str],
+) -> OnnxModel:
     """The version with its fused graph held to the golden check; a fused graph that cannot
     load or run here is recorded and the version loaded without it, so the rest of the check
     still measures (the fused graph is optional; the contract's graphs are not)."""
@@ -90,8 +94,14 @@ def check_sessions(model: OnnxModel, providers: list[str]) -> dict[str, list[str
     return found
 
 
-def parity(model: OnnxModel, reference: gpu_probe.Reference, batches: list[tuple[int, int]],
-           scale: float = 1.0, *, fused_graph: bool = False) -> Report:  # fmt: skip
+def parity(
+    model: OnnxModel,
+    reference: gpu_probe.Reference,
+    batches: list[tuple[int, int]],
+    scale: float = 1.0,
+    *,
+    fused_graph: bool = False,
+) -> Report:
     """Worst errors over padded batches of the output-only graph (or the fused one)."""
     rng = np.random.default_rng(11)
     worst: Report = {"nonfinite": 0, "max_abs": 0.0, "relative": 0.0, "max_ref": 0.0}
@@ -123,14 +133,26 @@ def first_largest_run(files: VersionFiles, providers: list[str], shape: tuple[in
     if model._full is not None:
         model._full.run(None, feeds)
     after = gpu_probe.gpu_memory_used_mib()
-    return {"shape": list(shape), "first_run_s": first_s, "warm_run_s": second_s,
-            "gpu_memory_mib": {"before_load": before, "after_load": loaded,
-                               "after_largest_runs": after}}  # fmt: skip
+    return {
+        "shape": list(shape),
+        "first_run_s": first_s,
+        "warm_run_s": second_s,
+        "gpu_memory_mib": {
+            "before_load": before,
+            "after_load": loaded,
+            "after_largest_runs": after,
+        },
+    }
 
 
-def compare_fused(model: OnnxModel, files: VersionFiles, providers: list[str],
-                  reference: gpu_probe.Reference, shapes: list[tuple[int, int]],
-                  big: tuple[int, int]) -> Report:  # fmt: skip
+def compare_fused(
+    model: OnnxModel,
+    files: VersionFiles,
+    providers: list[str],
+    reference: gpu_probe.Reference,
+    shapes: list[tuple[int, int]],
+    big: tuple[int, int],
+) -> Report:
     """The fused output graph's error and speed against the unfused one, and what the
     server's --fused-attention auto would decide from them."""
     if model._fused is None:
@@ -142,21 +164,28 @@ def compare_fused(model: OnnxModel, files: VersionFiles, providers: list[str],
         fused_s = fused.best_seconds(partial(model._fused.run, ["output"], feeds))
         timings.append(fused.Timing(batch, seq, unfused_s, fused_s))
     use, why = fused.decide("auto", timings)
-    chosen = [(name, CudaOptions().provider_options()) if name == CUDA else name
-              for name in providers]  # fmt: skip
+    chosen = [
+        (name, CudaOptions().provider_options()) if name == CUDA else name for name in providers
+    ]
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-profile-"))
     feeds = model._inputs(2, 16)
     placement = {
         name: gpu_probe.node_providers(path, chosen, feeds, folder)
-        for name, path in (("unfused", files.output_graph),
-                           ("fused", files.output_graph.parent / fused.FUSED_GRAPH))
-    }  # fmt: skip
+        for name, path in (
+            ("unfused", files.output_graph),
+            ("fused", files.output_graph.parent / fused.FUSED_GRAPH),
+        )
+    }
     if CUDA in providers and gpu_probe.compute_ops_on(placement["fused"], CPU):
         # The server's auto mode decides by timing alone; a CPU op would make it slower, but
         # this check says so outright.
         use, why = False, f"compute ops on CPU: {gpu_probe.compute_ops_on(placement['fused'], CPU)}"
-    return {"parity": parity(model, reference, shapes, fused_graph=True),
-            "server_would_use_it": use, "why": why, "ops_ran_on": placement}  # fmt: skip
+    return {
+        "parity": parity(model, reference, shapes, fused_graph=True),
+        "server_would_use_it": use,
+        "why": why,
+        "ops_ran_on": placement,
+    }
 
 
 def inflight(model: OnnxModel, shape: tuple[int, int], calls: int) -> Report:
@@ -184,12 +213,34 @@ def server_scenarios(repository: Path, model: str, d: int, provider: str, short:
     """The server with --provider PROVIDER: p50 of one seq-128 request at a time, and
     sequences/s with 64-sequence requests (the benchmark's GPU scenarios)."""
     seconds = "1" if short else "10"
-    command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--grpc-port", "0",
-               "--metrics-port", "0", "--http-port", "0", "--model-repository", str(repository),
-               "--default-model", model, "--provider", provider, "--max-batch-size", "64",
-               "--batch-cap-budget-s", "0", "--log-level", "INFO",
-               # The check's repository links to the exported models (its own, trusted).
-               "--repository-follow-symlinks", "on"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "service",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+        "--model-repository",
+        str(repository),
+        "--default-model",
+        model,
+        "--provider",
+        provider,
+        "--max-batch-size",
+        "64",
+        "--batch-cap-budget-s",
+        "0",
+        "--log-level",
+        "INFO",
+        # The check's repository links to the exported models (its own, trusted).
+        "--repository-follow-symlinks",
+        "on",
+    ]
     report: Report = {}
     with Service("server", command) as server:
         server.wait_ready(180)
@@ -203,16 +254,37 @@ def server_scenarios(repository: Path, model: str, d: int, provider: str, short:
             ("requests_of_64_seq128", ["--concurrency", "4", "--sequences-per-request", "64"]),
         ):
             done = subprocess.run(
-                [sys.executable, "-m", "bench.loadgen", "--target", server.target, "--api",
-                 "attention", "--model", model, "--embed-dim", str(d), "--seq", "128",
-                 "--duration-s", seconds, "--warmup-s", "1" if short else "3", *flags],
-                capture_output=True, text=True, timeout=120, check=True,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.loadgen",
+                    "--target",
+                    server.target,
+                    "--api",
+                    "attention",
+                    "--model",
+                    model,
+                    "--embed-dim",
+                    str(d),
+                    "--seq",
+                    "128",
+                    "--duration-s",
+                    seconds,
+                    "--warmup-s",
+                    "1" if short else "3",
+                    *flags,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            )
             result = json.loads(done.stdout)
             if result.get("errors"):
                 raise CheckFailed(f"server scenario {name}: errors {result['errors']}")
-            report[name] = {k: result[k] for k in ("sequences_per_s", "p50_ms", "p99_ms")
-                            if k in result}  # fmt: skip
+            report[name] = {
+                k: result[k] for k in ("sequences_per_s", "p50_ms", "p99_ms") if k in result
+            }
         # After the load: the GPU has worked, and every process has used CPU.
         report["metrics"] = system_series(server.metrics_port)
     return report
@@ -220,8 +292,12 @@ def server_scenarios(repository: Path, model: str, d: int, provider: str, short:
 
 # The GPU series the server exposes from NVML (Triton's nv_gpu_* equivalents), and the
 # process series every role has.
-GPU_SERIES = ("attention_gpu_utilization_ratio", "attention_gpu_memory_used_bytes",
-              "attention_gpu_memory_total_bytes", "attention_gpu_power_usage_watts")  # fmt: skip
+GPU_SERIES = (
+    "attention_gpu_utilization_ratio",
+    "attention_gpu_memory_used_bytes",
+    "attention_gpu_memory_total_bytes",
+    "attention_gpu_power_usage_watts",
+)
 PROCESS_SERIES = ("attention_process_cpu_seconds_total", "attention_process_resident_memory_bytes")
 ROLES = ("supervisor", "worker", "frontend-0")
 
@@ -257,8 +333,10 @@ def judge_series(series: dict[str, dict[str, float]] | None, gpu: bool) -> list[
         return failures
     missing = [name for name in GPU_SERIES if not series.get(name)]
     if missing:
-        failures.append(f"no GPU series {missing} from the server (NVML: is nvidia-ml-py "
-                        "installed, and libnvidia-ml.so.1 found?)")  # fmt: skip
+        failures.append(
+            f"no GPU series {missing} from the server (NVML: is nvidia-ml-py "
+            "installed, and libnvidia-ml.so.1 found?)"
+        )
     used, total = series.get(GPU_SERIES[1], {}), series.get(GPU_SERIES[2], {})
     for gpu_labels, value in total.items():
         if not 0 < used.get(gpu_labels, -1) <= value:
@@ -297,8 +375,10 @@ def run(args: argparse.Namespace, report: Report) -> None:
     if fused_errors:
         report["fused_load_errors"] = fused_errors
         _print("fused graphs that cannot be used", fused_errors)
-    report["providers"] = {"float32": check_sessions(off, providers),
-                           "float16": check_sessions(half, providers)}  # fmt: skip
+    report["providers"] = {
+        "float32": check_sessions(off, providers),
+        "float16": check_sessions(half, providers),
+    }
     _print("providers", report["providers"])
     ref32, ref16 = (
         gpu_probe.numpy_reference(fp32.output_graph),
@@ -323,8 +403,9 @@ def run(args: argparse.Namespace, report: Report) -> None:
     off_dim = off.spec.embed_dim
     del off, half
     provider = "cpu" if args.dry_run else "cuda"
-    report["server"] = server_scenarios(args.models, args.fp32_model, off_dim, provider,
-                                        args.dry_run)  # fmt: skip
+    report["server"] = server_scenarios(
+        args.models, args.fp32_model, off_dim, provider, args.dry_run
+    )
     server_rate = report["server"]["requests_of_64_seq128"]["sequences_per_s"]
     report["server"]["inprocess_64x128_seq_per_s"] = inprocess["1_inflight_seq_per_s"]
     report["server"]["server_over_inprocess"] = server_rate / inprocess["1_inflight_seq_per_s"]
@@ -340,14 +421,18 @@ def judge(report: Report) -> list[str]:
     for scale in ("1x", "4x"):
         half = report["float16_parity"][scale]
         if half["nonfinite"] or not half["relative"] <= 1e-2:
-            failures.append(f"float16 at {scale}: relative {half['relative']:.2e}, "
-                            f"{half['nonfinite']} non-finite")  # fmt: skip
+            failures.append(
+                f"float16 at {scale}: relative {half['relative']:.2e}, "
+                f"{half['nonfinite']} non-finite"
+            )
     if not report["dry_run"]:
         for graph, placement in report["fused"].get("ops_ran_on", {}).items():
             on_cpu = gpu_probe.compute_ops_on(placement, CPU)
             if on_cpu:
-                failures.append(f"{graph} graph: {on_cpu} ran on CPU under CUDA (no CUDA kernel "
-                                "for this node, or the provider refused it)")  # fmt: skip
+                failures.append(
+                    f"{graph} graph: {on_cpu} ran on CPU under CUDA (no CUDA kernel "
+                    "for this node, or the provider refused it)"
+                )
     failures += judge_series(report.get("server", {}).get("metrics"), gpu=not report["dry_run"])
     for name, error in report.get("fused_load_errors", {}).items():
         failures.append(f"fused graph of {name} not usable: {error}")
@@ -376,8 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args, report)
         failures = judge(report)
-    except (CheckFailed, cuda.CudaUnavailable, BrokenModel, RuntimeError,
-            subprocess.SubprocessError) as err:  # fmt: skip
+    except (
+        CheckFailed,
+        cuda.CudaUnavailable,
+        BrokenModel,
+        RuntimeError,
+        subprocess.SubprocessError,
+    ) as err:
         # What was measured before the failure still goes to the JSON: a device run is scarce.
         failures = [f"stopped: {type(err).__name__}: {err}"]
     report["elapsed_s"] = round(time.monotonic() - started, 1)

@@ -18,8 +18,16 @@ PINNED_ONNXRUNTIME = "1.31.1"  # pyproject.toml, constraints-gpu.txt
 # What the check and the server import: the engine, the gRPC server (health, reflection, the
 # generated code, which refuses an older protobuf or grpcio than it was generated for) and
 # the numpy reference's onnx; pynvml, whose NVML series the check expects from the server.
-MODULES = ("numpy", "onnx", "prometheus_client", "pynvml", "service.worker.server",
-           "service.frontend.server", "bench.gpu_check", "bench.loadgen")  # fmt: skip
+MODULES = (
+    "numpy",
+    "onnx",
+    "prometheus_client",
+    "pynvml",
+    "service.worker.server",
+    "service.frontend.server",
+    "bench.gpu_check",
+    "bench.loadgen",
+)
 
 
 def nvidia_lib_dirs(paths: list[str]) -> list[str]:

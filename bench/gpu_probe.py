@@ -116,8 +116,11 @@ def nvidia_wheels() -> dict[str, str]:
 
 
 class NvmlMemory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
-                ("used", ctypes.c_ulonglong)]  # fmt: skip
+    _fields_ = [
+        ("total", ctypes.c_ulonglong),
+        ("free", ctypes.c_ulonglong),
+        ("used", ctypes.c_ulonglong),
+    ]
 
 
 def gpu_memory_used_mib(device: int = 0) -> float | None:
@@ -136,9 +139,11 @@ def gpu_memory_used_mib(device: int = 0) -> float | None:
 
 
 def node_providers(
-    path: Path, providers: list[str | tuple[str, dict[str, str]]], feeds: dict[str, np.ndarray],
+    path: Path,
+    providers: list[str | tuple[str, dict[str, str]]],
+    feeds: dict[str, np.ndarray],
     folder: Path,
-) -> dict[str, list[str]]:  # fmt: skip
+) -> dict[str, list[str]]:
     """Which execution provider ran each op type of one call (ONNX Runtime's profiler): an op
     with no CUDA kernel runs on CPU without any error, which only this shows."""
     import onnxruntime as ort
@@ -160,8 +165,9 @@ def node_providers(
 
 # Ops that carry the layer's arithmetic. ONNX Runtime puts small shape computations (Shape,
 # Gather, Concat, ...) on CPU on purpose under CUDA; one of these on CPU is a missing kernel.
-COMPUTE_OPS = frozenset({"Attention", "FusedMatMul", "Gemm", "MatMul", "MultiHeadAttention",
-                         "Softmax"})  # fmt: skip
+COMPUTE_OPS = frozenset(
+    {"Attention", "FusedMatMul", "Gemm", "MatMul", "MultiHeadAttention", "Softmax"}
+)
 
 
 def compute_ops_on(placement: dict[str, list[str]], provider: str) -> list[str]:

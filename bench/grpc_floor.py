@@ -25,9 +25,11 @@ SERVICE = "inference.GRPCInferenceService"
 async def model_infer(request: v2.ModelInferRequest, context: Any) -> None:
     tensor = request.inputs[0]
     response = v2.ModelInferResponse(
-        model_name=request.model_name, model_version="1", id=request.id,
+        model_name=request.model_name,
+        model_version="1",
+        id=request.id,
         raw_output_contents=request.raw_input_contents,
-    )  # fmt: skip
+    )
     response.outputs.add(name="output", datatype=tensor.datatype, shape=tensor.shape)
     await context.write(response)
 

@@ -208,9 +208,16 @@ def measure(h2load: str, server: Target, message: bytes, plan: Plan, scratch: Pa
     log_file.unlink(missing_ok=True)  # h2load appends to it
     argv = [
         *plan.client_prefix,
-        *command(h2load, server.address, body_file, plan.shape, requests=requests,
-                 log_file=log_file, metadata=plan.metadata),
-    ]  # fmt: skip
+        *command(
+            h2load,
+            server.address,
+            body_file,
+            plan.shape,
+            requests=requests,
+            log_file=log_file,
+            metadata=plan.metadata,
+        ),
+    ]
     result = _measured(argv, server, plan, requests, log_file, answer_bytes)
     try:
         grpc_check(server.address, message, metadata=plan.metadata)

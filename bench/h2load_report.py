@@ -160,8 +160,14 @@ def streams(rows: list[Row], pinned: bool, peers: bool) -> list[Row]:
                 _value(_many(rows, pinned, "server", name, seq), "requests_per_s"),
                 _value(server, "requests_per_s"),
             )
-            out.append(entry(f"h2load, {label}, seq {seq}: {name} / default (req/s)", kept,
-                             f">= {goal:g}", at_least(kept, goal)))  # fmt: skip
+            out.append(
+                entry(
+                    f"h2load, {label}, seq {seq}: {name} / default (req/s)",
+                    kept,
+                    f">= {goal:g}",
+                    at_least(kept, goal),
+                )
+            )
         if peers:
             out += against_triton(rows, pinned, seq, server, label)
     return out

@@ -130,9 +130,13 @@ def batch_sweep(
 
         rate, cpu_ms = timed(run_batch, seconds)
         points.append(
-            {"batch_size": batch, "sequences_per_s": rate, "ms_per_batch": batch / rate * 1000,
-             "cpu_ms_per_sequence": cpu_ms}
-        )  # fmt: skip
+            {
+                "batch_size": batch,
+                "sequences_per_s": rate,
+                "ms_per_batch": batch / rate * 1000,
+                "cpu_ms_per_sequence": cpu_ms,
+            }
+        )
     best = max(points, key=lambda p: p["sequences_per_s"])
     return {"seq": seq, "points": points, "best": best, "sequences_per_s": best["sequences_per_s"]}
 

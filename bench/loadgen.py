@@ -354,8 +354,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0.0 <= args.weights_fraction <= 1.0:
         parser.error("--weights-fraction must be in 0..1")
     if args.api == SHM and (args.rate or args.weights_fraction):
-        parser.error(f"--api {SHM} runs a closed loop (no --rate) of output-only requests "
-                     "(no --weights-fraction)")  # fmt: skip
+        parser.error(
+            f"--api {SHM} runs a closed loop (no --rate) of output-only requests "
+            "(no --weights-fraction)"
+        )
     try:
         Lengths.parse(args.seq)
     except ValueError as err:

@@ -72,13 +72,19 @@ def rest_body(x: np.ndarray, weights: bool) -> tuple[bytes, int]:
     """A V2 REST request with Triton's binary tensor extension: the JSON header, then the
     tensor's bytes; outputs come back binary too. Returns (body, header length)."""
     outputs = ["output", "attention_weights"] if weights else ["output"]
-    header = json.dumps({
-        "inputs": [{
-            "name": "embeddings", "shape": list(x.shape), "datatype": "FP32",
-            "parameters": {"binary_data_size": x.nbytes},
-        }],
-        "outputs": [{"name": name, "parameters": {"binary_data": True}} for name in outputs],
-    }).encode()  # fmt: skip
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "embeddings",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ],
+            "outputs": [{"name": name, "parameters": {"binary_data": True}} for name in outputs],
+        }
+    ).encode()
     return header + x.tobytes(), len(header)
 
 

@@ -26,9 +26,11 @@ def load_rows(document: dict[str, Any]) -> list[Row]:
     return [
         r
         for r in document["rows"]
-        if "p99_ms" in r and r.get("requests") and r["group"] not in (HEAD_TO_HEAD, H2LOAD)
+        if "p99_ms" in r
+        and r.get("requests")
+        and r["group"] not in (HEAD_TO_HEAD, H2LOAD)
         and not r["name"].endswith(ONE_CALLER)
-    ]  # fmt: skip
+    ]
 
 
 def series(rows: list[Row]) -> dict[str, dict[str, list[tuple[float, float]]]]:

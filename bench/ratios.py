@@ -240,11 +240,10 @@ def our_server(rows: list[Row], unary: str, seq: str, pinned: bool) -> Row | Non
     if seq == MIXED:
         return measured(find(rows, group="mixed", name=GROUPING_ON, pinned=pinned))
     return measured(
-        find(rows, group="headline", target="server", api=unary, seq=seq, load="c=64",
-             pinned=pinned)
-    ) or measured(
-        find(rows, group="headline", target="server", api=unary, seq=seq, pinned=pinned)
-    )  # fmt: skip
+        find(
+            rows, group="headline", target="server", api=unary, seq=seq, load="c=64", pinned=pinned
+        )
+    ) or measured(find(rows, group="headline", target="server", api=unary, seq=seq, pinned=pinned))
 
 
 def peers(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
@@ -325,33 +324,72 @@ def protocols(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
     request costs."""
 
     def server(api: str, seq: str, name: str = "server") -> Row | None:
-        return measured(find(rows, group="headline", target="server", name=name, api=api,
-                             seq=seq, load="c=64", pinned=pinned))  # fmt: skip
+        return measured(
+            find(
+                rows,
+                group="headline",
+                target="server",
+                name=name,
+                api=api,
+                seq=seq,
+                load="c=64",
+                pinned=pinned,
+            )
+        )
 
     out = []
     if family(unary) == "v2":
         for seq in SEQS:
             rest, grpc_row = server(REST, seq), server(unary, seq)
-            out.append(entry(f"seq {seq}: REST / gRPC (seq/s)",
-                             ratio(seq_per_s(rest), seq_per_s(grpc_row))))  # fmt: skip
-            out.append(entry(f"seq {seq}: REST / gRPC front-end CPU per request",
-                             ratio(frontend_us(rest), frontend_us(grpc_row))))  # fmt: skip
+            out.append(
+                entry(
+                    f"seq {seq}: REST / gRPC (seq/s)", ratio(seq_per_s(rest), seq_per_s(grpc_row))
+                )
+            )
+            out.append(
+                entry(
+                    f"seq {seq}: REST / gRPC front-end CPU per request",
+                    ratio(frontend_us(rest), frontend_us(grpc_row)),
+                )
+            )
     for seq in SEQS:
-        floor = measured(find(rows, group="headline", name=GRPC_FLOOR, api=unary, seq=seq,
-                              load="c=64", pinned=pinned))  # fmt: skip
-        echo = measured(find(rows, group="headline", name="echo", api=unary, seq=seq,
-                             load="c=64", pinned=pinned))  # fmt: skip
+        floor = measured(
+            find(
+                rows,
+                group="headline",
+                name=GRPC_FLOOR,
+                api=unary,
+                seq=seq,
+                load="c=64",
+                pinned=pinned,
+            )
+        )
+        echo = measured(
+            find(
+                rows, group="headline", name="echo", api=unary, seq=seq, load="c=64", pinned=pinned
+            )
+        )
         floor_ms = floor.get("server_cpu_ms_per_request") if floor else None
         floor_us = None if floor_ms is None else floor_ms * 1000
-        out.append(entry(f"seq {seq}: echo front end / bare gRPC server, CPU per request",
-                         ratio(frontend_us(echo), floor_us)))  # fmt: skip
+        out.append(
+            entry(
+                f"seq {seq}: echo front end / bare gRPC server, CPU per request",
+                ratio(frontend_us(echo), floor_us),
+            )
+        )
         out.append(entry(f"seq {seq}: bare gRPC server (seq/s)", seq_per_s(floor)))
     for seq in SEQS:
         plain = seq_per_s(server(unary, seq))
         for name, goal in ((TRACING_SAMPLED, 0.9), (TRACING_ON, 0.6)):
             value = ratio(seq_per_s(server(unary, seq, name)), plain)
-            out.append(entry(f"seq {seq}: {name} / tracing off (seq/s)", value, f">= {goal}",
-                             at_least(value, goal)))  # fmt: skip
+            out.append(
+                entry(
+                    f"seq {seq}: {name} / tracing off (seq/s)",
+                    value,
+                    f">= {goal}",
+                    at_least(value, goal),
+                )
+            )
     return out
 
 
@@ -363,23 +401,40 @@ def shared_memory(rows: list[Row], pinned: bool = True) -> list[Row]:
         limit = measured(find(rows, group="headline", target="in-process", seq=seq, pinned=pinned))
 
         def row(target: str, api: str, seq: str = seq) -> Row | None:
-            found = [r for r in rows if r["group"] == "shm" and r["target"] == target
-                     and r["api"] == api and r["seq"] == seq and r.get("pinned") == pinned
-                     and measured(r)]  # fmt: skip
+            found = [
+                r
+                for r in rows
+                if r["group"] == "shm"
+                and r["target"] == target
+                and r["api"] == api
+                and r["seq"] == seq
+                and r.get("pinned") == pinned
+                and measured(r)
+            ]
             return max(found, key=lambda r: r.get("sequences_per_s") or 0, default=None)
 
         shm, wire, triton = row("server", SHM), row("server", "v2"), row("triton", SHM)
         value = ratio(seq_per_s(shm), seq_per_s(limit))
-        out.append(entry(f"seq {seq} shm: server / in-process", value, ">= 0.9",
-                         at_least(value, 0.9)))  # fmt: skip
-        out.append(entry(f"seq {seq}: shm / message (seq/s)",
-                         ratio(seq_per_s(shm), seq_per_s(wire))))  # fmt: skip
+        out.append(
+            entry(f"seq {seq} shm: server / in-process", value, ">= 0.9", at_least(value, 0.9))
+        )
+        out.append(
+            entry(f"seq {seq}: shm / message (seq/s)", ratio(seq_per_s(shm), seq_per_s(wire)))
+        )
         for label, each in (("shm", shm), ("message", wire), ("triton shm", triton)):
             cpu = (each or {}).get("server_cpu_ms_per_request")
-            out.append(entry(f"seq {seq} {label}: server CPU us per request",
-                             None if cpu is None else cpu * 1000))  # fmt: skip
-        out.append(entry(f"seq {seq} shm: server / {triton['name'] if triton else 'triton'}",
-                         ratio(seq_per_s(shm), seq_per_s(triton))))  # fmt: skip
+            out.append(
+                entry(
+                    f"seq {seq} {label}: server CPU us per request",
+                    None if cpu is None else cpu * 1000,
+                )
+            )
+        out.append(
+            entry(
+                f"seq {seq} shm: server / {triton['name'] if triton else 'triton'}",
+                ratio(seq_per_s(shm), seq_per_s(triton)),
+            )
+        )
     return out
 
 

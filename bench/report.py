@@ -86,8 +86,14 @@ def ceiling_rows(rows: list[Row]) -> list[Row]:
     (the echo floor's one-caller row is a latency, not a ceiling)."""
     made = []
     for echo in (r for r in rows if r["target"] == "echo" and not r["name"].endswith(ONE_CALLER)):
-        limit = find(rows, group=echo["group"], target="in-process", name="in-process",
-                     seq=echo["seq"], pinned=echo["pinned"])  # fmt: skip
+        limit = find(
+            rows,
+            group=echo["group"],
+            target="in-process",
+            name="in-process",
+            seq=echo["seq"],
+            pinned=echo["pinned"],
+        )
         if limit is None:
             continue
         both = (seq_per_s(echo), seq_per_s(limit))
@@ -185,12 +191,30 @@ def _inprocess_lines(row: Row) -> list[list[str]]:
         return [[*head, f"{row['name']} FAILED"[:CONFIG_WIDTH], "-", row["seq"], "-", *["-"] * 15]]
     if "strategies" in row:  # mixed lengths: every way of running them, * on the best
         return [
-            [*head, f"{name}{' *' if name == row['best'] else ''}"[:CONFIG_WIDTH], "-",
-             row["seq"], "-",
-             _num(s["sequences_per_s"]), "-", "-", "-", "-", "-", "-", _num(s["padding_ratio"], 2),
-             _num(_inprocess_cpu(s, row["threads"]), 3), "-", "-", "-", "-", "-", "-"]
+            [
+                *head,
+                f"{name}{' *' if name == row['best'] else ''}"[:CONFIG_WIDTH],
+                "-",
+                row["seq"],
+                "-",
+                _num(s["sequences_per_s"]),
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                _num(s["padding_ratio"], 2),
+                _num(_inprocess_cpu(s, row["threads"]), 3),
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+            ]
             for name, s in row["strategies"].items()
-        ]  # fmt: skip
+        ]
     best = row["best"]
     cpu = _inprocess_cpu(best, row["threads"])
     return [

@@ -82,8 +82,13 @@ def failed_result(reason: str) -> dict[str, Any]:
 
 def failed_inprocess(reason: str, threads: int) -> dict[str, Any]:
     """The row of an in-process run that did not finish: no limit, no points, and why."""
-    return {"sequences_per_s": None, "best": None, "points": [], "threads": threads,
-            "failed": reason}  # fmt: skip
+    return {
+        "sequences_per_s": None,
+        "best": None,
+        "points": [],
+        "threads": threads,
+        "failed": reason,
+    }
 
 
 def flag_name(token: str) -> str | None:
@@ -117,13 +122,27 @@ class Runner:
         flag wins, and a scenario's flags define it (batching off stays off)."""
         c = self.config
         return [
-            *pinning.prefix(pinning.server_cpus), sys.executable, "-m", "service",
-            "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
-            "--http-port", "0",
-            "--model-repository", str(repository or c.model_repository),
-            "--intra-op-threads", str(pinning.server_threads),
-            "--provider", c.provider, *c.server_flags, *flags,
-        ]  # fmt: skip
+            *pinning.prefix(pinning.server_cpus),
+            sys.executable,
+            "-m",
+            "service",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--model-repository",
+            str(repository or c.model_repository),
+            "--intra-op-threads",
+            str(pinning.server_threads),
+            "--provider",
+            c.provider,
+            *c.server_flags,
+            *flags,
+        ]
 
     def note(self, message: str) -> None:
         """A line for the report's notes (once), logged as it happens."""
@@ -193,18 +212,46 @@ class Runner:
         c = self.config
         out = self.scratch / f"load-{len(self.rows)}.json"
         command = [
-            *pinning.prefix(pinning.client_cpus), sys.executable, "-m", "bench.loadgen",
-            "--target", service.http_target if api == REST else service.target,
-            "--api", api, "--seq", seq,
-            "--model", model or c.model, "--embed-dim", str(embed_dim or c.embed_dim),
-            "--concurrency", str(concurrency or c.concurrency), "--rate", str(rate),
-            "--max-outstanding", str(c.max_outstanding), "--weights-fraction", str(weights),
-            "--duration-s", str(c.duration_s), "--warmup-s", str(c.warmup_s),
-            "--channels", str(channels or c.channels), "--cpu-pid", str(service.pid),
-            "--metrics-url", service.metrics_url, "--label", f"{group}/{name}",
-            "--progress-s", "10" if c.duration_s >= 30 else "0", "--json", str(out),
+            *pinning.prefix(pinning.client_cpus),
+            sys.executable,
+            "-m",
+            "bench.loadgen",
+            "--target",
+            service.http_target if api == REST else service.target,
+            "--api",
+            api,
+            "--seq",
+            seq,
+            "--model",
+            model or c.model,
+            "--embed-dim",
+            str(embed_dim or c.embed_dim),
+            "--concurrency",
+            str(concurrency or c.concurrency),
+            "--rate",
+            str(rate),
+            "--max-outstanding",
+            str(c.max_outstanding),
+            "--weights-fraction",
+            str(weights),
+            "--duration-s",
+            str(c.duration_s),
+            "--warmup-s",
+            str(c.warmup_s),
+            "--channels",
+            str(channels or c.channels),
+            "--cpu-pid",
+            str(service.pid),
+            "--metrics-url",
+            service.metrics_url,
+            "--label",
+            f"{group}/{name}",
+            "--progress-s",
+            "10" if c.duration_s >= 30 else "0",
+            "--json",
+            str(out),
             *(f"--cpu-process={role}={pid}" for role, pid in service.children.items()),
-        ]  # fmt: skip
+        ]
         load = f"rate={rate:.0f}" if rate else f"c={concurrency or c.concurrency}"
         if channels and channels != c.channels:
             load += f" ch={channels}"
@@ -233,9 +280,16 @@ class Runner:
         """One FAILED row per length for a server that could not be set up or started."""
         self.note(f"{name}: not measured: {reason}")
         for seq in seqs:
-            self._keep(failed_result(reason), group=group, target=target, name=name, api="v2",
-                       seq=seq, load=f"c={self.config.concurrency}",
-                       pinned=self.config.pinning.pinned)  # fmt: skip
+            self._keep(
+                failed_result(reason),
+                group=group,
+                target=target,
+                name=name,
+                api="v2",
+                seq=seq,
+                load=f"c={self.config.concurrency}",
+                pinned=self.config.pinning.pinned,
+            )
 
     def h2load_ready(self) -> bool:
         """Whether h2load is installed; if not, a note says how to get it (its rows skipped)."""
@@ -295,13 +349,28 @@ class Runner:
         c = self.config
         out = self.scratch / f"inprocess-{len(self.rows)}.json"
         command = [
-            *pinning.prefix(pinning.server_cpus), sys.executable, "-m", "bench.inprocess",
-            "--model", str(c.model_path), "--threads", str(pinning.server_threads),
-            "--provider", c.provider, "--seq", seq,
-            "--max-batch-size", str(c.max_batch_size), "--count", str(c.mixed_count),
-            "--seconds", str(c.inprocess_seconds), "--json", str(out),
+            *pinning.prefix(pinning.server_cpus),
+            sys.executable,
+            "-m",
+            "bench.inprocess",
+            "--model",
+            str(c.model_path),
+            "--threads",
+            str(pinning.server_threads),
+            "--provider",
+            c.provider,
+            "--seq",
+            seq,
+            "--max-batch-size",
+            str(c.max_batch_size),
+            "--count",
+            str(c.mixed_count),
+            "--seconds",
+            str(c.inprocess_seconds),
+            "--json",
+            str(out),
             *(["--weights"] if weights else []),
-        ]  # fmt: skip
+        ]
         try:
             subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=1800)
             result = json.loads(out.read_text())
@@ -326,8 +395,7 @@ class Runner:
         self.rows.append(row)
         name, target = row["name"], row["target"]
         who = name if name.startswith(target) else f"{target} {name}"
-        log(f"{row['group']}/{who} {row['api']} seq={row['seq']} {row['load']}: "
-            f"{describe(row)}")  # fmt: skip
+        log(f"{row['group']}/{who} {row['api']} seq={row['seq']} {row['load']}: {describe(row)}")
         return row
 
 

@@ -53,8 +53,11 @@ def server_has_flag(flag: str) -> bool:
     try:
         done = subprocess.run(
             [sys.executable, "-m", "service", "--help"],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (subprocess.SubprocessError, OSError):
         return False
     return flag in done.stdout.split() or f"{flag} " in done.stdout
@@ -114,8 +117,16 @@ def echo(r: Runner, groups: set[str]) -> None:
                     pinning=r.config.pinning,
                 )
         # Beside the c=1 target: the server without the model, for one caller.
-        r.load(service, group="headline", target="echo", name=one_caller_name("echo"),
-               api=unary, seq=SEQS[0], concurrency=1, pinning=r.config.pinning)  # fmt: skip
+        r.load(
+            service,
+            group="headline",
+            target="echo",
+            name=one_caller_name("echo"),
+            api=unary,
+            seq=SEQS[0],
+            concurrency=1,
+            pinning=r.config.pinning,
+        )
 
 
 def grpc_floor(r: Runner, groups: set[str]) -> None:
@@ -132,20 +143,39 @@ def grpc_floor(r: Runner, groups: set[str]) -> None:
         log(f"{GRPC_FLOOR}: pid {service.pid} on {service.target}")
         if headline:
             for seq in SEQS:
-                r.load(service, group="headline", target=GRPC_FLOOR, name=GRPC_FLOOR,
-                       api=r.config.api, seq=seq, pinning=pinning)  # fmt: skip
+                r.load(
+                    service,
+                    group="headline",
+                    target=GRPC_FLOOR,
+                    name=GRPC_FLOOR,
+                    api=r.config.api,
+                    seq=seq,
+                    pinning=pinning,
+                )
             # Beside the c=1 target: what the load generator's client and gRPC alone take.
-            r.load(service, group="headline", target=GRPC_FLOOR,
-                   name=one_caller_name(GRPC_FLOOR), api=r.config.api, seq=SEQS[0],
-                   concurrency=1, pinning=pinning)  # fmt: skip
+            r.load(
+                service,
+                group="headline",
+                target=GRPC_FLOOR,
+                name=one_caller_name(GRPC_FLOOR),
+                api=r.config.api,
+                seq=SEQS[0],
+                concurrency=1,
+                pinning=pinning,
+            )
         if H2LOAD in groups:
             h2load_rows(r, service, target=GRPC_FLOOR, name=GRPC_FLOOR)
 
 
 def h2load_rows(
-    r: Runner, service: Service, *, target: str, name: str, streams_only: bool = False,
+    r: Runner,
+    service: Service,
+    *,
+    target: str,
+    name: str,
+    streams_only: bool = False,
     metadata: tuple[tuple[str, str], ...] = (),
-) -> None:  # fmt: skip
+) -> None:
     """h2load against service at seq 16 and 128: one caller (unless streams_only), and the
     headline concurrency as streams on one connection; skipped (with a note) where h2load is
     not installed."""
@@ -154,8 +184,9 @@ def h2load_rows(
     for seq in SEQS:
         for shape in h2load.shapes(r.config.concurrency)[1 if streams_only else 0 :]:
             labels = {"group": H2LOAD, "target": target, "name": name, "seq": seq}
-            r.h2load_row(service, **labels, shape=shape, pinning=r.config.pinning,
-                         metadata=metadata)  # fmt: skip
+            r.h2load_row(
+                service, **labels, shape=shape, pinning=r.config.pinning, metadata=metadata
+            )
 
 
 BENCH_KEY = ("x-bench-key", "bench-only-key-0123456789")
@@ -171,15 +202,19 @@ def fast_path_features(r: Runner, groups: set[str]) -> None:
     cpus = cpu_set(pinning.client_cpus) if pinning.client_cpus else None
     for name, sampler in TRACED.items():
         with OtlpSink(cpus) as sink:
-            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-                   "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", **sampler}  # fmt: skip
+            env = {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                **sampler,
+            }
             with r.server(name, ["--tracing", "on"], pinning, env) as service:
                 h2load_rows(r, service, target="server", name=name, streams_only=True)
     header, key = BENCH_KEY
     flags = ["--restricted-api", f"inference:{header}={key}"]
     with r.server(RESTRICTED, flags, pinning) as service:
-        h2load_rows(r, service, target="server", name=RESTRICTED, streams_only=True,
-                    metadata=(BENCH_KEY,))  # fmt: skip
+        h2load_rows(
+            r, service, target="server", name=RESTRICTED, streams_only=True, metadata=(BENCH_KEY,)
+        )
 
 
 def default_server(r: Runner, groups: set[str]) -> None:
@@ -236,10 +271,12 @@ def open_loop(load: Callable[..., object], capacity_per_s: float) -> None:
 
 
 TRACED = {  # the server's name in the rows, and its sampler
-    TRACING_SAMPLED: {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-                      "OTEL_TRACES_SAMPLER_ARG": "0.01"},
+    TRACING_SAMPLED: {
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.01",
+    },
     TRACING_ON: {"OTEL_TRACES_SAMPLER": "always_on"},
-}  # fmt: skip
+}
 
 
 def tracing_on(r: Runner, groups: set[str]) -> None:
@@ -251,12 +288,22 @@ def tracing_on(r: Runner, groups: set[str]) -> None:
     cpus = cpu_set(pinning.client_cpus) if pinning.client_cpus else None
     for name, sampler in TRACED.items():
         with OtlpSink(cpus) as sink:
-            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-                   "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", **sampler}  # fmt: skip
+            env = {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                **sampler,
+            }
             with r.server(name, ["--tracing", "on"], pinning, env) as service:
                 for seq in SEQS:
-                    r.load(service, group="headline", target="server", name=name,
-                           api=r.config.api, seq=seq, pinning=pinning)  # fmt: skip
+                    r.load(
+                        service,
+                        group="headline",
+                        target="server",
+                        name=name,
+                        api=r.config.api,
+                        seq=seq,
+                        pinning=pinning,
+                    )
             if not sink.exports:
                 r.note(f"{name}: the server exported no spans")
     tracing_off_cost(r)
@@ -266,14 +313,23 @@ def tracing_off_cost(r: Runner) -> None:
     """Tracing off: the request path's tracing calls, timed here, against the default
     server's front-end CPU per request at seq 16 (measured in this run)."""
     hooks_us = hooks_cpu_us()
-    plain = find(r.rows, group="headline", target="server", name="server", api=r.config.api,
-                 seq=SEQS[0], load="c=64")  # fmt: skip
+    plain = find(
+        r.rows,
+        group="headline",
+        target="server",
+        name="server",
+        api=r.config.api,
+        seq=SEQS[0],
+        load="c=64",
+    )
     frontend_us = process_cpu_us(plain)[0] if plain else None
     share = ""
     if frontend_us:
         share = f", {hooks_us / frontend_us:.2%} of the front end's {frontend_us:.0f} us"
-    r.note(f"tracing off: the request path's tracing calls cost {hooks_us:.2f} us of CPU per "
-           f"request (timed over {CALLS} calls){share}")  # fmt: skip
+    r.note(
+        f"tracing off: the request path's tracing calls cost {hooks_us:.2f} us of CPU per "
+        f"request (timed over {CALLS} calls){share}"
+    )
 
 
 def client_shared_memory(r: Runner, groups: set[str]) -> None:
@@ -285,8 +341,15 @@ def client_shared_memory(r: Runner, groups: set[str]) -> None:
     with r.server("client shared memory", ["--client-shared-memory", "on"], pinning) as service:
         for seq in SEQS:
             for api in ("v2", SHM):
-                r.load(service, group="shm", target="server", name="client shm on", api=api,
-                       seq=seq, pinning=pinning)  # fmt: skip
+                r.load(
+                    service,
+                    group="shm",
+                    target="server",
+                    name="client shm on",
+                    api=api,
+                    seq=seq,
+                    pinning=pinning,
+                )
 
 
 def other_servers(r: Runner, groups: set[str]) -> None:

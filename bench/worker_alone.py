@@ -76,11 +76,20 @@ class StandIn:
         for i in range(size):
             request_id = next(self._ids)
             waiting.add(request_id)
-            self._writer.send({
-                "t": messages.INFER, "id": request_id, "model": model, "w": False,
-                "shape": [1, seq, embed_dim], "dtype": "<f4", "in": 2 * i * nbytes,
-                "out": (2 * i + 1) * nbytes, "deadline": time.monotonic() + 60, "tag": None,
-            })  # fmt: skip
+            self._writer.send(
+                {
+                    "t": messages.INFER,
+                    "id": request_id,
+                    "model": model,
+                    "w": False,
+                    "shape": [1, seq, embed_dim],
+                    "dtype": "<f4",
+                    "in": 2 * i * nbytes,
+                    "out": (2 * i + 1) * nbytes,
+                    "deadline": time.monotonic() + 60,
+                    "tag": None,
+                }
+            )
         while waiting:
             for message in await self._reader.read():
                 if message.get("t") == messages.FAIL:
@@ -111,10 +120,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     cpu_after, ended = cputime.process_cpu_s(worker), time.monotonic()
     requests = args.rounds * args.burst
     return {
-        "model": model, "seq": args.seq, "burst": args.burst, "requests": requests,
+        "model": model,
+        "seq": args.seq,
+        "burst": args.burst,
+        "requests": requests,
         "worker_cpu_us_per_request": (cpu_after - cpu_before) / requests * 1e6,
         "requests_per_s": requests / (ended - started),
-    }  # fmt: skip
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -33,8 +33,9 @@ def _cpu_us_per_call(call, count: int) -> float:
 
 
 async def _batcher_us_per_request(model: OnnxModel, x: np.ndarray, count: int) -> float:
-    batcher = Batcher(BatchLimits(max_batch_size=32, max_queue_delay_s=0.0,
-                                  max_queue_size=1024, live_caps=True))  # fmt: skip
+    batcher = Batcher(
+        BatchLimits(max_batch_size=32, max_queue_delay_s=0.0, max_queue_size=1024, live_caps=True)
+    )
     batcher.compute_short_batches_inline(0.05)  # as the worker on a CPU
     batcher.time_costs_with(time.thread_time)
     await batcher.start()
@@ -72,9 +73,17 @@ def main() -> None:
     _cpu_us_per_call(lambda: model.run(x, mask, False), WARMUP)
     run_us = _cpu_us_per_call(lambda: model.run(x, mask, False), args.requests)
     batcher_us = asyncio.run(_batcher_us_per_request(model, x, args.requests))
-    print(json.dumps({"model": model.key, "seq": args.seq, "requests": args.requests,
-                      "onnx_runtime_run_us": round(run_us, 1),
-                      "batcher_one_at_a_time_us": round(batcher_us, 1)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "model": model.key,
+                "seq": args.seq,
+                "requests": args.requests,
+                "onnx_runtime_run_us": round(run_us, 1),
+                "batcher_one_at_a_time_us": round(batcher_us, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -53,11 +53,29 @@ def start_server(repository: Path, timeout_s: float = 120) -> tuple[subprocess.P
     process = subprocess.Popen(
         # No HTTP/REST port (it defaults to 8000): the demo calls gRPC only, and another
         # server on this host may hold 8000.
-        [sys.executable, "-m", "service", "--host", "127.0.0.1", "--grpc-port", "0",
-         "--metrics-port", "0", "--http-port", "0", "--model-repository", str(repository),
-         "--default-model", MODEL_NAME, "--batch-cap-budget-s", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--model-repository",
+            str(repository),
+            "--default-model",
+            MODEL_NAME,
+            "--batch-cap-budget-s",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert process.stdout is not None
     give_up = time.monotonic() + timeout_s
     for line in process.stdout:  # the server logs its bound ports once it listens
@@ -116,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{output_error:.2e} (max |output| {np.max(np.abs(want_output)):.3g}), "
         f"attention_weights {weights_error:.2e}"
     )
-    np.savez(args.out / "attention.npz", output=served.output, tokens=np.array(sentence.tokens),
-             attention_weights=served.attention_weights)  # fmt: skip
+    np.savez(
+        args.out / "attention.npz",
+        output=served.output,
+        tokens=np.array(sentence.tokens),
+        attention_weights=served.attention_weights,
+    )
     png = args.out / "attention.png"
     title = f"{label} layer {args.hf_layer} self-attention: \u201c{args.sentence}\u201d"
     plot_attention(served.attention_weights, png, tokens=sentence.tokens, title=title)

@@ -82,10 +82,14 @@ def read_block(folder: Path, layer: int) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="np") as tensors:
         names = list(tensors.keys())
         prefix = _layer_prefix(names, layer)
-        wanted = {f"{part}.{kind}": f"{prefix}attention.self.{part}.{kind}" for part in PARTS
-                  for kind in ("weight", "bias")}  # fmt: skip
-        wanted |= {f"dense.{kind}": f"{prefix}attention.output.dense.{kind}"
-                   for kind in ("weight", "bias")}  # fmt: skip
+        wanted = {
+            f"{part}.{kind}": f"{prefix}attention.self.{part}.{kind}"
+            for part in PARTS
+            for kind in ("weight", "bias")
+        }
+        wanted |= {
+            f"dense.{kind}": f"{prefix}attention.output.dense.{kind}" for kind in ("weight", "bias")
+        }
         absent = sorted(full for full in wanted.values() if full not in names)
         if absent:
             raise StateDictError(f"{path} lacks {absent}")

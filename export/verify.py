@@ -211,11 +211,17 @@ def _judge(
     worst: dict[str, float], cases: int, max_seq: int, tolerance: Tolerance, *, fused: bool
 ) -> ParityReport:
     report = ParityReport(
-        worst["out"], worst["w"],
-        worst["out"] / max(worst["scale_out"], 1e-30), worst["w"] / max(worst["scale_w"], 1e-30),
-        worst["scale_out"], worst["f32_out"], worst["f32_w"], cases, max_seq,
+        worst["out"],
+        worst["w"],
+        worst["out"] / max(worst["scale_out"], 1e-30),
+        worst["w"] / max(worst["scale_w"], 1e-30),
+        worst["scale_out"],
+        worst["f32_out"],
+        worst["f32_w"],
+        cases,
+        max_seq,
         worst["fused"] if fused else None,
-    )  # fmt: skip
+    )
     output_ok = worst["out"] <= tolerance.bound(worst["scale_out"], worst["f32_out"])
     weights_ok = worst["w"] <= tolerance.bound(worst["scale_w"], worst["f32_w"])
     if not (output_ok and weights_ok):

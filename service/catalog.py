@@ -162,8 +162,7 @@ class ModelView:
 
     @classmethod
     def of(cls, model: ServedModel) -> ModelView:
-        return cls(model.key, model.spec, model.provider, model.batch_caps,
-                   model.has_weights_graph)  # fmt: skip
+        return cls(model.key, model.spec, model.provider, model.batch_caps, model.has_weights_graph)
 
 
 M = TypeVar("M", bound=ServedModel)

@@ -405,8 +405,9 @@ def _keep(args: argparse.Namespace, result: AttendResult) -> None:
 
         tokens = args.tokens.split() if args.tokens else None
         first = weights if weights.ndim == 3 else weights[0]
-        plot_attention(first, args.plot, tokens=tokens,
-                       title=f"{result.model} version {result.model_version}")  # fmt: skip
+        plot_attention(
+            first, args.plot, tokens=tokens, title=f"{result.model} version {result.model_version}"
+        )
         print(f"wrote {args.plot} ({first.shape[0]} heads)")
 
 

@@ -75,17 +75,27 @@ def plot_attention(
     rows, columns = grid_shape(heads)
     vmax = float(weights.max()) if weights.size else 1.0
     figure, axes = pyplot.subplots(
-        rows, columns, figsize=(PANEL_INCHES * columns + 1.2, PANEL_INCHES * rows + 0.5),
-        dpi=DPI, squeeze=False, layout="constrained",
-    )  # fmt: skip
+        rows,
+        columns,
+        figsize=(PANEL_INCHES * columns + 1.2, PANEL_INCHES * rows + 0.5),
+        dpi=DPI,
+        squeeze=False,
+        layout="constrained",
+    )
     labelled = labels is not None and seq <= MAX_LABELLED_TOKENS
     image = None
     for head, ax in enumerate(axes.flat):
         if head >= heads:
             ax.set_axis_off()
             continue
-        image = ax.imshow(weights[head], cmap="viridis", vmin=0.0, vmax=vmax,
-                          interpolation="nearest", aspect="auto")  # fmt: skip
+        image = ax.imshow(
+            weights[head],
+            cmap="viridis",
+            vmin=0.0,
+            vmax=vmax,
+            interpolation="nearest",
+            aspect="auto",
+        )
         ax.set_title(f"head {head}", fontsize=9)
         if labelled:
             assert labels is not None

@@ -502,9 +502,13 @@ def _repeatable(kind: Any) -> bool:
 
 def _converter(kind: Any) -> Callable[[str], Any]:
     converters: dict[str, Callable[[str], Any]] = {
-        "int": int, "float": float, "Path": Path, "str": str, "Path | None": _optional_path,
+        "int": int,
+        "float": float,
+        "Path": Path,
+        "str": str,
+        "Path | None": _optional_path,
         "tuple[str, ...]": _names,
-    }  # fmt: skip
+    }
     return converters[kind if isinstance(kind, str) else kind.__name__]
 
 

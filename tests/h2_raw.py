@@ -63,10 +63,13 @@ class RawGrpc:
         with self._lock:
             stream_id = self.conn.get_next_available_stream_id()
             headers = [
-                (":method", "POST"), (":scheme", "http"), (":path", method),
-                (":authority", "127.0.0.1"), ("content-type", "application/grpc"),
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", method),
+                (":authority", "127.0.0.1"),
+                ("content-type", "application/grpc"),
                 ("te", "trailers"),
-            ]  # fmt: skip
+            ]
             if compressed:
                 headers.append(("grpc-encoding", encoding))
             headers += list((metadata or {}).items())
@@ -118,8 +121,11 @@ class RawGrpc:
             state = self.streams[stream_id]
             while len(view) and not (state.reset or state.ended):
                 try:
-                    room = min(self.conn.local_flow_control_window(stream_id), len(view),
-                               self.conn.max_outbound_frame_size)  # fmt: skip
+                    room = min(
+                        self.conn.local_flow_control_window(stream_id),
+                        len(view),
+                        self.conn.max_outbound_frame_size,
+                    )
                     if room <= 0:
                         break
                     last = room == len(view)

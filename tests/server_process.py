@@ -81,11 +81,21 @@ class ServerProcess:
         # the kernel just handed out (and took back): free, and not reused at once.
         http_port = free_port() if http else 0
         command = [
-            sys.executable, "-m", "service",
-            "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
-            "--http-port", str(http_port),
-            "--model-repository", str(model_repository), *flags,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "service",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            str(http_port),
+            "--model-repository",
+            str(model_repository),
+            *flags,
+        ]
         self.process = subprocess.Popen(
             command,
             cwd=REPO_ROOT,

@@ -159,8 +159,14 @@ def _fake_proc(root: Path, processes: dict[int, tuple[int, float]]) -> Path:
 def test_cpu_per_process_from_fake_proc_snapshots(tmp_path: Path) -> None:
     # supervisor 10 -> worker 11, frontend-0 12, resource tracker 13; 99 is someone else's.
     before = {10: (1, 1.0), 11: (10, 5.0), 12: (10, 2.0), 13: (10, 0.1), 99: (1, 50.0)}
-    after = {10: (1, 1.2), 11: (10, 8.0), 12: (10, 3.5), 13: (10, 0.1), 99: (1, 90.0),
-             14: (12, 0.3)}  # fmt: skip  # 14: born in the window, under the front end
+    after = {
+        10: (1, 1.2),
+        11: (10, 8.0),
+        12: (10, 3.5),
+        13: (10, 0.1),
+        99: (1, 90.0),
+        14: (12, 0.3),
+    }  # 14: born in the window, under the front end
     first = cputime.family_cpu_s(10, _fake_proc(tmp_path / "a", before))
     second = cputime.family_cpu_s(10, _fake_proc(tmp_path / "b", after))
     assert set(first) == {10, 11, 12, 13}
@@ -168,8 +174,9 @@ def test_cpu_per_process_from_fake_proc_snapshots(tmp_path: Path) -> None:
     assert second[11] == pytest.approx(8.0)
     roles = {"worker": 11, "frontend-0": 12}
     each = cputime.by_process(first, second, roles, 10)
-    assert each == pytest.approx({"worker": 3.0, "frontend-0": 1.5, "supervisor": 0.2,
-                                  "other": 0.3})  # fmt: skip
+    assert each == pytest.approx(
+        {"worker": 3.0, "frontend-0": 1.5, "supervisor": 0.2, "other": 0.3}
+    )
     # A front end restarted inside the window (its old pid gone) counts from zero.
     gone = {pid: cpu for pid, cpu in second.items() if pid != 12} | {15: 0.4}
     each = cputime.by_process(first, gone, {"worker": 11, "frontend-0": 15}, 10)
@@ -189,10 +196,21 @@ def test_cpu_per_thread_names_the_main_thread(tmp_path: Path) -> None:
             )
         return tmp_path / folder
 
-    before = cputime.thread_cpu_s(12, snapshot("a", {12: ("python3", 1.0),
-                                                     20: ("grpc_global_tim", 0.5)}))  # fmt: skip
-    after = cputime.thread_cpu_s(12, snapshot("b", {12: ("python3", 1.5), 20: (
-        "grpc_global_tim", 0.7), 21: ("onnxruntime", 2.0), 22: ("onnxruntime", 1.0)}))  # fmt: skip
+    before = cputime.thread_cpu_s(
+        12, snapshot("a", {12: ("python3", 1.0), 20: ("grpc_global_tim", 0.5)})
+    )
+    after = cputime.thread_cpu_s(
+        12,
+        snapshot(
+            "b",
+            {
+                12: ("python3", 1.5),
+                20: ("grpc_global_tim", 0.7),
+                21: ("onnxruntime", 2.0),
+                22: ("onnxruntime", 1.0),
+            },
+        ),
+    )
     assert after[21] == ("onnxruntime", pytest.approx(2.0))
     used = cputime.by_thread(before, after, 12)
     assert used == pytest.approx({"main": 0.5, "grpc_global_tim": 0.2, "onnxruntime": 3.0})
@@ -200,9 +218,16 @@ def test_cpu_per_thread_names_the_main_thread(tmp_path: Path) -> None:
 
 
 def test_process_cpu_columns_sum_the_front_ends() -> None:
-    row = {**_rows()[2], "client_cpu_us_per_request": 120.0,
-           "server_cpu_us_per_request_by_process": {"worker": 300.0, "frontend-0": 200.0,
-                                                    "frontend-1": 150.0, "supervisor": 1.0}}  # fmt: skip
+    row = {
+        **_rows()[2],
+        "client_cpu_us_per_request": 120.0,
+        "server_cpu_us_per_request_by_process": {
+            "worker": 300.0,
+            "frontend-0": 200.0,
+            "frontend-1": 150.0,
+            "supervisor": 1.0,
+        },
+    }
     assert report.process_cpu_us(row) == (350.0, 300.0)
     assert report.process_cpu_us(_rows()[3]) == (None, None)  # a peer: no roles
     header, line = report.format_table([row]).splitlines()
@@ -244,8 +269,9 @@ def test_bucket_counts_undo_cumulation() -> None:
 
 
 def test_prebuilt_attend_request_takes_an_id_without_reencoding() -> None:
-    payloads = build_payloads("attention", Lengths.parse("4"), embed_dim=8, sequences=1,
-                              weights_fraction=0.5, model="mha")  # fmt: skip
+    payloads = build_payloads(
+        "attention", Lengths.parse("4"), embed_dim=8, sequences=1, weights_fraction=0.5, model="mha"
+    )
     assert set(payloads) == {(4, False), (4, True)}
     request = pb.AttendRequest.FromString(with_id(payloads[4, True].body, "attention", b"r-7"))
     assert request.request_id == "r-7"
@@ -254,8 +280,14 @@ def test_prebuilt_attend_request_takes_an_id_without_reencoding() -> None:
 
 
 def test_prebuilt_v2_request_lists_outputs_only_for_weights() -> None:
-    payloads = build_payloads("v2_stream", Lengths.parse("uniform:2:3"), embed_dim=4,
-                              sequences=2, weights_fraction=1.0, model="m")  # fmt: skip
+    payloads = build_payloads(
+        "v2_stream",
+        Lengths.parse("uniform:2:3"),
+        embed_dim=4,
+        sequences=2,
+        weights_fraction=1.0,
+        model="m",
+    )
     assert set(payloads) == {(2, True), (3, True)}
     request = v2.ModelInferRequest.FromString(with_id(payloads[3, True].body, "v2", b"abc"))
     assert (request.id, request.model_name, list(request.inputs[0].shape)) == (
@@ -265,14 +297,16 @@ def test_prebuilt_v2_request_lists_outputs_only_for_weights() -> None:
     )
     assert [o.name for o in request.outputs] == ["output", "attention_weights"]
     assert len(request.raw_input_contents[0]) == 2 * 3 * 4 * 4
-    plain = build_payloads("v2", Lengths.parse("3"), embed_dim=4, sequences=1,
-                           weights_fraction=0.0, model="m")  # fmt: skip
+    plain = build_payloads(
+        "v2", Lengths.parse("3"), embed_dim=4, sequences=1, weights_fraction=0.0, model="m"
+    )
     assert not v2.ModelInferRequest.FromString(plain[3, False].body).outputs
 
 
 def test_prebuilt_rest_request_is_a_json_header_then_the_tensor() -> None:
-    payloads = build_payloads("v2_rest", Lengths.parse("3"), embed_dim=4, sequences=2,
-                              weights_fraction=1.0, model="m")  # fmt: skip
+    payloads = build_payloads(
+        "v2_rest", Lengths.parse("3"), embed_dim=4, sequences=2, weights_fraction=1.0, model="m"
+    )
     payload = payloads[3, True]
     header = json.loads(payload.body[: payload.header_bytes])
     (tensor,) = header["inputs"]
@@ -366,15 +400,39 @@ def test_no_taskset_means_unpinned_with_a_reason(monkeypatch: pytest.MonkeyPatch
 
 def _rows() -> list[report.Row]:
     def load(target: str, name: str, api: str, seq: str, value: float, **extra: object) -> dict:
-        return {"group": "headline", "target": target, "name": name, "api": api, "seq": seq,
-                "load": "c=64", "pinned": True, "sequences_per_s": value, "requests": 10,
-                "p50_ms": 1.0, "p99_ms": 2.0, "p99.9_ms": 3.0, "errors": {}, "rejected": 0,
-                "client_cpu_utilization": 0.5, "server_cpu_ms_per_request": 0.25, **extra}  # fmt: skip
+        return {
+            "group": "headline",
+            "target": target,
+            "name": name,
+            "api": api,
+            "seq": seq,
+            "load": "c=64",
+            "pinned": True,
+            "sequences_per_s": value,
+            "requests": 10,
+            "p50_ms": 1.0,
+            "p99_ms": 2.0,
+            "p99.9_ms": 3.0,
+            "errors": {},
+            "rejected": 0,
+            "client_cpu_utilization": 0.5,
+            "server_cpu_ms_per_request": 0.25,
+            **extra,
+        }
 
-    limit = {"group": "headline", "target": "in-process", "name": "in-process", "api": "-",
-             "seq": "16", "load": "-", "pinned": True, "sequences_per_s": 3000.0, "threads": 1,
-             "best": {"batch_size": 8, "sequences_per_s": 3000.0, "ms_per_batch": 2.67},
-             "points": [{"batch_size": 1, "sequences_per_s": 2000.0, "ms_per_batch": 0.5}]}  # fmt: skip
+    limit = {
+        "group": "headline",
+        "target": "in-process",
+        "name": "in-process",
+        "api": "-",
+        "seq": "16",
+        "load": "-",
+        "pinned": True,
+        "sequences_per_s": 3000.0,
+        "threads": 1,
+        "best": {"batch_size": 8, "sequences_per_s": 3000.0, "ms_per_batch": 2.67},
+        "points": [{"batch_size": 1, "sequences_per_s": 2000.0, "ms_per_batch": 0.5}],
+    }
     return [
         limit,
         load("echo", "echo", "v2", "16", 4000.0),
@@ -401,8 +459,15 @@ def test_ceiling_and_ratios_come_from_rows_of_the_run() -> None:
 def test_the_bare_grpc_floor_sets_the_echo_front_ends_cost_against_the_library() -> None:
     rows = _rows()
     rows[1]["server_cpu_us_per_request_by_process"] = {"frontend-0": 200.0, "worker": 50.0}
-    rows.append({**rows[1], "target": report.GRPC_FLOOR, "name": report.GRPC_FLOOR,
-                 "server_cpu_ms_per_request": 0.08, "sequences_per_s": 6000.0})  # fmt: skip
+    rows.append(
+        {
+            **rows[1],
+            "target": report.GRPC_FLOOR,
+            "name": report.GRPC_FLOOR,
+            "server_cpu_ms_per_request": 0.08,
+            "sequences_per_s": 6000.0,
+        }
+    )
     found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline"})}
     assert found["seq 16: echo front end / bare gRPC server, CPU per request"]["value"] == (
         pytest.approx(2.5)
@@ -414,10 +479,17 @@ def test_the_bare_grpc_floor_sets_the_echo_front_ends_cost_against_the_library()
 def test_one_caller_sets_the_server_beside_the_grpc_and_echo_floors() -> None:
     rows = _rows()
     one = {"load": "c=1"}
-    rows += [{**rows[2], **one, "p50_ms": 3.0},
-             {**rows[1], **one, "name": f"echo, {report.ONE_CALLER}", "p50_ms": 1.75},
-             {**rows[1], **one, "target": report.GRPC_FLOOR, "p50_ms": 1.25,
-              "name": f"{report.GRPC_FLOOR}, {report.ONE_CALLER}"}]  # fmt: skip
+    rows += [
+        {**rows[2], **one, "p50_ms": 3.0},
+        {**rows[1], **one, "name": f"echo, {report.ONE_CALLER}", "p50_ms": 1.75},
+        {
+            **rows[1],
+            **one,
+            "target": report.GRPC_FLOOR,
+            "p50_ms": 1.25,
+            "name": f"{report.GRPC_FLOOR}, {report.ONE_CALLER}",
+        },
+    ]
     assert len(report.ceiling_rows(rows)) == 1  # a one-caller echo row is a latency
     found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline"})}
     assert found[ratios.C1_LATENCY]["value"] == pytest.approx(2.5)  # the b=1 call is 0.5 ms
@@ -433,8 +505,15 @@ def test_shared_memory_ratios_compare_the_same_server_and_triton() -> None:
     rows = _rows()
 
     def shm(target: str, name: str, api: str, value: float, cpu_ms: float) -> dict:
-        return {**rows[1], "group": "shm", "target": target, "name": name, "api": api,
-                "sequences_per_s": value, "server_cpu_ms_per_request": cpu_ms}  # fmt: skip
+        return {
+            **rows[1],
+            "group": "shm",
+            "target": target,
+            "name": name,
+            "api": api,
+            "sequences_per_s": value,
+            "server_cpu_ms_per_request": cpu_ms,
+        }
 
     rows += [
         shm("server", "client shm on", "v2", 1800.0, 0.6),
@@ -476,13 +555,25 @@ def test_table_has_a_line_per_row_and_dashes_for_gaps() -> None:
 
 def _config(**overrides: Any) -> BenchConfig:
     values: dict[str, Any] = {
-        "model_repository": Path("models"), "model": "mha", "model_path": Path("m.onnx"),
-        "embed_dim": 16, "num_heads": 2, "duration_s": 1.0, "warmup_s": 0.5,
-        "inprocess_seconds": 0.1, "mixed_count": 8, "concurrency": 64, "api": "v2",
-        "channels": 1, "max_outstanding": 256, "max_batch_size": 32, "max_seq_len": 512,
-        "provider": "cpu", "server_flags": (),
+        "model_repository": Path("models"),
+        "model": "mha",
+        "model_path": Path("m.onnx"),
+        "embed_dim": 16,
+        "num_heads": 2,
+        "duration_s": 1.0,
+        "warmup_s": 0.5,
+        "inprocess_seconds": 0.1,
+        "mixed_count": 8,
+        "concurrency": 64,
+        "api": "v2",
+        "channels": 1,
+        "max_outstanding": 256,
+        "max_batch_size": 32,
+        "max_seq_len": 512,
+        "provider": "cpu",
+        "server_flags": (),
         "pinning": Pinning("1", "0"),
-    }  # fmt: skip
+    }
     return BenchConfig(**(values | overrides))
 
 
@@ -518,17 +609,26 @@ class FakeRunner(Runner):
 
     def h2load_row(self, service: Any, **labels: Any) -> dict[str, Any]:
         pinning, shape = labels.pop("pinning"), labels.pop("shape")
-        return self._keep(failed_result("server died"), **labels, api="v2", load=shape.label,
-                          pinned=pinning.pinned)  # fmt: skip
+        return self._keep(
+            failed_result("server died"),
+            **labels,
+            api="v2",
+            load=shape.label,
+            pinned=pinning.pinned,
+        )
 
     def inprocess(self, **labels: Any) -> dict[str, Any]:
         pinning = labels.pop("pinning")
         weights = labels.pop("weights", False)
         return self._keep(
             failed_inprocess("crashed", pinning.server_threads),
-            **labels, target="in-process", name="in-process" + (" +weights" if weights else ""),
-            api="-", load="-", pinned=pinning.pinned,
-        )  # fmt: skip
+            **labels,
+            target="in-process",
+            name="in-process" + (" +weights" if weights else ""),
+            api="-",
+            load="-",
+            pinned=pinning.pinned,
+        )
 
 
 def test_failed_rows_go_through_scenarios_ratios_and_table(
@@ -548,8 +648,15 @@ def test_failed_rows_go_through_scenarios_ratios_and_table(
     assert sum(row["group"] == report.H2LOAD for row in runner.rows) == 2 * len(report.SEQS)
     assert all(row["failed"] for row in runner.rows)
     placeholder = failed_result("x")
-    for key in ("requests_per_s", "sequences_per_s", "p50_ms", "p99_ms", "p99.9_ms",
-                "server_cpu_ms_per_request", "server_cpu_ms_per_sequence"):  # fmt: skip
+    for key in (
+        "requests_per_s",
+        "sequences_per_s",
+        "p50_ms",
+        "p99_ms",
+        "p99.9_ms",
+        "server_cpu_ms_per_request",
+        "server_cpu_ms_per_sequence",
+    ):
         assert key in placeholder
         assert placeholder[key] is None
     rows = runner.rows + report.ceiling_rows(runner.rows)
@@ -570,9 +677,11 @@ def test_unpinned_runs_one_and_two_front_ends_over_several_connections() -> None
     runner = FakeRunner(_config())
     scenarios.other_servers(runner, {"unpinned"})
     assert runner.servers == [
-        ("echo", ["--frontends", "1"]), ("server --frontends 1", ["--frontends", "1"]),
-        ("echo", ["--frontends", "2"]), ("server --frontends 2", ["--frontends", "2"]),
-    ]  # fmt: skip
+        ("echo", ["--frontends", "1"]),
+        ("server --frontends 1", ["--frontends", "1"]),
+        ("echo", ["--frontends", "2"]),
+        ("server --frontends 2", ["--frontends", "2"]),
+    ]
     assert set(runner.channels) == {scenarios.UNPINNED_CHANNELS}
     names = [row["name"] for row in runner.rows if row["target"] != "in-process"]
     assert names.count("server --frontends 2") == len(report.SEQS)
@@ -581,13 +690,16 @@ def test_unpinned_runs_one_and_two_front_ends_over_several_connections() -> None
 
 def test_an_idle_front_end_is_noted() -> None:
     runner = FakeRunner(_config())
-    runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "frontend-1": 0.01,
-                                                      "worker": 3.0}}, "unpinned/x")  # fmt: skip
+    runner._check_spread(
+        {"server_cpu_by_process_s": {"frontend-0": 2.0, "frontend-1": 0.01, "worker": 3.0}},
+        "unpinned/x",
+    )
     runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "frontend-1": 1.5}}, "y")
     runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 2.0, "worker": 0.0}}, "z")
     # A gateway's CPU is its front end's: one front end, however its work is split.
-    runner._check_spread({"server_cpu_by_process_s": {"frontend-0": 0.01,
-                                                      "frontend-0-gateway": 2.0}}, "g")  # fmt: skip
+    runner._check_spread(
+        {"server_cpu_by_process_s": {"frontend-0": 0.01, "frontend-0-gateway": 2.0}}, "g"
+    )
     assert len(runner.notes) == 1
     assert "unevenly" in runner.notes[0]
     assert "frontend-1 0%" in runner.notes[0]
@@ -628,8 +740,10 @@ def test_grouping_off_is_first_come_or_a_noted_fallback(monkeypatch: pytest.Monk
     scenarios.other_servers(runner, {"mixed"})
     assert runner.servers == [(report.GROUPING_OFF_FALLBACK, ["--max-padding-ratio", "1.0"])]
     assert any("--length-grouping" in note for note in runner.notes)
-    rows = [{**row, "group": "mixed", "name": report.GROUPING_ON, "sequences_per_s": 200.0}
-            for row in _rows()[1:2]]  # fmt: skip
+    rows = [
+        {**row, "group": "mixed", "name": report.GROUPING_ON, "sequences_per_s": 200.0}
+        for row in _rows()[1:2]
+    ]
     rows.append({**rows[0], "name": report.GROUPING_OFF_FALLBACK, "sequences_per_s": 100.0})
     found = {r["name"]: r for r in ratios.mixed(rows)}
     assert found["mixed: grouping on / pad 1.0 (fallback)"]["value"] == 2.0
@@ -685,8 +799,10 @@ def test_inprocess_feeds_a_float16_graph_in_float16(tmp_path: Path) -> None:
     export = run_export(
         ExportRequest(name="half", embed_dim=16, num_heads=2, dtype="float16", out=tmp_path)
     )
-    for graph, outputs in ((export.files.output_only, ["output"]),
-                           (export.files.with_weights, ["output", "attention_weights"])):  # fmt: skip
+    for graph, outputs in (
+        (export.files.output_only, ["output"]),
+        (export.files.with_weights, ["output", "attention_weights"]),
+    ):
         sess = inprocess.session(graph, 1, "cpu")
         assert inprocess.input_dtypes(sess)["embeddings"] == np.float16
         sweep = inprocess.batch_sweep(sess, 4, [1, 2], outputs, 0.0)
@@ -700,8 +816,15 @@ def test_inprocess_feeds_a_float16_graph_in_float16(tmp_path: Path) -> None:
 
 def test_rejections_by_the_load_generator_are_apart_from_server_errors() -> None:
     base = _rows()[2]
-    open_row = {**base, "group": "open", "name": "120% of capacity", "load": "rate=1800",
-                "errors": {"UNAVAILABLE": 2}, "rejected": 5, "config": {"loop": "open"}}  # fmt: skip
+    open_row = {
+        **base,
+        "group": "open",
+        "name": "120% of capacity",
+        "load": "rate=1800",
+        "errors": {"UNAVAILABLE": 2},
+        "rejected": 5,
+        "config": {"loop": "open"},
+    }
     table = report.format_table([open_row]).splitlines()
     header, line = table[0].split(), table[1].split()
     assert header[-3:] == ["err", "rej", "client"]
@@ -725,7 +848,10 @@ def test_triton_peer_that_cannot_be_built_is_failed_rows(tmp_path: Path, interpr
     runner = FakeRunner(_config())
     triton.run(runner, venv=tmp_path / "venv", interpreter=Path(interpreter))
     assert [(row["target"], row["seq"]) for row in runner.rows] == [
-        ("triton", "16"), ("triton", "128"), ("triton", report.MIXED)]  # fmt: skip
+        ("triton", "16"),
+        ("triton", "128"),
+        ("triton", report.MIXED),
+    ]
     assert all(row["failed"] and row["group"] == "peers" for row in runner.rows)
     reason = runner.rows[0]["failed"]
     assert ("not found" in reason) if interpreter.startswith("/nonexistent") else "exited" in reason
@@ -739,15 +865,29 @@ def test_triton_peer_that_cannot_be_built_is_failed_rows(tmp_path: Path, interpr
 def test_side_by_side_rounds_give_the_median_ratio_and_its_range() -> None:
     def row(target: str, round_: int, seq: str, value: float) -> dict:
         who = "server" if target == "server" else "triton b=32 delay=0us"
-        return {"group": report.HEAD_TO_HEAD, "target": target, "seq": seq, "api": "v2",
-                "name": triton.round_name(who, round_), "sequences_per_s": value}  # fmt: skip
+        return {
+            "group": report.HEAD_TO_HEAD,
+            "target": target,
+            "seq": seq,
+            "api": "v2",
+            "name": triton.round_name(who, round_),
+            "sequences_per_s": value,
+        }
 
-    rows = [row("server", 1, "16", 1300.0), row("triton", 1, "16", 1000.0),
-            row("triton", 2, "16", 1000.0), row("server", 2, "16", 1100.0),
-            row("server", 3, "16", 1500.0), row("triton", 3, "16", 1000.0),
-            row("triton", 4, "16", 1000.0), row("server", 4, "16", 1200.0),
-            row("server", 1, "128", 150.0), {**row("triton", 1, "128", 0.0), "failed": "x"},
-            row("server", 2, "128", 150.0), row("triton", 2, "128", 100.0)]  # fmt: skip
+    rows = [
+        row("server", 1, "16", 1300.0),
+        row("triton", 1, "16", 1000.0),
+        row("triton", 2, "16", 1000.0),
+        row("server", 2, "16", 1100.0),
+        row("server", 3, "16", 1500.0),
+        row("triton", 3, "16", 1000.0),
+        row("triton", 4, "16", 1000.0),
+        row("server", 4, "16", 1200.0),
+        row("server", 1, "128", 150.0),
+        {**row("triton", 1, "128", 0.0), "failed": "x"},
+        row("server", 2, "128", 150.0),
+        row("triton", 2, "128", 100.0),
+    ]
     found = {r["name"]: r for r in ratios.head_to_head(rows)}
     median = found["seq 16: server / triton, side by side (4 rounds 1.10..1.50)"]
     assert median["value"] == pytest.approx(1.25)
@@ -784,16 +924,25 @@ def test_side_by_side_rounds_alternate_who_goes_first(monkeypatch: pytest.Monkey
     firsts = [order[i][1] for i in range(0, len(order), 2)]
     assert firsts.count("server") == firsts.count("triton")  # each goes first as often
     assert all(order[i][0] == order[i + 1][0] for i in range(0, len(order), 2))  # same length
-    assert {row["name"] for row in runner.rows} >= {"server, round 1",
-                                                    "triton b=32 delay=0us, round 4"}  # fmt: skip
+    assert {row["name"] for row in runner.rows} >= {
+        "server, round 1",
+        "triton b=32 delay=0us, round 4",
+    }
 
 
 def test_the_side_by_side_triton_is_the_delay_that_won_most_lengths() -> None:
     runner = FakeRunner(_config())
     for delay, served in ((0, (900.0, 140.0, 80.0)), (1000, (950.0, 120.0, 70.0))):
         for seq, value in zip(triton.LENGTHS, served, strict=True):
-            runner.rows.append({"group": "peers", "target": "triton", "seq": seq,
-                                "name": triton.config_name(delay), "sequences_per_s": value})  # fmt: skip
+            runner.rows.append(
+                {
+                    "group": "peers",
+                    "target": "triton",
+                    "seq": seq,
+                    "name": triton.config_name(delay),
+                    "sequences_per_s": value,
+                }
+            )
     assert triton.best_delay(runner) == 0
     failed = FakeRunner(_config())
     triton.failed_rows(failed, "triton", "no venv")
@@ -814,8 +963,10 @@ def test_a_peer_that_fails_to_set_up_costs_its_rows_not_the_run(
     runner = FakeRunner(_config())
     scenarios.peers(runner)
     assert ran == [runner]  # Triton still ran
-    assert [(row["target"], row["seq"]) for row in runner.rows] == [("mlserver", "16"),
-                                                                    ("mlserver", "128")]  # fmt: skip
+    assert [(row["target"], row["seq"]) for row in runner.rows] == [
+        ("mlserver", "16"),
+        ("mlserver", "128"),
+    ]
     assert "exit status 1" in runner.rows[0]["failed"]
 
 
@@ -833,15 +984,33 @@ def test_triton_command_is_pinned_with_one_thread_and_its_own_ports(tmp_path: Pa
 
 def test_targets_against_triton_mlserver_and_two_front_ends() -> None:
     rows = _rows()
-    triton_row = {**rows[3], "target": "triton", "name": "triton b=32 delay=0us",
-                  "sequences_per_s": 1000.0, "p99_ms": 1.0}  # fmt: skip
+    triton_row = {
+        **rows[3],
+        "target": "triton",
+        "name": "triton b=32 delay=0us",
+        "sequences_per_s": 1000.0,
+        "p99_ms": 1.0,
+    }
     slower = {**triton_row, "name": "triton b=32 delay=1000us", "sequences_per_s": 900.0}
-    mixed_server = {**rows[2], "group": "mixed", "name": report.GROUPING_ON, "seq": report.MIXED,
-                    "sequences_per_s": 300.0}  # fmt: skip
+    mixed_server = {
+        **rows[2],
+        "group": "mixed",
+        "name": report.GROUPING_ON,
+        "seq": report.MIXED,
+        "sequences_per_s": 300.0,
+    }
     mixed_triton = {**triton_row, "seq": report.MIXED, "sequences_per_s": 150.0}
-    unpinned = [{**rows[2], "group": "unpinned", "pinned": False, "seq": seq,
-                 "name": report.unpinned_name(n), "sequences_per_s": value}
-                for seq, n, value in (("16", 1, 1600.0), ("16", 2, 2000.0))]  # fmt: skip
+    unpinned = [
+        {
+            **rows[2],
+            "group": "unpinned",
+            "pinned": False,
+            "seq": seq,
+            "name": report.unpinned_name(n),
+            "sequences_per_s": value,
+        }
+        for seq, n, value in (("16", 1, 1600.0), ("16", 2, 2000.0))
+    ]
     c1 = {**rows[2], "load": "c=1", "p50_ms": 0.8, "sequences_per_s": 700.0}
     rows += [triton_row, slower, mixed_server, mixed_triton, *unpinned, c1]
     found = {r["name"]: r for r in ratios.all_ratios(rows, "v2", {"headline", "peers", "unpinned"})}
@@ -898,8 +1067,15 @@ def echo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     repository = tmp_path_factory.mktemp("echo-repository")
     echo_model.write_repository(repository, "mha", 16, 2)
     # A small stream bound, so the streaming runs below (4 callers) meet the back-pressure.
-    with ServerProcess(repository, "--max-stream-inflight-requests", "2",
-                       "--intra-op-threads", "1", "--client-shared-memory", "on") as server:  # fmt: skip
+    with ServerProcess(
+        repository,
+        "--max-stream-inflight-requests",
+        "2",
+        "--intra-op-threads",
+        "1",
+        "--client-shared-memory",
+        "on",
+    ) as server:
         yield server
 
 
@@ -907,12 +1083,17 @@ def test_real_server_serves_the_echo_model_exactly(echo_server: ServerProcess) -
     x = np.random.default_rng(1).standard_normal((2, 7, 16), dtype=np.float32)
     request = v2.ModelInferRequest(
         model_name="mha",
-        inputs=[v2.ModelInferRequest.InferInputTensor(name="embeddings", datatype="FP32",
-                                                      shape=[2, 7, 16])],
-        outputs=[v2.ModelInferRequest.InferRequestedOutputTensor(name=name)
-                 for name in ("output", "attention_weights")],
+        inputs=[
+            v2.ModelInferRequest.InferInputTensor(
+                name="embeddings", datatype="FP32", shape=[2, 7, 16]
+            )
+        ],
+        outputs=[
+            v2.ModelInferRequest.InferRequestedOutputTensor(name=name)
+            for name in ("output", "attention_weights")
+        ],
         raw_input_contents=[x.tobytes()],
-    )  # fmt: skip
+    )
     with grpc.insecure_channel(echo_server.target) as channel:
         stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
         reply = stub.ModelInfer(request, timeout=30)
@@ -928,10 +1109,14 @@ def test_real_server_serves_the_echo_model_exactly(echo_server: ServerProcess) -
 
 @pytest.mark.parametrize(
     ("api", "extra"),
-    [("attention", ["--weights-fraction", "0.5"]), ("v2_stream", ["--seq", "uniform:2:9"]),
-     ("attention_stream", ["--weights-fraction", "0.5"]),
-     ("v2", ["--rate", "200", "--max-outstanding", "4"]), ("v2_shm", ["--seq", "uniform:2:9"])],
-)  # fmt: skip
+    [
+        ("attention", ["--weights-fraction", "0.5"]),
+        ("v2_stream", ["--seq", "uniform:2:9"]),
+        ("attention_stream", ["--weights-fraction", "0.5"]),
+        ("v2", ["--rate", "200", "--max-outstanding", "4"]),
+        ("v2_shm", ["--seq", "uniform:2:9"]),
+    ],
+)
 def test_loadgen_against_echo_server_writes_json(
     echo_server: ServerProcess, tmp_path: Path, api: str, extra: list[str]
 ) -> None:
@@ -939,11 +1124,33 @@ def test_loadgen_against_echo_server_writes_json(
     roles = [f"--cpu-process={role}={pid}" for role, pid in child_pids(echo_server).items()]
     objects_before = set(os.listdir("/dev/shm"))
     subprocess.run(
-        [sys.executable, "-m", "bench.loadgen", "--target", echo_server.target, "--api", api,
-         "--embed-dim", "16", "--concurrency", "4", "--duration-s", "0.8", "--warmup-s", "0.2",
-         "--cpu-pid", str(echo_server.process.pid), "--json", str(out), *roles, *extra],
-        check=True, cwd=REPO_ROOT, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.loadgen",
+            "--target",
+            echo_server.target,
+            "--api",
+            api,
+            "--embed-dim",
+            "16",
+            "--concurrency",
+            "4",
+            "--duration-s",
+            "0.8",
+            "--warmup-s",
+            "0.2",
+            "--cpu-pid",
+            str(echo_server.process.pid),
+            "--json",
+            str(out),
+            *roles,
+            *extra,
+        ],
+        check=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
     result = json.loads(out.read_text())
     assert result["config"]["api"] == api
     assert set(os.listdir("/dev/shm")) <= objects_before  # v2_shm: its regions removed
@@ -976,10 +1183,21 @@ def test_the_worker_alone_is_driven_over_its_own_channel(model_repository: Path)
 def test_the_worker_parts_are_timed_in_one_process(model_repository: Path) -> None:
     """bench.worker_parts times ONNX Runtime's run and the batcher around it."""
     done = subprocess.run(
-        [sys.executable, "-m", "bench.worker_parts", "--model-repository",
-         str(model_repository), "--requests", "50"],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.worker_parts",
+            "--model-repository",
+            str(model_repository),
+            "--requests",
+            "50",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+        check=True,
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert (result["model"], result["requests"]) == ("mha/1", 50)
     assert 0 < result["onnx_runtime_run_us"] < result["batcher_one_at_a_time_us"]

@@ -43,8 +43,12 @@ def fixture(name: str) -> str:
 
 def test_frame_is_the_load_generators_request_length_prefixed() -> None:
     message = h2load.request_message(16, 8, "mha")
-    assert message == build_payloads("v2", Lengths(16, 16), embed_dim=8, sequences=1,
-                                     weights_fraction=0.0, model="mha")[16, False].body  # fmt: skip
+    assert (
+        message
+        == build_payloads(
+            "v2", Lengths(16, 16), embed_dim=8, sequences=1, weights_fraction=0.0, model="mha"
+        )[16, False].body
+    )
     body = h2load.frame(message)
     assert body[0] == 0  # not compressed
     assert int.from_bytes(body[1:5], "big") == len(message) == len(body) - 5
@@ -62,8 +66,14 @@ def test_frame_is_the_load_generators_request_length_prefixed() -> None:
 
 def test_command_posts_the_frame_as_a_grpc_call(tmp_path: Path) -> None:
     shape = h2load.Shape(1, 64)
-    argv = h2load.command("h2load", "127.0.0.1:8001", tmp_path / "body.bin", shape,
-                          requests=5000, log_file=tmp_path / "log.tsv")  # fmt: skip
+    argv = h2load.command(
+        "h2load",
+        "127.0.0.1:8001",
+        tmp_path / "body.bin",
+        shape,
+        requests=5000,
+        log_file=tmp_path / "log.tsv",
+    )
     assert argv[:3] == ["h2load", "-n", "5000"]
     pairs = list(itertools.pairwise(argv))
     assert ("-c", "1") in pairs
@@ -90,8 +100,9 @@ def test_summary_of_a_clean_run() -> None:
     assert summary.data_bytes == 21220 == 20 * (FLOOR_ANSWER_BYTES + 5)
     assert summary.finished_s == pytest.approx(0.02245)
     assert summary.requests_per_s == pytest.approx(890.71)
-    assert summary.request_ms == pytest.approx({"min": 1.03, "max": 11.91, "mean": 4.13,
-                                                "sd": 4.10})  # fmt: skip
+    assert summary.request_ms == pytest.approx(
+        {"min": 1.03, "max": 11.91, "mean": 4.13, "sd": 4.10}
+    )
     assert summary.problems(20) == []
     assert summary.problems(21) == ["h2load: 20 of 21 requests done"]
     assert answers_short(summary, FLOOR_ANSWER_BYTES) == 0
@@ -146,35 +157,72 @@ def test_h2load_durations_and_missing_lines() -> None:
 
 
 def _row(target: str, name: str, seq: str, load: str, **extra: Any) -> dict[str, Any]:
-    return {"group": report.H2LOAD, "target": target, "name": name, "api": "v2", "seq": seq,
-            "load": load, "pinned": True, "requests": 100, "errors": {}, "rejected": 0,
-            **extra}  # fmt: skip
+    return {
+        "group": report.H2LOAD,
+        "target": target,
+        "name": name,
+        "api": "v2",
+        "seq": seq,
+        "load": load,
+        "pinned": True,
+        "requests": 100,
+        "errors": {},
+        "rejected": 0,
+        **extra,
+    }
 
 
 def _h2load_rows() -> list[dict[str, Any]]:
     def cpu(gateway: float, worker: float) -> dict[str, Any]:
-        return {"server_cpu_us_per_request_by_process": {
-            "supervisor": 1.0, "frontend-0": 2.0, "frontend-0-gateway": gateway,
-            "worker": worker, "other": 0.0}}  # fmt: skip
+        return {
+            "server_cpu_us_per_request_by_process": {
+                "supervisor": 1.0,
+                "frontend-0": 2.0,
+                "frontend-0-gateway": gateway,
+                "worker": worker,
+                "other": 0.0,
+            }
+        }
 
     one, many = "c=1 m=1", "c=1 m=64"
-    limit = {"group": "headline", "target": "in-process", "name": "in-process", "seq": "16",
-             "load": "-", "api": "-", "pinned": True, "sequences_per_s": 3000.0,
-             "points": [{"batch_size": 1, "cpu_ms_per_sequence": 0.37}]}  # fmt: skip
+    limit = {
+        "group": "headline",
+        "target": "in-process",
+        "name": "in-process",
+        "seq": "16",
+        "load": "-",
+        "api": "-",
+        "pinned": True,
+        "sequences_per_s": 3000.0,
+        "points": [{"batch_size": 1, "cpu_ms_per_sequence": 0.37}],
+    }
     return [
         limit,
         _row("server", "server", "16", one, p50_ms=0.7, p99_ms=0.9, **cpu(300.0, 420.0)),
-        _row("server", "server", "16", many, requests_per_s=1200.0, p99_ms=60.0,
-             **cpu(140.0, 500.0)),
-        _row("server", "server", "128", many, requests_per_s=150.0, p99_ms=400.0,
-             **cpu(500.0, 6000.0)),
-        _row(report.GRPC_FLOOR, report.GRPC_FLOOR, "16", one, p50_ms=0.3,
-             server_cpu_us_per_request_by_process={"supervisor": 250.0, "other": 0.0}),
+        _row(
+            "server", "server", "16", many, requests_per_s=1200.0, p99_ms=60.0, **cpu(140.0, 500.0)
+        ),
+        _row(
+            "server",
+            "server",
+            "128",
+            many,
+            requests_per_s=150.0,
+            p99_ms=400.0,
+            **cpu(500.0, 6000.0),
+        ),
+        _row(
+            report.GRPC_FLOOR,
+            report.GRPC_FLOOR,
+            "16",
+            one,
+            p50_ms=0.3,
+            server_cpu_us_per_request_by_process={"supervisor": 250.0, "other": 0.0},
+        ),
         _row(report.GRPC_FLOOR, report.GRPC_FLOOR, "16", many, requests_per_s=2400.0),
         _row("server", report.BESIDE_TRITON, "16", many, requests_per_s=1300.0, p99_ms=50.0),
-        _row("triton", "triton b=32 delay=0us", "16", many, requests_per_s=1000.0,
-             p99_ms=40.0),
-    ]  # fmt: skip
+        _row("triton", "triton b=32 delay=0us", "16", many, requests_per_s=1000.0, p99_ms=40.0),
+    ]
 
 
 def test_h2load_targets_as_stated() -> None:
@@ -191,8 +239,11 @@ def test_h2load_targets_as_stated() -> None:
     gateway16 = found["Gateway CPU per call, seq 16, 64 streams (us)"]
     assert (gateway16["value"], gateway16["met"]) == (140.0, True)
     gateway128 = found["Gateway CPU per call, seq 128, 64 streams (us)"]
-    assert (gateway128["value"], gateway128["target"], gateway128["met"]) == (500.0, "<= 450",
-                                                                             False)  # fmt: skip
+    assert (gateway128["value"], gateway128["target"], gateway128["met"]) == (
+        500.0,
+        "<= 450",
+        False,
+    )
     assert found["h2load, 64 streams, seq 16: server / bare gRPC server (req/s)"][
         "value"
     ] == pytest.approx(0.5)
@@ -211,8 +262,12 @@ def test_h2load_targets_as_stated() -> None:
 
 
 def test_a_failed_h2load_row_reads_not_measured() -> None:
-    rows = [{**row, "failed": "3 of 100 answers carried no message"}
-            if row["group"] == report.H2LOAD else row for row in _h2load_rows()]  # fmt: skip
+    rows = [
+        {**row, "failed": "3 of 100 answers carried no message"}
+        if row["group"] == report.H2LOAD
+        else row
+        for row in _h2load_rows()
+    ]
     for item in h2load_report.section(rows, peers=True):
         if item["name"] != "ONNX Runtime's run of it, in-process CPU (us)":
             assert item["value"] is None
@@ -226,8 +281,15 @@ def test_a_failed_h2load_row_reads_not_measured() -> None:
 
 def test_cpu_per_call_by_process_table() -> None:
     table = h2load_report.cpu_table(_h2load_rows()).splitlines()
-    assert table[0].split() == ["supervisor", "front", "ends", "gateways", "worker", "other",
-                                "total"]  # fmt: skip
+    assert table[0].split() == [
+        "supervisor",
+        "front",
+        "ends",
+        "gateways",
+        "worker",
+        "other",
+        "total",
+    ]
     assert len(table) == 1 + 4  # the rows with per-process figures
     server = next(line for line in table if line.lstrip().startswith("server seq 16 c=1 m=1"))
     assert server.split()[-6:] == ["1", "2", "300", "420", "0", "723"]
@@ -240,12 +302,25 @@ def test_cpu_per_call_by_process_table() -> None:
 
 def _config(**overrides: Any) -> BenchConfig:
     values: dict[str, Any] = {
-        "model_repository": Path("models"), "model": "mha", "model_path": Path("m.onnx"),
-        "embed_dim": D, "num_heads": 2, "duration_s": 0.5, "warmup_s": 0.2,
-        "inprocess_seconds": 0.1, "mixed_count": 8, "concurrency": 4, "api": "v2",
-        "channels": 1, "max_outstanding": 256, "max_batch_size": 32, "max_seq_len": 512,
-        "provider": "cpu", "server_flags": (), "pinning": Pinning(None, None),
-    }  # fmt: skip
+        "model_repository": Path("models"),
+        "model": "mha",
+        "model_path": Path("m.onnx"),
+        "embed_dim": D,
+        "num_heads": 2,
+        "duration_s": 0.5,
+        "warmup_s": 0.2,
+        "inprocess_seconds": 0.1,
+        "mixed_count": 8,
+        "concurrency": 4,
+        "api": "v2",
+        "channels": 1,
+        "max_outstanding": 256,
+        "max_batch_size": 32,
+        "max_seq_len": 512,
+        "provider": "cpu",
+        "server_flags": (),
+        "pinning": Pinning(None, None),
+    }
     return BenchConfig(**(values | overrides))
 
 
@@ -273,8 +348,12 @@ def test_h2load_rows_are_one_caller_and_many_streams_at_both_lengths(
 
     monkeypatch.setattr(runner, "h2load_row", row)
     scenarios.h2load_rows(runner, SimpleNamespace(), target="server", name="server")
-    assert asked == [("server", "16", "c=1 m=1"), ("server", "16", "c=1 m=64"),
-                     ("server", "128", "c=1 m=1"), ("server", "128", "c=1 m=64")]  # fmt: skip
+    assert asked == [
+        ("server", "16", "c=1 m=1"),
+        ("server", "16", "c=1 m=64"),
+        ("server", "128", "c=1 m=1"),
+        ("server", "128", "c=1 m=64"),
+    ]
     assert "h2load" in scenarios.STANDARD
 
 
@@ -305,18 +384,27 @@ def echo_server(
 
 def _service(server: ServerProcess) -> SimpleNamespace:
     """What Runner.h2load_row reads of a bench Service, from a test's ServerProcess."""
-    return SimpleNamespace(target=server.target, pid=server.process.pid,
-                           children=child_pids(server),
-                           metrics_url=f"http://127.0.0.1:{server.metrics_port}/metrics")  # fmt: skip
+    return SimpleNamespace(
+        target=server.target,
+        pid=server.process.pid,
+        children=child_pids(server),
+        metrics_url=f"http://127.0.0.1:{server.metrics_port}/metrics",
+    )
 
 
 def test_a_real_h2load_row_against_the_real_server(
     echo_server: ServerProcess, grpc_gateway: str, tmp_path: Path
 ) -> None:
     runner = Runner(_config(), scratch=tmp_path)
-    row = runner.h2load_row(_service(echo_server), group=report.H2LOAD, target="server",
-                            name="server", seq="16", shape=h2load.Shape(1, 4),
-                            pinning=Pinning(None, None))  # fmt: skip
+    row = runner.h2load_row(
+        _service(echo_server),
+        group=report.H2LOAD,
+        target="server",
+        name="server",
+        seq="16",
+        shape=h2load.Shape(1, 4),
+        pinning=Pinning(None, None),
+    )
     assert not row.get("failed"), row["failed"]
     assert runner.rows == [row]
     assert (row["group"], row["load"], row["api"]) == (report.H2LOAD, "c=1 m=4", "v2")
@@ -340,9 +428,15 @@ def test_a_server_that_answers_errors_fails_the_row_loudly(
 ) -> None:
     # The gRPC check: a model the server does not serve is NOT_FOUND before h2load runs.
     runner = Runner(_config(model="nope"), scratch=tmp_path)
-    row = runner.h2load_row(_service(echo_server), group=report.H2LOAD, target="server",
-                            name="server", seq="16", shape=h2load.Shape(1, 2),
-                            pinning=Pinning(None, None))  # fmt: skip
+    row = runner.h2load_row(
+        _service(echo_server),
+        group=report.H2LOAD,
+        target="server",
+        name="server",
+        seq="16",
+        shape=h2load.Shape(1, 2),
+        pinning=Pinning(None, None),
+    )
     assert "NOT_FOUND" in row["failed"]
     assert row["sequences_per_s"] is None
     assert any("FAILED" in note and "NOT_FOUND" in note for note in runner.notes)
@@ -369,9 +463,13 @@ def _installer(tmp_path: Path, uid: int, apt_get: str) -> tuple[subprocess.Compl
     for name, body in (("id", f"echo {uid}"), ("apt-get", f'echo "$@" >> {calls}\n{apt_get}')):
         (fakes / name).write_text(f"#!/bin/sh\n{body}\n")
         (fakes / name).chmod(0o755)
-    done = subprocess.run(["/bin/sh", str(REPO_ROOT / "bench" / "install_h2load.sh")],
-                          env={"PATH": str(fakes)}, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["/bin/sh", str(REPO_ROOT / "bench" / "install_h2load.sh")],
+        env={"PATH": str(fakes)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return done, calls
 
 
@@ -391,8 +489,7 @@ def test_the_installer_says_how_and_never_fails_the_benchmark(tmp_path: Path) ->
     (tmp_path / "bin").rename(tmp_path / "old")
     done, calls = _installer(tmp_path, 0, "exit 100")  # root, but apt fails (then updates)
     assert done.returncode == 0
-    assert [line.split()[0] for line in calls.read_text().splitlines()] == [
-        "install", "update"]  # fmt: skip
+    assert [line.split()[0] for line in calls.read_text().splitlines()] == ["install", "update"]
     assert "skipped" in done.stderr
 
 
@@ -407,8 +504,9 @@ def test_triton_and_the_server_take_turns_beside_each_other(
     asked: list[tuple[object, str, str, str, str]] = []
 
     def row(service: object, **labels: Any) -> dict[str, Any]:
-        asked.append((service, labels["target"], labels["name"], labels["seq"],
-                      labels["shape"].label))  # fmt: skip
+        asked.append(
+            (service, labels["target"], labels["name"], labels["seq"], labels["shape"].label)
+        )
         return {}
 
     monkeypatch.setattr(runner, "h2load_row", row)
@@ -419,5 +517,7 @@ def test_triton_and_the_server_take_turns_beside_each_other(
         assert first[3:] == second[3:]
         assert {first[0].who, second[0].who} == {"ours", "triton"}  # type: ignore[attr-defined]
     assert [pair[0][1] for pair in pairs] == ["server", "triton", "server", "triton"]
-    assert {(a[1], a[2]) for a in asked} == {("server", report.BESIDE_TRITON),
-                                             ("triton", "triton b=32 delay=0us")}  # fmt: skip
+    assert {(a[1], a[2]) for a in asked} == {
+        ("server", report.BESIDE_TRITON),
+        ("triton", "triton b=32 delay=0us"),
+    }

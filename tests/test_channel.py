@@ -78,11 +78,30 @@ def test_a_message_that_is_not_an_object_is_refused(body: bytes) -> None:
     assert isinstance(end, ValueError)
 
 
-INFER = {"t": "infer", "id": 41, "model": "mha/1", "w": True, "shape": [2, 16, 512],
-         "dtype": "<f4", "in": 0, "out": 65536, "wout": 131072, "deadline": 812.5,
-         "tag": None}  # fmt: skip
-DONE = {"t": "done", "id": 41, "q": 0.002, "c": 0.0005, "b": 6, "s": 811.25, "p": 0.125,
-        "i": 9, "tags": []}  # fmt: skip
+INFER = {
+    "t": "infer",
+    "id": 41,
+    "model": "mha/1",
+    "w": True,
+    "shape": [2, 16, 512],
+    "dtype": "<f4",
+    "in": 0,
+    "out": 65536,
+    "wout": 131072,
+    "deadline": 812.5,
+    "tag": None,
+}
+DONE = {
+    "t": "done",
+    "id": 41,
+    "q": 0.002,
+    "c": 0.0005,
+    "b": 6,
+    "s": 811.25,
+    "p": 0.125,
+    "i": 9,
+    "tags": [],
+}
 
 
 OUTPUT_ONLY = {key: value for key, value in INFER.items() if key != "wout"} | {"w": False}
@@ -91,10 +110,16 @@ TAG = [0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, 1]
 
 @pytest.mark.parametrize(
     "message",
-    [INFER, DONE, OUTPUT_ONLY | {"deadline": None}, OUTPUT_ONLY, INFER | {"tag": TAG},
-     DONE | {"tags": [TAG, [1, 2**64 - 1, 0]]}],
+    [
+        INFER,
+        DONE,
+        OUTPUT_ONLY | {"deadline": None},
+        OUTPUT_ONLY,
+        INFER | {"tag": TAG},
+        DONE | {"tags": [TAG, [1, 2**64 - 1, 0]]},
+    ],
     ids=["infer", "done", "infer-no-deadline", "infer-output-only", "traced", "traced-batch"],
-)  # fmt: skip
+)
 def test_a_request_s_messages_travel_packed_and_read_back_as_sent(message: dict) -> None:
     framed = channel.encode(message)
     assert not framed[channel.HEADER.size :].startswith(b"{")  # not JSON
@@ -104,12 +129,25 @@ def test_a_request_s_messages_travel_packed_and_read_back_as_sent(message: dict)
 
 @pytest.mark.parametrize(
     "message",
-    [{**INFER, "tag": ["00f067aa0ba902b7", 1]}, {**INFER, "iref": ["r", 0, 64, "x", "<f4"]},
-     {**DONE, "tags": [["4bf92f3577b34da6", 1]]}, {**INFER, "shape": [16, 512]},
-     {**DONE, "b": 2.5}, {**INFER, "model": "m\ud800/1"}, {**DONE, "tags": [[2**128, 1, 1]]}],
-    ids=["odd-tag", "client-region", "odd-batch-tag", "two-dims", "odd-value", "not-utf-8",
-         "tag-too-wide"],
-)  # fmt: skip
+    [
+        {**INFER, "tag": ["00f067aa0ba902b7", 1]},
+        {**INFER, "iref": ["r", 0, 64, "x", "<f4"]},
+        {**DONE, "tags": [["4bf92f3577b34da6", 1]]},
+        {**INFER, "shape": [16, 512]},
+        {**DONE, "b": 2.5},
+        {**INFER, "model": "m\ud800/1"},
+        {**DONE, "tags": [[2**128, 1, 1]]},
+    ],
+    ids=[
+        "odd-tag",
+        "client-region",
+        "odd-batch-tag",
+        "two-dims",
+        "odd-value",
+        "not-utf-8",
+        "tag-too-wide",
+    ],
+)
 def test_what_the_packed_layout_has_no_field_for_goes_as_json_unchanged(message: dict) -> None:
     framed = channel.encode(message)
     assert framed[channel.HEADER.size :].startswith(b"{")

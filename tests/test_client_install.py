@@ -54,8 +54,19 @@ def test_the_client_extra_installs_and_works_without_the_server(
     started = time.monotonic()
     _run(sys.executable, "-m", "venv", venv, cwd=tmp_path, timeout_s=120)
     python = venv / "bin" / "python"
-    _run(python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         "-c", "constraints.txt", ".[client]", cwd=source, timeout_s=300)  # fmt: skip
+    _run(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "-c",
+        "constraints.txt",
+        ".[client]",
+        cwd=source,
+        timeout_s=300,
+    )
     installed_s = time.monotonic() - started
     elsewhere = tmp_path / "elsewhere"  # not the source tree: only the installed package counts
     elsewhere.mkdir()
@@ -67,7 +78,17 @@ def test_the_client_extra_installs_and_works_without_the_server(
     assert "usage: python -m service.healthcheck" in _run(
         python, "-m", "service.healthcheck", "--help", cwd=elsewhere, timeout_s=60
     )
-    answer = _run(python, "-m", "service.client", "--target", server.target, "--seq", "4",
-                  "--weights", cwd=elsewhere, timeout_s=60)  # fmt: skip
+    answer = _run(
+        python,
+        "-m",
+        "service.client",
+        "--target",
+        server.target,
+        "--seq",
+        "4",
+        "--weights",
+        cwd=elsewhere,
+        timeout_s=60,
+    )
     assert "attention_weights [" in answer, answer
     print(f"client-only virtualenv and install: {installed_s:.1f}s")

@@ -86,8 +86,10 @@ def test_an_aged_connection_is_replaced_without_a_failed_call(
             failures.append(err.code())
         seen_ports |= _client_ports(server.grpc_port)
     channel.close()
-    print(f"{calls} calls over {3.5 * MAX_AGE_S:.1f}s, {len(failures)} failed; client ports "
-          f"{sorted(seen_ports)}; connectivity {[s.name for s in states]}")  # fmt: skip
+    print(
+        f"{calls} calls over {3.5 * MAX_AGE_S:.1f}s, {len(failures)} failed; client ports "
+        f"{sorted(seen_ports)}; connectivity {[s.name for s in states]}"
+    )
     assert failures == []
     assert calls > 20
     assert len(seen_ports) >= 3, "the connection was not replaced at its max age"
@@ -221,8 +223,10 @@ def test_calls_beyond_the_stream_bound_of_one_connection_are_refused_unavailable
     calls = 2 * MAX_CONCURRENT_STREAMS
     x = np.zeros((1, 64), np.float32)
     request = pb.AttendRequest(model="small", embeddings=pb.Tensor(shape=[1, 64], data=x.tobytes()))
-    counted = sum(server.metric("attention_requests_total", model="small", api="attention",
-                                code=code) for code in ("OK", "UNAVAILABLE"))  # fmt: skip
+    counted = sum(
+        server.metric("attention_requests_total", model="small", api="attention", code=code)
+        for code in ("OK", "UNAVAILABLE")
+    )
 
     async def burst() -> list[str]:
         async with grpc.aio.insecure_channel(server.target) as channel:
@@ -242,8 +246,10 @@ def test_calls_beyond_the_stream_bound_of_one_connection_are_refused_unavailable
     tally = {code: codes.count(code) for code in set(codes)}
     assert set(tally) <= {"OK", "UNAVAILABLE"}, tally
     assert tally.get("UNAVAILABLE", 0) > 0 or behind_gateway(server), tally
-    after = sum(server.metric("attention_requests_total", model="small", api="attention",
-                              code=code) for code in ("OK", "UNAVAILABLE"))  # fmt: skip
+    after = sum(
+        server.metric("attention_requests_total", model="small", api="attention", code=code)
+        for code in ("OK", "UNAVAILABLE")
+    )
     assert after - counted == 1 + tally["OK"]  # refused streams never reached a handler
     with AttentionClient(server.target) as client:
         assert client.is_serving()

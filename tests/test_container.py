@@ -97,8 +97,12 @@ def image(request: pytest.FixtureRequest) -> str:
     env = {"TORCH_INDEX": "", **os.environ, "IMAGE": IMAGE, "BASE_IMAGE": BASE_IMAGE}
     build = subprocess.run(
         ["bash", str(ROOT / "scripts/build-image-offline.sh")],
-        env=env, capture_output=True, text=True, timeout=1500, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+    )
     build_s = time.monotonic() - started
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
     size = int(_podman("image", "inspect", "--format", "{{.Size}}", IMAGE))
@@ -108,8 +112,11 @@ def image(request: pytest.FixtureRequest) -> str:
     # that runs CI again and again (the export stage is rebuilt at most once a day).
     _podman("image", "prune", "--force", "--filter", "until=24h", check=False)
     cached = build.stdout.count("Using cache")
-    _report(request, f"image {IMAGE}: {size / 2**20:.0f} MiB, built in {build_s:.1f} s "
-                     f"(wheelhouse + base + podman build; {cached} layers from cache)")  # fmt: skip
+    _report(
+        request,
+        f"image {IMAGE}: {size / 2**20:.0f} MiB, built in {build_s:.1f} s "
+        f"(wheelhouse + base + podman build; {cached} layers from cache)",
+    )
     return IMAGE
 
 
@@ -127,15 +134,17 @@ class Container:
     def logs(self) -> str:
         """The server's log (podman logs replays the container's stderr on its own)."""
         assert PODMAN
-        done = subprocess.run([PODMAN, "logs", self.name], capture_output=True, text=True,
-                              timeout=30, check=False)  # fmt: skip
+        done = subprocess.run(
+            [PODMAN, "logs", self.name], capture_output=True, text=True, timeout=30, check=False
+        )
         return done.stdout + done.stderr
 
     def healthy(self) -> bool:
         """Runs the image's own HEALTHCHECK command (no systemd timers here to run it)."""
         assert PODMAN
-        done = subprocess.run([PODMAN, "healthcheck", "run", self.name],
-                              capture_output=True, check=False)  # fmt: skip
+        done = subprocess.run(
+            [PODMAN, "healthcheck", "run", self.name], capture_output=True, check=False
+        )
         return done.returncode == 0
 
     def wait_healthy(self) -> None:
@@ -147,20 +156,37 @@ class Container:
 
 def _server_flags(image: str, name: str, *run: str) -> list[str]:
     return [
-        "run", "--detach", "--name", name, *RUN_FLAGS,
-        "--user", "10001", "--read-only", "--tmpfs", "/tmp",
-        "--env", "ATTENTION_GRACE_PERIOD_S=10", "--env", "ATTENTION_BATCH_CAP_BUDGET_S=0",
-        *run, image,
-    ]  # fmt: skip
+        "run",
+        "--detach",
+        "--name",
+        name,
+        *RUN_FLAGS,
+        "--user",
+        "10001",
+        "--read-only",
+        "--tmpfs",
+        "/tmp",
+        "--env",
+        "ATTENTION_GRACE_PERIOD_S=10",
+        "--env",
+        "ATTENTION_BATCH_CAP_BUDGET_S=0",
+        *run,
+        image,
+    ]
 
 
 @pytest.fixture
 def container(image: str) -> Iterator[Container]:
     """The image as users run it: non-root, read-only, ports on 127.0.0.1 only."""
-    box = Container(f"attention-test-{uuid.uuid4().hex[:8]}", free_port(), free_port(),
-                    free_port())  # fmt: skip
-    ports = ("-p", f"127.0.0.1:{box.grpc_port}:8001", "-p", f"127.0.0.1:{box.metrics_port}:8002",
-             "-p", f"127.0.0.1:{box.http_port}:8000")  # fmt: skip
+    box = Container(f"attention-test-{uuid.uuid4().hex[:8]}", free_port(), free_port(), free_port())
+    ports = (
+        "-p",
+        f"127.0.0.1:{box.grpc_port}:8001",
+        "-p",
+        f"127.0.0.1:{box.metrics_port}:8002",
+        "-p",
+        f"127.0.0.1:{box.http_port}:8000",
+    )
     _podman(*_server_flags(image, box.name, *ports))
     try:
         box.wait_healthy()
@@ -195,18 +221,43 @@ def test_image_runs_non_root_read_only_and_serves_both_apis(
     assert config["Config"]["User"] == "10001"
     assert config["HostConfig"]["ReadonlyRootfs"] is True
     assert _podman("exec", container.name, "id", "-u") == "10001"
-    assert subprocess.run([PODMAN or "podman", "exec", container.name, "touch", "/app/x"],
-                          capture_output=True, check=False).returncode != 0  # fmt: skip
-    no_torch = _podman("exec", container.name, "python", "-c",
-                       "import importlib.util as u; print(u.find_spec('torch') is None)")  # fmt: skip
+    assert (
+        subprocess.run(
+            [PODMAN or "podman", "exec", container.name, "touch", "/app/x"],
+            capture_output=True,
+            check=False,
+        ).returncode
+        != 0
+    )
+    no_torch = _podman(
+        "exec",
+        container.name,
+        "python",
+        "-c",
+        "import importlib.util as u; print(u.find_spec('torch') is None)",
+    )
     assert no_torch == "True"
 
     saved = tmp_path / "answer.npz"
     cli = subprocess.run(
-        [sys.executable, "-m", "service.client", "--target", container.target, "--seq", "8",
-         "--requests", "3", "--save", str(saved)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "service.client",
+            "--target",
+            container.target,
+            "--seq",
+            "8",
+            "--requests",
+            "3",
+            "--save",
+            str(saved),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert "output [8, 512] float32" in cli.stdout, cli.stdout
 
@@ -288,9 +339,12 @@ def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(
     for thread in threads:
         thread.join(35)
     drained = sum(sent < signalled < answered for sent, answered in load.ok)
-    _report(request, f"SIGTERM under load: {drained} requests in flight at the signal completed "
-                     f"after it; {len(load.ok)} OK, {len(load.refused)} refused, "
-                     f"{len(load.lost)} lost; exit code {exit_code}")  # fmt: skip
+    _report(
+        request,
+        f"SIGTERM under load: {drained} requests in flight at the signal completed "
+        f"after it; {len(load.ok)} OK, {len(load.refused)} refused, "
+        f"{len(load.lost)} lost; exit code {exit_code}",
+    )
     assert load.lost == [], load.lost
     assert drained >= 1
     assert exit_code == "0", container.logs()
@@ -324,14 +378,30 @@ def test_compose_pair_prometheus_scrapes_the_server_and_loads_the_alerts(
     try:
         _podman(*_server_flags(image, name, "-p", f"127.0.0.1:{port}:9090"))
         _podman(
-            "run", "--detach", "--name", f"{name}-prometheus", "--network", f"container:{name}",
-            *RUN_FLAGS, "--user", "65534", "--read-only", "--tmpfs", "/prometheus",
-            "-v", f"{hosts}:/etc/hosts:ro",
-            "-v", f"{prometheus}:/usr/local/bin/prometheus:ro",
-            "-v", f"{ROOT / 'monitoring'}:/etc/prometheus:ro",
-            BASE_IMAGE, "prometheus", "--config.file=/etc/prometheus/prometheus.yml",
-            "--storage.tsdb.path=/prometheus", "--web.listen-address=:9090",
-        )  # fmt: skip
+            "run",
+            "--detach",
+            "--name",
+            f"{name}-prometheus",
+            "--network",
+            f"container:{name}",
+            *RUN_FLAGS,
+            "--user",
+            "65534",
+            "--read-only",
+            "--tmpfs",
+            "/prometheus",
+            "-v",
+            f"{hosts}:/etc/hosts:ro",
+            "-v",
+            f"{prometheus}:/usr/local/bin/prometheus:ro",
+            "-v",
+            f"{ROOT / 'monitoring'}:/etc/prometheus:ro",
+            BASE_IMAGE,
+            "prometheus",
+            "--config.file=/etc/prometheus/prometheus.yml",
+            "--storage.tsdb.path=/prometheus",
+            "--web.listen-address=:9090",
+        )
         base = f"http://127.0.0.1:{port}"
 
         def scraped(query: str, value: str = "1") -> Callable[[], bool]:

@@ -21,8 +21,11 @@ ERROR = re.compile(r"served vs source layer-\d self-attention: max abs error out
 def _run_demo(out: Path, *extra: str) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "export.demo", "--out", str(out), *extra],
-        capture_output=True, text=True, check=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     return done.stdout
 
 

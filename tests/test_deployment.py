@@ -99,8 +99,13 @@ def test_dockerfile_passes_hadolint() -> None:
 
 
 def test_yaml_files_pass_yamllint() -> None:
-    files = ["docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.tracing.yml", "k8s",
-             "monitoring"]  # fmt: skip
+    files = [
+        "docker-compose.yml",
+        "docker-compose.gpu.yml",
+        "docker-compose.tracing.yml",
+        "k8s",
+        "monitoring",
+    ]
     done = subprocess.run(
         [_tool("yamllint"), "--strict", "-c", ".yamllint.yaml", *files],
         cwd=ROOT,
@@ -132,9 +137,12 @@ def test_tracing_compose_sends_otlp_to_jaeger() -> None:
     server, jaeger = services["attention"], services["jaeger"]
     assert server["environment"]["ATTENTION_TRACING"] == "on"
     assert set(server["environment"]) <= SETTINGS_ENV | {
-        "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_SERVICE_NAME",
-        "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG",
-    }  # fmt: skip
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_SERVICE_NAME",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG",
+    }
     assert server["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
     assert server["environment"]["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
     assert jaeger["image"].startswith("jaegertracing/all-in-one:")
@@ -176,8 +184,14 @@ def test_dashboard_queries_only_metrics_that_exist() -> None:
 def test_kubernetes_overlay_has_every_required_object(overlay: str) -> None:
     resources = _kustomize(K8S / "overlays" / overlay)
     kinds = {r["kind"] for r in resources}
-    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-            "ServiceMonitor", "NetworkPolicy"} <= kinds  # fmt: skip
+    assert {
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "ServiceMonitor",
+        "NetworkPolicy",
+    } <= kinds
     services = [r for r in resources if r["kind"] == "Service"]
     assert any(s["spec"].get("clusterIP") == "None" for s in services)
     assert any(s["spec"].get("type") == "ClusterIP" for s in services)

@@ -38,9 +38,14 @@ def test_the_filter_turns_the_traceback_into_one_debug_line() -> None:
         raise ExecuteBatchError("Failed execute_batch")
     except ExecuteBatchError:
         record = logging.LogRecord(
-            GRPC_LOGGER, logging.ERROR, __file__, 1,
-            "ExecuteBatchError raised in core by servicer method [%s]", ("/a/B",), None,
-        )  # fmt: skip
+            GRPC_LOGGER,
+            logging.ERROR,
+            __file__,
+            1,
+            "ExecuteBatchError raised in core by servicer method [%s]",
+            ("/a/B",),
+            None,
+        )
 
         record.exc_info = sys.exc_info()  # as logging.exception() would set it
     logging.getLogger(GRPC_LOGGER).setLevel(logging.INFO)

@@ -31,9 +31,13 @@ def test_the_configuration_page_is_generated_from_the_settings() -> None:
 
 def test_every_flag_and_variable_of_the_help_is_on_the_configuration_page() -> None:
     shown = subprocess.run(
-        [sys.executable, "-m", "service", "--help"], cwd=ROOT, capture_output=True, text=True,
-        check=True, env={"COLUMNS": "200", "PATH": ""},
-    ).stdout  # fmt: skip
+        [sys.executable, "-m", "service", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"COLUMNS": "200", "PATH": ""},
+    ).stdout
     flags = set(re.findall(r"^  (--[a-z][a-z0-9-]*[a-z0-9])", shown, re.M)) - {"--help"}
     variables = set(re.findall(r"\[env\s+(ATTENTION_[A-Z0-9_]+);", shown))
     assert len(flags) == len(variables) > 30

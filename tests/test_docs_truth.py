@@ -69,9 +69,17 @@ def test_every_exposed_metric_is_documented_and_every_documented_one_exposed(
     with AttentionClient(rest_server.target) as client:
         client.attend(x)  # gRPC: the api="attention" series
     body = json.dumps(
-        {"inputs": [{"name": "embeddings", "shape": [1, 4, 512], "datatype": "FP32",
-                     "data": x.ravel().tolist()}]}
-    ).encode()  # fmt: skip
+        {
+            "inputs": [
+                {
+                    "name": "embeddings",
+                    "shape": [1, 4, 512],
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        }
+    ).encode()
     request = urllib.request.Request(
         f"http://{rest_server.http_url}/v2/models/mha/infer", body, method="POST"
     )
@@ -174,8 +182,9 @@ def test_promtool_refuses_what_the_pages_once_showed(tmp_path: Path) -> None:
         pytest.skip("promtool not installed")
     bad = "histogram_quantile(0.5 and 0.99, sum by (le) (rate(x_bucket[1m])))"
     rules = tmp_path / "bad.yml"
-    rules.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
-        {"record": "bad", "expr": bad}]}]}))  # fmt: skip
+    rules.write_text(
+        yaml.safe_dump({"groups": [{"name": "g", "rules": [{"record": "bad", "expr": bad}]}]})
+    )
     done = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True)
     assert done.returncode != 0
 
@@ -183,11 +192,14 @@ def test_promtool_refuses_what_the_pages_once_showed(tmp_path: Path) -> None:
 def _runnable_blocks() -> list[tuple[str, str, str]]:
     """(where, language, code) of every block marked `<!-- run -->`."""
     return [
-        (f"{page.relative_to(ROOT)}:{page.read_text()[: match.start()].count(chr(10)) + 2}",
-         match[1], match[2])
+        (
+            f"{page.relative_to(ROOT)}:{page.read_text()[: match.start()].count(chr(10)) + 2}",
+            match[1],
+            match[2],
+        )
         for page in PAGES
         for match in RUN_MARK.finditer(page.read_text())
-    ]  # fmt: skip
+    ]
 
 
 def _with_checked_comments(code: str) -> str:

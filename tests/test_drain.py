@@ -131,8 +131,15 @@ def test_exit_comes_within_the_grace_period_with_work_left(model_repository: Pat
     """More accepted work than the grace period can compute: what is done is answered,
     the rest gets UNAVAILABLE, and the process is gone when the period ends. Before:
     --grace-period-s 1 exited after 1.67 s."""
-    flags = (*FAST, "--max-batch-size", "32", "--shutdown-not-serving-s", "0.2",
-             "--grace-period-s", "1")  # fmt: skip
+    flags = (
+        *FAST,
+        "--max-batch-size",
+        "32",
+        "--shutdown-not-serving-s",
+        "0.2",
+        "--grace-period-s",
+        "1",
+    )
     big = np.ones((32, 512, 512), np.float32)  # the default model at its largest
     request = pb.AttendRequest(
         embeddings=pb.Tensor(shape=list(big.shape), dtype=pb.FLOAT32, data=big.tobytes())

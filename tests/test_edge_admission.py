@@ -26,14 +26,25 @@ pytestmark = pytest.mark.usefixtures("grpc_gateway")
 
 D = 64  # conftest's "small" model
 QUEUE = 4
-PARKED = ("--default-model", "small", "--max-queue-delay-ms", "60000", "--max-batch-size", "64",
-          "--max-queue-size", str(QUEUE), "--watchdog-timeout-s", "120")  # fmt: skip
+PARKED = (
+    "--default-model",
+    "small",
+    "--max-queue-delay-ms",
+    "60000",
+    "--max-batch-size",
+    "64",
+    "--max-queue-size",
+    str(QUEUE),
+    "--watchdog-timeout-s",
+    "120",
+)
 
 
 def _attend(seq: int = 8) -> pb.AttendRequest:
     x = np.ones((seq, D), np.float32)
-    return pb.AttendRequest(embeddings=pb.Tensor(shape=[seq, D], dtype=pb.FLOAT32,
-                                                 data=x.tobytes()))  # fmt: skip
+    return pb.AttendRequest(
+        embeddings=pb.Tensor(shape=[seq, D], dtype=pb.FLOAT32, data=x.tobytes())
+    )
 
 
 def _infer(seq: int = 8) -> v2.ModelInferRequest:

@@ -51,8 +51,9 @@ def infer(
     tensor = triton.InferInput("embeddings", list(x.shape), datatype)
     tensor.set_data_from_numpy(x)
     requested = [triton.InferRequestedOutput(name) for name in outputs]
-    return client.infer(model, [tensor], outputs=requested, request_id=request_id,
-                        client_timeout=timeout_s)  # fmt: skip
+    return client.infer(
+        model, [tensor], outputs=requested, request_id=request_id, client_timeout=timeout_s
+    )
 
 
 def status_of_call(target: str, x: np.ndarray) -> str:
@@ -107,14 +108,19 @@ def test_attend_is_answered_as_the_python_front_end_answers_it(gateway: ServerPr
     before = gateway.metric("attention_requests_total", **labels)
     with grpc.insecure_channel(gateway.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
-        for x in (rng(3).standard_normal((7, 512), dtype=np.float32),
-                  rng(4).standard_normal((2, 5, 512), dtype=np.float32)):  # fmt: skip
+        for x in (
+            rng(3).standard_normal((7, 512), dtype=np.float32),
+            rng(4).standard_normal((2, 5, 512), dtype=np.float32),
+        ):
             expected_out, expected_weights = attend_alone(layer, x)
             request = attend_request(x, return_attention_weights=True)
             request.request_id = "attend-1"
             response = stub.Attend(request, timeout=20)
             assert (response.model, response.model_version, response.request_id) == (
-                "mha", "1", "attend-1")  # fmt: skip
+                "mha",
+                "1",
+                "attend-1",
+            )
             assert list(response.output.shape) == list(x.shape)
             assert response.output.dtype == pb.FLOAT32
             out = np.frombuffer(response.output.data, np.float32).reshape(x.shape)
@@ -129,9 +135,11 @@ def test_attend_is_answered_as_the_python_front_end_answers_it(gateway: ServerPr
             assert not plain.HasField("attention_weights")
             assert not plain.request_id
             np.testing.assert_allclose(
-                np.frombuffer(plain.output.data, np.float32).reshape(x.shape), expected_out,
-                atol=1e-4, rtol=1e-4,
-            )  # fmt: skip
+                np.frombuffer(plain.output.data, np.float32).reshape(x.shape),
+                expected_out,
+                atol=1e-4,
+                rtol=1e-4,
+            )
     gateway.wait_metric("attention_requests_total", before + 4, **labels)
     assert gateway.metric("attention_undelivered_answer_bytes") == 0
 
@@ -209,8 +217,9 @@ def test_streams_mixing_plain_and_other_messages_answer_each_as_the_python_front
     ok_before = gateway.metric("attention_requests_total", **ok)
     invalid_before = gateway.metric("attention_requests_total", **invalid)
     with grpc.insecure_channel(gateway.target) as channel:
-        answers = list(v2grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-            iter(requests), timeout=30))  # fmt: skip
+        answers = list(
+            v2grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=30)
+        )
         assert sorted(a.infer_response.id for a in answers) == [f"r{i}" for i in range(6)]
         for answer in answers:
             i = int(answer.infer_response.id[1:])
@@ -226,8 +235,11 @@ def test_streams_mixing_plain_and_other_messages_answer_each_as_the_python_front
             np.testing.assert_allclose(got.reshape(xs[i].shape), expected, atol=1e-4, rtol=1e-4)
         # AttendStream: the same, with its own envelope and error message.
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
-        attends = [attend_request(xs[0][0]), attend_request(xs[2][0][:, :3].copy()),
-                   attend_request(xs[3][0], return_attention_weights=True)]  # fmt: skip
+        attends = [
+            attend_request(xs[0][0]),
+            attend_request(xs[2][0][:, :3].copy()),
+            attend_request(xs[3][0], return_attention_weights=True),
+        ]
         for i, request in enumerate(attends):
             request.request_id = f"a{i}"
         replies = {r.request_id: r for r in stub.AttendStream(iter(attends), timeout=30)}
@@ -264,12 +276,17 @@ def test_a_stream_with_a_message_over_the_size_bound_ends_as_the_python_front_en
         large = _v2_stream_request(np.ones((1, 600, 512), np.float32), "large")
         after = _v2_stream_request(np.ones((1, 4, 512), np.float32), "after")
         with pytest.raises(grpc.RpcError) as err:
-            list(v2grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-                iter([small, large, after]), timeout=30))  # fmt: skip
+            list(
+                v2grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                    iter([small, large, after]), timeout=30
+                )
+            )
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
         # Nothing after the refused message was read: no third request counted.
-        counted = sum(server.metric("attention_requests_total", model="mha", api="v2_stream",
-                                    code=code) for code in ("OK", "CANCELLED"))  # fmt: skip
+        counted = sum(
+            server.metric("attention_requests_total", model="mha", api="v2_stream", code=code)
+            for code in ("OK", "CANCELLED")
+        )
         assert counted <= 1
 
 
@@ -278,8 +295,9 @@ def test_a_malformed_deadline_fails_only_its_own_call(gateway: ServerProcess) ->
     calls after it (which the gateway hands to Python on one shared connection) still work."""
     connection = RawGrpc(gateway.grpc_port, read=True)
     try:
-        stream = connection.call("/inference.GRPCInferenceService/ModelMetadata", b"",
-                                 metadata={"grpc-timeout": "abc"})  # fmt: skip
+        stream = connection.call(
+            "/inference.GRPCInferenceService/ModelMetadata", b"", metadata={"grpc-timeout": "abc"}
+        )
         state = connection.wait(stream)
     finally:
         connection.close()
@@ -364,8 +382,10 @@ def test_a_killed_gateway_is_restarted_with_its_front_end(model_repository: Path
         server.wait_serving()
         with triton.InferenceServerClient(server.target) as client:
             assert infer(client, np.ones((1, 3, 512), np.float32)).as_numpy("output").shape == (
-                1, 3, 512,
-            )  # fmt: skip
+                1,
+                3,
+                512,
+            )
         assert server.terminate() == 0, server.log
 
 
@@ -402,11 +422,17 @@ def _call_until_goaway(port: int, give_up_s: float) -> hyperframe.frame.GoAwayFr
         received = b""
         while time.monotonic() < give_up:
             stream = conn.get_next_available_stream_id()
-            conn.send_headers(stream, [
-                (":method", "POST"), (":scheme", "http"), (":authority", "127.0.0.1"),
-                (":path", "/inference.GRPCInferenceService/ServerLive"),
-                ("content-type", "application/grpc"), ("te", "trailers"),
-            ])  # fmt: skip
+            conn.send_headers(
+                stream,
+                [
+                    (":method", "POST"),
+                    (":scheme", "http"),
+                    (":authority", "127.0.0.1"),
+                    (":path", "/inference.GRPCInferenceService/ServerLive"),
+                    ("content-type", "application/grpc"),
+                    ("te", "trailers"),
+                ],
+            )
             conn.send_data(stream, b"\0\0\0\0\0", end_stream=True)
             sock.sendall(conn.data_to_send())
             ended = False

@@ -31,17 +31,31 @@ def _models(model_repository: Path, tmp_path: Path) -> Path:
 
 
 def test_dry_run_checks_everything_on_cpu(model_repository: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "GPU_MODELS": str(_models(model_repository, tmp_path)),
-           "OUT": str(tmp_path), "PYTHON": sys.executable}  # fmt: skip
-    done = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    env = {
+        **os.environ,
+        "GPU_MODELS": str(_models(model_repository, tmp_path)),
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+    }
+    done = subprocess.run(
+        ["bash", "bench/gpu.sh", "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "DRY RUN on CPU (GPU parts skipped): passed" in done.stdout
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert report["failures"] == []
     assert report["elapsed_s"] < 120
-    assert set(report["providers"]["float32"]) == {"output", "output+attention_weights",
-                                                   "output(fused)"}  # fmt: skip
+    assert set(report["providers"]["float32"]) == {
+        "output",
+        "output+attention_weights",
+        "output(fused)",
+    }
     assert set(report["float16_parity"]) == {"1x", "4x", "16x", "64x"}
     assert report["float32_parity"]["tf32_off"]["relative"] < 1e-5
     assert report["fused"]["parity"]["relative"] < 1e-5
@@ -63,8 +77,9 @@ def test_numpy_reference_equals_onnx_runtime(model_repository: Path) -> None:
     reference = gpu_probe.numpy_reference(graph)
     rng = np.random.default_rng(0)
     x, mask = gpu_probe.padded_batch(rng, 4, 24, 64)
-    (got,) = cpu_session(graph).run(None, {"embeddings": x.astype(np.float32),
-                                           "key_padding_mask": mask})  # fmt: skip
+    (got,) = cpu_session(graph).run(
+        None, {"embeddings": x.astype(np.float32), "key_padding_mask": mask}
+    )
     found = gpu_probe.errors(got, reference(x.astype(np.float32), mask), mask)
     assert found["nonfinite"] == 0
     assert found["relative"] < 1e-5
@@ -82,9 +97,21 @@ def test_an_unusable_fused_graph_fails_the_check_but_not_the_measurements(
     for fused in (models / "mha").glob("*/model.fused.onnx"):
         fused.write_bytes(b"not an onnx graph")
     result = tmp_path / "gpu-check.json"
-    code = gpu_check.main(["--models", str(models), "--dry-run", "--max-batch-size", "2",
-                           "--max-seq-len", "16", "--inflight-calls", "4",
-                           "--json", str(result)])  # fmt: skip
+    code = gpu_check.main(
+        [
+            "--models",
+            str(models),
+            "--dry-run",
+            "--max-batch-size",
+            "2",
+            "--max-seq-len",
+            "16",
+            "--inflight-calls",
+            "4",
+            "--json",
+            str(result),
+        ]
+    )
     assert code == 1
     report = json.loads(result.read_text())
     assert "mha" in report["fused_load_errors"]
@@ -99,11 +126,16 @@ def test_a_compute_op_on_cpu_under_cuda_fails_the_check() -> None:
     without a CUDA kernel, e.g. an Attention form it refuses): the profiler's placement is
     judged, shape computations on CPU aside."""
     ok = {"nonfinite": 0, "relative": 1e-6}
-    placement = {"unfused": {"MatMul": [gpu_check.CUDA], "Shape": [gpu_check.CPU]},
-                 "fused": {"Attention": [gpu_check.CPU], "MatMul": [gpu_check.CUDA]}}  # fmt: skip
-    report = {"dry_run": False, "float32_parity": {"tf32_off": ok},
-              "float16_parity": {"1x": ok, "4x": ok},
-              "fused": {"parity": ok, "float16_parity_1x": ok, "ops_ran_on": placement}}  # fmt: skip
+    placement = {
+        "unfused": {"MatMul": [gpu_check.CUDA], "Shape": [gpu_check.CPU]},
+        "fused": {"Attention": [gpu_check.CPU], "MatMul": [gpu_check.CUDA]},
+    }
+    report = {
+        "dry_run": False,
+        "float32_parity": {"tf32_off": ok},
+        "float16_parity": {"1x": ok, "4x": ok},
+        "fused": {"parity": ok, "float16_parity_1x": ok, "ops_ran_on": placement},
+    }
     failures = gpu_check.judge(report)
     assert len(failures) == 1
     assert "['Attention'] ran on CPU" in failures[0]
@@ -115,11 +147,23 @@ def test_the_real_run_fails_in_seconds_before_exporting_anything(tmp_path: Path)
     """No usable GPU (here: no libcuda): gpu.sh stops at its preflight with the reason, before
     minutes of exports or measurements are spent on a scarce device machine."""
     models = tmp_path / "models"
-    env = {**os.environ, "GPU_MODELS": str(models), "OUT": str(tmp_path),
-           "PYTHON": sys.executable, "GPU_BUNDLE": str(tmp_path / "no-bundle")}  # fmt: skip
+    env = {
+        **os.environ,
+        "GPU_MODELS": str(models),
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "GPU_BUNDLE": str(tmp_path / "no-bundle"),
+    }
     started = time.monotonic()
-    done = subprocess.run(["bash", "bench/gpu.sh"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "bench/gpu.sh"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "GPU CHECK FAILED before starting" in done.stderr
     assert "libcuda.so.1" in done.stderr
@@ -144,25 +188,30 @@ def test_nvidia_library_folders_are_found_on_any_path_entry(tmp_path: Path) -> N
     carried bundle) finds their libraries through LD_LIBRARY_PATH built from these."""
     for part in ("a/nvidia/cu13/lib", "a/nvidia/cudnn/lib", "b/nvidia/cu13/lib"):
         (tmp_path / part).mkdir(parents=True)
-    found = gpu_preflight.nvidia_lib_dirs([str(tmp_path / "a"), str(tmp_path / "none"),
-                                           str(tmp_path / "b")])  # fmt: skip
-    assert found == [str(tmp_path / p) for p in ("a/nvidia/cu13/lib", "a/nvidia/cudnn/lib",
-                                                 "b/nvidia/cu13/lib")]  # fmt: skip
+    found = gpu_preflight.nvidia_lib_dirs(
+        [str(tmp_path / "a"), str(tmp_path / "none"), str(tmp_path / "b")]
+    )
+    assert found == [
+        str(tmp_path / p) for p in ("a/nvidia/cu13/lib", "a/nvidia/cudnn/lib", "b/nvidia/cu13/lib")
+    ]
 
 
 def _tiny_wheel(folder: Path) -> Path:
     """A minimal valid wheel (module gpu_bundle_probe), padded so that it splits in pieces."""
     wheel = folder / "gpu_bundle_probe-1.0-py3-none-any.whl"
     info = "gpu_bundle_probe-1.0.dist-info"
-    files = {"gpu_bundle_probe.py": "PAD = " + repr(os.urandom(4096).hex()) + "\n",
-             f"{info}/METADATA": "Metadata-Version: 2.1\nName: gpu-bundle-probe\nVersion: 1.0\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                              "Tag: py3-none-any\n"}  # fmt: skip
+    files = {
+        "gpu_bundle_probe.py": "PAD = " + repr(os.urandom(4096).hex()) + "\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: gpu-bundle-probe\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
     with zipfile.ZipFile(wheel, "w") as archive:
         for name, text in files.items():
             archive.writestr(name, text)
-        archive.writestr(f"{info}/RECORD", "".join(f"{name},,\n" for name in files)
-                         + f"{info}/RECORD,,\n")  # fmt: skip
+        archive.writestr(
+            f"{info}/RECORD", "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+        )
     return wheel
 
 
@@ -175,10 +224,23 @@ def test_carried_wheel_pieces_are_reassembled_and_installed(tmp_path: Path) -> N
     half = len(data) // 2
     (bundle / "gpu_bundle_probe-1.0-py3-none-any.whl.part-00").write_bytes(data[:half])
     (bundle / "gpu_bundle_probe-1.0-py3-none-any.whl.part-01").write_bytes(data[half:])
-    env = {**os.environ, "GPU_MODELS": str(tmp_path / "models"), "OUT": str(tmp_path),
-           "PYTHON": sys.executable, "GPU_BUNDLE": str(bundle), "GPU_SITE": str(site)}  # fmt: skip
-    done = subprocess.run(["bash", "bench/gpu.sh"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    env = {
+        **os.environ,
+        "GPU_MODELS": str(tmp_path / "models"),
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "GPU_BUNDLE": str(bundle),
+        "GPU_SITE": str(site),
+    }
+    done = subprocess.run(
+        ["bash", "bench/gpu.sh"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert "installing carried wheels" in done.stdout, done.stdout + done.stderr
     assert (site / "gpu_bundle_probe.py").is_file()
     assert done.returncode == 1  # then the preflight: no GPU here

@@ -52,6 +52,12 @@ def test_gpu_constraints_pin_every_nvidia_wheel_and_name_cublas() -> None:
     )
     assert pins["onnxruntime-gpu"] == "1.31.1"
     assert "nvidia-cublas" in pins
-    for wheel in ("nvidia-cuda-runtime", "nvidia-cuda-nvrtc", "nvidia-cudnn-cu13",
-                  "nvidia-cufft", "nvidia-curand", "nvidia-nvjitlink"):  # fmt: skip
+    for wheel in (
+        "nvidia-cuda-runtime",
+        "nvidia-cuda-nvrtc",
+        "nvidia-cudnn-cu13",
+        "nvidia-cufft",
+        "nvidia-curand",
+        "nvidia-nvjitlink",
+    ):
         assert wheel in pins, wheel

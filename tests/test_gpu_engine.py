@@ -29,11 +29,22 @@ GiB = 1 << 30
 class FakeLibrary:
     """Answers the few driver and NVML calls the probe makes, through ctypes byref()s."""
 
-    def __init__(self, *, version: int, devices: int = 1, memory: int = 141 * GiB,
-                 release: str = "580.65.06", init: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        version: int,
+        devices: int = 1,
+        memory: int = 141 * GiB,
+        release: str = "580.65.06",
+        init: int = 0,
+    ) -> None:
         self.version, self.devices, self.memory, self.release, self.init = (
-            version, devices, memory, release, init
-        )  # fmt: skip
+            version,
+            devices,
+            memory,
+            release,
+            init,
+        )
 
     @staticmethod
     def _set(ref: Any, value: int) -> None:
@@ -96,8 +107,10 @@ def test_a_new_enough_driver_is_usable_and_reports_memory() -> None:
     probe = cuda.probe_driver(loader(FakeLibrary(version=13000)))
     assert probe.usable
     assert (probe.driver_cuda_version, probe.devices, probe.total_memory_bytes) == (
-        13000, 1, 141 * GiB
-    )  # fmt: skip
+        13000,
+        1,
+        141 * GiB,
+    )
     assert probe.describe() == "NVIDIA driver 580.65.06, CUDA 13.0 driver API, 1 device(s)"
 
 
@@ -262,8 +275,11 @@ def test_warm_up_runs_on_every_compute_thread() -> None:
     seen: list[str] = []
 
     async def scenario() -> None:
-        batcher = Batcher(BatchLimits(max_batch_size=4, max_queue_delay_s=0, max_queue_size=8,
-                                      max_inflight_batches=3))  # fmt: skip
+        batcher = Batcher(
+            BatchLimits(
+                max_batch_size=4, max_queue_delay_s=0, max_queue_size=8, max_inflight_batches=3
+            )
+        )
         await batcher.on_every_thread(lambda: seen.append(threading.current_thread().name))
         await batcher.stop()
 
@@ -279,8 +295,9 @@ def test_gpu_memory_is_shared_over_the_sessions_found(small_export: ExportResult
     assert onnx_model.count_sessions([files], "auto", CPU) == 2
     assert onnx_model.count_sessions([files, files], "off", CUDA) == 4
     probe = lambda: cuda.probe_driver(loader(FakeLibrary(version=13000, memory=100 * GiB)))  # noqa: E731
-    options = cuda.cuda_options_for([CUDA, CPU], tf32=False, memory_fraction=0.8, sessions=4,
-                                    probe=probe)  # fmt: skip
+    options = cuda.cuda_options_for(
+        [CUDA, CPU], tf32=False, memory_fraction=0.8, sessions=4, probe=probe
+    )
     assert options == CudaOptions(use_tf32=False, gpu_mem_limit_bytes=20 * GiB)
     assert cuda.cuda_options_for([CPU], tf32=True, memory_fraction=0.8, sessions=4) is None
 

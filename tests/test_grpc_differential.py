@@ -102,8 +102,13 @@ class Raw:
     ) -> Answer:
         """end: the body ends the client's half of the call (else the call stays open)."""
         stream = self.conn.get_next_available_stream_id()
-        request = [(":method", "POST"), (":scheme", "http"), (":path", path),
-                   (":authority", "127.0.0.1"), ("content-type", "application/grpc")]  # fmt: skip
+        request = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", "127.0.0.1"),
+            ("content-type", "application/grpc"),
+        ]
         if te is not None:
             request.append(("te", te))
         self.conn.send_headers(stream, [*request, *headers])
@@ -122,8 +127,11 @@ class Raw:
     def _send(self, stream: int, unsent: memoryview, end: bool) -> memoryview:
         """What the flow-control windows let out of unsent; the rest."""
         while unsent:
-            room = min(self.conn.local_flow_control_window(stream), len(unsent),
-                       self.conn.max_outbound_frame_size)  # fmt: skip
+            room = min(
+                self.conn.local_flow_control_window(stream),
+                len(unsent),
+                self.conn.max_outbound_frame_size,
+            )
             if room <= 0:
                 break  # the server's window update comes with the next events
             last = end and room == len(unsent)
@@ -229,8 +237,12 @@ def test_the_compressed_flag_in_a_call_with_no_encoding_leaves_the_stream_going(
     the flag are, and every message after it is read and answered (the gateway used to stop
     reading its stream there, and end it OK)."""
     port = plain_server.grpc_port
-    body = (framed(attend("a")) + framed(attend("b"), flag=1)
-            + framed(gzip.compress(attend("c")), flag=1) + framed(attend("d")))  # fmt: skip
+    body = (
+        framed(attend("a"))
+        + framed(attend("b"), flag=1)
+        + framed(gzip.compress(attend("c")), flag=1)
+        + framed(attend("d"))
+    )
     answer = call(port, ATTEND_STREAM, body)
     assert answer.code == 0, answer
     replies = [pb.AttendStreamResponse.FromString(m) for m in answer.messages()]
@@ -416,8 +428,12 @@ def test_answers_advertise_the_encodings_the_server_takes(
         assert answer.headers.get("grpc-accept-encoding") == accepted, answer
         for encoding in ("gzip", "deflate"):
             compressed = gzip.compress(attend()) if encoding == "gzip" else attend()
-            answer = call(port, ATTEND, framed(compressed, flag=int(encoding == "gzip")),
-                          headers=[("grpc-encoding", encoding)])  # fmt: skip
+            answer = call(
+                port,
+                ATTEND,
+                framed(compressed, flag=int(encoding == "gzip")),
+                headers=[("grpc-encoding", encoding)],
+            )
             if server is plain_server:
                 assert answer.code == UNIMPLEMENTED, (encoding, answer)
                 assert f"'{encoding}' is disabled" in answer.message, answer

@@ -110,17 +110,41 @@ def test_non_finite_bert_weight_is_refused_by_name(tmp_path: Path, tiny) -> None
 def test_cli_exports_a_bert_layer(tmp_path: Path, tiny) -> None:
     folder, _ = tiny
     done = subprocess.run(
-        [sys.executable, "-m", "export", "--name", "bert", "--hf-model", str(folder),
-         "--hf-layer", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "export",
+            "--name",
+            "bert",
+            "--hf-model",
+            str(folder),
+            "--hf-layer",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "d=32 h=4" in done.stdout
     assert "parity vs the source BERT block (float64)" in done.stdout
     clash = subprocess.run(
-        [sys.executable, "-m", "export", "--hf-model", str(folder), "--embed-dim", "64",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "export",
+            "--hf-model",
+            str(folder),
+            "--embed-dim",
+            "64",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert clash.returncode == 2
     assert "reads d and h from its config.json" in clash.stderr
 

@@ -36,8 +36,13 @@ def _render(entry: str) -> list[dict]:
 def _rendered(entry: str) -> list[dict]:
     kubectl = shutil.which("kubectl")
     if kubectl:
-        done = subprocess.run([kubectl, "kustomize", str(K8S / entry)], capture_output=True,
-                              text=True, timeout=60, check=False)  # fmt: skip
+        done = subprocess.run(
+            [kubectl, "kustomize", str(K8S / entry)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
     config = yaml.safe_load((K8S / entry / "kustomization.yaml").read_text())

@@ -12,8 +12,15 @@ from service.worker.batching.live_caps import EXPLORE_EVERY, LiveCaps
 MAX = 32
 
 
-def _run(caps: LiveCaps, cost_per_seq: Callable[[int], float], batches: int, *,
-         noise: float = 0.0, seq: int = 100, seed: int = 0) -> list[int]:  # fmt: skip
+def _run(
+    caps: LiveCaps,
+    cost_per_seq: Callable[[int], float],
+    batches: int,
+    *,
+    noise: float = 0.0,
+    seq: int = 100,
+    seed: int = 0,
+) -> list[int]:
     """Batches as a busy queue forms them (always full to the cap in force); the sizes run."""
     rng = random.Random(seed)
     sizes = []

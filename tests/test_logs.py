@@ -51,8 +51,15 @@ def test_json_lines_carry_the_fields_and_the_request_id() -> None:
 def test_an_undecodable_header_value_grpc_logs_is_never_shown(format_name: str) -> None:
     """gRPC's Python layer logs a metadata value that is not UTF-8; a key, one stray byte
     apart, must not reach the log."""
-    record = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, __file__, 1,
-                               "Invalid encoding on %s", (b"secret-key\xff",), None)  # fmt: skip
+    record = logging.LogRecord(
+        "grpc._cython.cygrpc",
+        logging.ERROR,
+        __file__,
+        1,
+        "Invalid encoding on %s",
+        (b"secret-key\xff",),
+        None,
+    )
     line = LineFormatter("frontend-0", format_name).format(record)
     assert "secret-key" not in line
     assert logs.HIDDEN_HEADER in line
@@ -86,8 +93,14 @@ def test_the_settings_file_bytes_the_gateway_reads() -> None:
     """tests/golden/log-settings.json is read by the Go gateway's tests too."""
     assert LogState("DEBUG", "json").to_json() == GOLDEN.read_bytes()
     assert LogState.from_json(GOLDEN.read_bytes()) == LogState("DEBUG", "json")
-    for broken in (b"", b"{", b"[]", b'{"level": "LOUD", "format": "json"}',
-                   b'{"level": "INFO", "format": "xml"}', b'{"level": "INFO"}'):  # fmt: skip
+    for broken in (
+        b"",
+        b"{",
+        b"[]",
+        b'{"level": "LOUD", "format": "json"}',
+        b'{"level": "INFO", "format": "xml"}',
+        b'{"level": "INFO"}',
+    ):
         assert LogState.from_json(broken) is None
 
 
@@ -157,17 +170,25 @@ INFO_TEXT = LogState("INFO", "text")
 
 @pytest.mark.parametrize(
     ("level", "info", "warning", "error", "verbose"),
-    [("DEBUG", True, True, True, 1), ("INFO", True, True, True, 0),
-     ("WARNING", False, True, True, 0), ("ERROR", False, False, True, 0),
-     ("OFF", False, False, False, 0)],
-)  # fmt: skip
+    [
+        ("DEBUG", True, True, True, 1),
+        ("INFO", True, True, True, 0),
+        ("WARNING", False, True, True, 0),
+        ("ERROR", False, False, True, 0),
+        ("OFF", False, False, False, 0),
+    ],
+)
 def test_levels_as_tritons_switches(
     level: str, info: bool, warning: bool, error: bool, verbose: int
 ) -> None:
     assert triton_view(LogState(level, "json")) == {
-        "log_file": "", "log_info": info, "log_warning": warning, "log_error": error,
-        "log_verbose_level": verbose, "log_format": "json",
-    }  # fmt: skip
+        "log_file": "",
+        "log_info": info,
+        "log_warning": warning,
+        "log_error": error,
+        "log_verbose_level": verbose,
+        "log_format": "json",
+    }
 
 
 @pytest.mark.parametrize(
@@ -195,10 +216,14 @@ def test_tritons_switches_move_the_threshold(
 
 @pytest.mark.parametrize(
     ("changes", "format_name"),
-    [({"log_format": "json"}, "json"), ({"log_format": "text"}, "text"),
-     ({"log_format": "default"}, "text"), ({"log_format": "ISO8601"}, "text"),
-     ({"log_file": ""}, "json")],
-)  # fmt: skip
+    [
+        ({"log_format": "json"}, "json"),
+        ({"log_format": "text"}, "text"),
+        ({"log_format": "default"}, "text"),
+        ({"log_format": "ISO8601"}, "text"),
+        ({"log_file": ""}, "json"),
+    ],
+)
 def test_formats_and_the_log_file(changes: dict[str, object], format_name: str) -> None:
     assert updated(LogState("INFO", "json"), changes).format == format_name
 
@@ -229,8 +254,10 @@ def test_settings_as_tritons_protobuf_messages() -> None:
     request.settings["log_verbose_level"].uint32_param = 0
     request.settings["log_format"].string_param = "json"
     assert log_settings.from_proto(request) == {
-        "log_info": False, "log_verbose_level": 0, "log_format": "json"
-    }  # fmt: skip
+        "log_info": False,
+        "log_verbose_level": 0,
+        "log_format": "json",
+    }
     request.settings["log_error"]  # named, without a value
     with pytest.raises(InvalidInput, match="'log_error' has no value"):
         log_settings.from_proto(request)

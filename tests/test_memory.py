@@ -43,8 +43,14 @@ def test_a_burst_of_maximum_requests_is_refused_by_bytes(small_only: Path) -> No
     are refused at once with RESOURCE_EXHAUSTED naming the bound; nothing is lost. The front
     end's shared memory holds all ten (inputs and answers: 80 MiB), so the queue's bound is
     the one that refuses, however soon the worker's refusals come back."""
-    server = ServerProcess(small_only, *PARKED, "--max-queue-bytes", str(10 * MIB),
-                           "--shared-memory-bytes", str(128 * MIB))  # fmt: skip
+    server = ServerProcess(
+        small_only,
+        *PARKED,
+        "--max-queue-bytes",
+        str(10 * MIB),
+        "--shared-memory-bytes",
+        str(128 * MIB),
+    )
     request = _request("small", (32, 512, 64))
     options = [("grpc.max_receive_message_length", 64 * MIB)]  # 4 MiB answers and more
     with server, grpc.insecure_channel(server.target, options=options) as channel:

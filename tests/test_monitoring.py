@@ -46,8 +46,13 @@ def _need(binary: str | None, name: str) -> str:
 def _promtool(*args: str, cwd: Path = ROOT, stdin: str | None = None) -> str:
     done = subprocess.run(
         [_need(PROMTOOL, "promtool"), *args],
-        cwd=cwd, input=stdin, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, f"promtool {' '.join(args)}:\n{done.stdout}{done.stderr}"
     return done.stdout
 
@@ -99,8 +104,11 @@ def _autoscaling_queries() -> list[str]:
     queries = []
     for rule in yaml.safe_load(config["data"]["config.yaml"])["rules"]:
         series = rule["seriesQuery"].split("{")[0].strip("'")
-        fill = {"<<.Series>>": series, "<<.LabelMatchers>>": 'job="attention"',
-                "<<.GroupBy>>": "instance"}  # fmt: skip
+        fill = {
+            "<<.Series>>": series,
+            "<<.LabelMatchers>>": 'job="attention"',
+            "<<.GroupBy>>": "instance",
+        }
         query = rule["metricsQuery"]
         for template, value in fill.items():
             query = query.replace(template, value)
@@ -123,10 +131,15 @@ def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) 
     )
     address = f"127.0.0.1:{free_port()}"
     process = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-         f"--web.listen-address={address}"],
-        stdout=subprocess.DEVNULL, stderr=(folder / "log").open("w"),
-    )  # fmt: skip
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address={address}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(folder / "log").open("w"),
+    )
     try:
         # Ready before the first query: on a busy machine it took longer than the test's
         # first promtool call, which then failed with "connection refused".

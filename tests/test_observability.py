@@ -32,8 +32,16 @@ D = 32
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     repository = tmp_path_factory.mktemp("models")
     run_export(ExportRequest(name="tiny", embed_dim=D, num_heads=2, out=repository))
-    flags = ("--frontends", "2", "--log-format", "json", "--default-model", "tiny",
-             "--restricted-api", f"logging:{KEY_HEADER}={KEY}")  # fmt: skip
+    flags = (
+        "--frontends",
+        "2",
+        "--log-format",
+        "json",
+        "--default-model",
+        "tiny",
+        "--restricted-api",
+        f"logging:{KEY_HEADER}={KEY}",
+    )
     with ServerProcess(
         repository, *flags, env={"ATTENTION_GRPC_GATEWAY": "on"}, http=True
     ) as process:
@@ -84,8 +92,17 @@ def _rest(
 
 def _infer_rest(server: ServerProcess, request_id: str = "") -> None:
     data = np.ones((1, 4, D), np.float32)
-    body = {"id": request_id, "inputs": [{"name": "embeddings", "shape": list(data.shape),
-                                          "datatype": "FP32", "data": data.ravel().tolist()}]}  # fmt: skip
+    body = {
+        "id": request_id,
+        "inputs": [
+            {
+                "name": "embeddings",
+                "shape": list(data.shape),
+                "datatype": "FP32",
+                "data": data.ravel().tolist(),
+            }
+        ],
+    }
     status, answer = _rest(server, "/v2/models/tiny/infer", body)
     assert status == 200, answer
 
@@ -120,8 +137,14 @@ def test_a_level_set_through_v2_logging_reaches_the_worker_and_the_gateways(
 ) -> None:
     status, settings = _rest(server, "/v2/logging", headers=WITH_KEY)
     assert status == 200, settings
-    assert settings == {"log_file": "", "log_info": True, "log_warning": True,
-                        "log_error": True, "log_verbose_level": 0, "log_format": "json"}  # fmt: skip
+    assert settings == {
+        "log_file": "",
+        "log_info": True,
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,
+        "log_format": "json",
+    }
     start = len(server.lines)
     status, settings = _rest(server, "/v2/logging", {"log_verbose_level": 1}, WITH_KEY)
     assert status == 200, settings
@@ -137,10 +160,15 @@ def test_a_level_set_through_v2_logging_reaches_the_worker_and_the_gateways(
         return seen
 
     # Each process says when it has taken a change (a quick second change may overtake one).
-    _wait("every process to take DEBUG", lambda: _took(server, start, "DEBUG") >= ROLES,
-          lambda: f"only {_took(server, start, 'DEBUG')} did")  # fmt: skip
-    _wait("DEBUG lines from the worker, a gateway and a front end",
-          debug_from("worker", "gateway-", "frontend-"))  # fmt: skip
+    _wait(
+        "every process to take DEBUG",
+        lambda: _took(server, start, "DEBUG") >= ROLES,
+        lambda: f"only {_took(server, start, 'DEBUG')} did",
+    )
+    _wait(
+        "DEBUG lines from the worker, a gateway and a front end",
+        debug_from("worker", "gateway-", "frontend-"),
+    )
 
     # Inside a request a line carries what is known of it: the gateway the caller's trace
     # id, the front end the request's id.
@@ -160,15 +188,17 @@ def test_a_level_set_through_v2_logging_reaches_the_worker_and_the_gateways(
     assert settings["log_verbose_level"] == 0
     assert settings["log_info"]
     # None logs DEBUG after saying it has taken INFO.
-    _wait("every process to take INFO", lambda: _took(server, start, "INFO") >= ROLES,
-          lambda: f"only {_took(server, start, 'INFO')} did")  # fmt: skip
+    _wait(
+        "every process to take INFO",
+        lambda: _took(server, start, "INFO") >= ROLES,
+        lambda: f"only {_took(server, start, 'INFO')} did",
+    )
     _infer_grpc(server, calls=3)
     _infer_rest(server, request_id="log-test-8")
     # A line written after those calls were answered: whatever they logged is before it.
     marker = len(server.lines)
     _rest(server, "/v2/logging", {"log_info": True}, WITH_KEY)
-    _wait("the marker line", lambda: any("set by" in r["message"]
-                                         for r in _lines(server, marker)))  # fmt: skip
+    _wait("the marker line", lambda: any("set by" in r["message"] for r in _lines(server, marker)))
     since: dict[str, bool] = {}
     for record in _lines(server, start):
         if record["message"].startswith("log settings") and "level INFO" in record["message"]:

@@ -93,11 +93,28 @@ def test_client_plots_and_saves_what_the_server_returned(
     png, npz = tmp_path / "weights.png", tmp_path / "answer.npz"
     with ServerProcess(model_repository, "--batch-cap-budget-s", "0") as server:
         done = subprocess.run(
-            [sys.executable, "-m", "service.client", "--target", server.target, "--model",
-             "small", "--seq", "6", "--weights", "--plot", str(png), "--save", str(npz),
-             "--tokens", "a b c d e f"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "service.client",
+                "--target",
+                server.target,
+                "--model",
+                "small",
+                "--seq",
+                "6",
+                "--weights",
+                "--plot",
+                str(png),
+                "--save",
+                str(npz),
+                "--tokens",
+                "a b c d e f",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     assert "wrote" in done.stdout
     saved = np.load(npz)
     assert saved["output"].shape == (6, 64)
@@ -117,7 +134,9 @@ def test_client_plots_and_saves_what_the_server_returned(
 def test_client_refuses_plot_without_weights() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "service.client", "--plot", "x.png"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 2
     assert "add --weights" in done.stderr

@@ -40,10 +40,15 @@ def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) 
     )
     address = f"127.0.0.1:{free_port()}"
     process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-         f"--web.listen-address={address}"],
-        stdout=subprocess.DEVNULL, stderr=(folder / "log").open("w"),
-    )  # fmt: skip
+        [
+            PROMETHEUS,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address={address}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(folder / "log").open("w"),
+    )
     try:
         yield f"http://{address}"
     finally:

@@ -34,8 +34,14 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repository: Path) -> Iterator[ServerProcess]:
-    flags = ("--default-model", "small", "--max-batch-size", str(MAX_BATCH),
-             "--max-seq-len", str(MAX_SEQ))  # fmt: skip
+    flags = (
+        "--default-model",
+        "small",
+        "--max-batch-size",
+        str(MAX_BATCH),
+        "--max-seq-len",
+        str(MAX_SEQ),
+    )
     with ServerProcess(repository, *flags, http=True) as process:
         yield process
     assert process.process.returncode == 0, process.log
@@ -74,8 +80,11 @@ def test_health_metadata_config_stats_and_repository(
     assert not http.is_model_ready("small", "9")
     assert not http.is_model_ready("nope")
     assert http.get_server_metadata()["extensions"] == [
-        "model_configuration", "statistics", "model_repository", "logging",
-    ]  # fmt: skip
+        "model_configuration",
+        "statistics",
+        "model_repository",
+        "logging",
+    ]
     metadata = http.get_model_metadata("small")
     assert metadata["inputs"] == [{"name": "embeddings", "datatype": "FP32", "shape": [-1, -1, D]}]
     config = http.get_model_config("small")
@@ -96,8 +105,10 @@ def test_tritonclient_http_infers_as_torch_and_grpc(
     x = _embeddings(2, 7)
     tensor = triton_http.InferInput("embeddings", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x, binary_data=binary)
-    outputs = [triton_http.InferRequestedOutput(name, binary_data=binary)
-               for name in ("output", "attention_weights")]  # fmt: skip
+    outputs = [
+        triton_http.InferRequestedOutput(name, binary_data=binary)
+        for name in ("output", "attention_weights")
+    ]
     result = http.infer("small", [tensor], outputs=outputs, request_id="r-1")
     expected_output, expected_weights = attend_alone(layer_for(D, H), x)
     np.testing.assert_allclose(result.as_numpy("output"), expected_output, atol=1e-4)
@@ -122,10 +133,19 @@ def test_weights_only_when_listed_in_outputs(http: triton_http.InferenceServerCl
 
 def test_plain_json_body_with_versioned_path(server: ServerProcess) -> None:
     x = _embeddings(1, 3)
-    body = {"inputs": [{"name": "embeddings", "shape": list(x.shape), "datatype": "FP32",
-                        "data": x.ravel().tolist()}]}  # fmt: skip
-    status, headers, raw = _post(server, "/v2/models/small/versions/1/infer",
-                                 json.dumps(body).encode())  # fmt: skip
+    body = {
+        "inputs": [
+            {
+                "name": "embeddings",
+                "shape": list(x.shape),
+                "datatype": "FP32",
+                "data": x.ravel().tolist(),
+            }
+        ]
+    }
+    status, headers, raw = _post(
+        server, "/v2/models/small/versions/1/infer", json.dumps(body).encode()
+    )
     assert status == 200
     assert headers["Content-Type"].startswith("application/json")
     answer = json.loads(raw)
@@ -149,26 +169,42 @@ BAD_BODIES = [
     (b"{bad", "not valid JSON"),
     (b"[1, 2]", "expected a JSON object"),
     (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests arrays or objects too deeply"),
-    (b'{"inputs": [{"name": "embeddings", "shape": [1, 2, 64], "datatype": "FP32",'
-     b' "data": [1.0, 2.0]}]}', "data has 2 values; shape [1, 2, 64] needs 128"),
-    (b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 64], "datatype": "FP32",'
-     b' "data": [true]}]}', "booleans"),
-    (b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 2], "datatype": "FP32",'
-     b' "data": [1.0, 2.0]}]}', "expects d=64"),
-    (b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 64], "datatype": "FP32",'
-     b' "data": [' + b",".join([b"0.5"] * 64) + b']}], "outputs": [{"name": "logits"}]}',
-     "outputs are ['output', 'attention_weights']"),
-    (b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 64], "datatype": "FP32",'
-     b' "data": [' + b",".join([b"0.5"] * 64) + b']}], "parameters": {"priority": 1}}',
-     "parameter 'priority'"),
+    (
+        b'{"inputs": [{"name": "embeddings", "shape": [1, 2, 64], "datatype": "FP32",'
+        b' "data": [1.0, 2.0]}]}',
+        "data has 2 values; shape [1, 2, 64] needs 128",
+    ),
+    (
+        b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 64], "datatype": "FP32",'
+        b' "data": [true]}]}',
+        "booleans",
+    ),
+    (
+        b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 2], "datatype": "FP32",'
+        b' "data": [1.0, 2.0]}]}',
+        "expects d=64",
+    ),
+    (
+        b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 64], "datatype": "FP32",'
+        b' "data": [' + b",".join([b"0.5"] * 64) + b']}], "outputs": [{"name": "logits"}]}',
+        "outputs are ['output', 'attention_weights']",
+    ),
+    (
+        b'{"inputs": [{"name": "embeddings", "shape": [1, 1, 64], "datatype": "FP32",'
+        b' "data": [' + b",".join([b"0.5"] * 64) + b']}], "parameters": {"priority": 1}}',
+        "parameter 'priority'",
+    ),
     (b'{"inputs": "embeddings"}', "inputs is"),
     (b'{"id": "a\\ud800b", "inputs": []}', "id holds a lone UTF-16 surrogate at character 1"),
     (b'{"inputs": [{"name": "\\udfff", "shape": [1], "datatype": "FP32"}]}', "lone UTF-16"),
     (b'{"parameters": {"\\ud800": 1}, "inputs": []}', "request parameter name holds"),
     (b'{"parameters": {"x": "\\ud800"}, "inputs": []}', "request parameter 'x' holds"),
-    (b'{"inputs": [{"name": "embeddings", "shape": [1, 99, 64], "datatype": "FP32",'
-     b' "parameters": {"binary_data_size": 4}}]}', "binary_data_size is 4, but only 0 bytes"),
-]  # fmt: skip
+    (
+        b'{"inputs": [{"name": "embeddings", "shape": [1, 99, 64], "datatype": "FP32",'
+        b' "parameters": {"binary_data_size": 4}}]}',
+        "binary_data_size is 4, but only 0 bytes",
+    ),
+]
 
 
 @pytest.mark.parametrize(("body", "says"), BAD_BODIES)
@@ -183,11 +219,25 @@ def test_bad_bodies_get_400_with_a_json_error(
 
 def test_binary_extension_header_checked(server: ServerProcess) -> None:
     x = _embeddings(1, 2)
-    header = json.dumps({"inputs": [{"name": "embeddings", "shape": [1, 2, D], "datatype": "FP32",
-                                     "parameters": {"binary_data_size": x.nbytes}}],
-                         "parameters": {"binary_data_output": True}}).encode()  # fmt: skip
-    status, headers, raw = _post(server, "/v2/models/small/infer", header + x.tobytes(),
-                                 {"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "embeddings",
+                    "shape": [1, 2, D],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    status, headers, raw = _post(
+        server,
+        "/v2/models/small/infer",
+        header + x.tobytes(),
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
     assert status == 200
     json_length = int(headers["Inference-Header-Content-Length"])
     answer = json.loads(raw[:json_length])
@@ -195,12 +245,17 @@ def test_binary_extension_header_checked(server: ServerProcess) -> None:
     expected, _ = attend_alone(layer_for(D, H), x)
     got = np.frombuffer(raw[json_length:], "<f4").reshape(1, 2, D)
     np.testing.assert_allclose(got, expected, atol=1e-4)
-    status, _, raw = _post(server, "/v2/models/small/infer", header + x.tobytes() + b"xx",
-                           {"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
+    status, _, raw = _post(
+        server,
+        "/v2/models/small/infer",
+        header + x.tobytes() + b"xx",
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
     assert status == 400
     assert "2 bytes of binary data" in _json_error(status, raw)
-    status, _, raw = _post(server, "/v2/models/small/infer", header,
-                           {"Inference-Header-Content-Length": "abc"})  # fmt: skip
+    status, _, raw = _post(
+        server, "/v2/models/small/infer", header, {"Inference-Header-Content-Length": "abc"}
+    )
     assert status == 400
     assert "Inference-Header-Content-Length is 'abc'" in _json_error(status, raw)
 
@@ -210,10 +265,15 @@ def test_codes_from_the_error_table(server: ServerProcess) -> None:
     assert status == 404
     assert "unknown model 'nope'" in _json_error(status, raw)
     too_long = _embeddings(1, MAX_SEQ + 1)
-    tensor = {"name": "embeddings", "shape": list(too_long.shape), "datatype": "FP32",
-              "data": too_long.ravel().tolist()}  # fmt: skip
-    status, _, raw = _post(server, "/v2/models/small/infer",
-                           json.dumps({"inputs": [tensor]}).encode())  # fmt: skip
+    tensor = {
+        "name": "embeddings",
+        "shape": list(too_long.shape),
+        "datatype": "FP32",
+        "data": too_long.ravel().tolist(),
+    }
+    status, _, raw = _post(
+        server, "/v2/models/small/infer", json.dumps({"inputs": [tensor]}).encode()
+    )
     assert status == 400
     assert str(MAX_SEQ) in _json_error(status, raw)
     status, _, raw = _post(server, "/v2/repository/models/small/load", b"{}")

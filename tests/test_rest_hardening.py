@@ -39,11 +39,15 @@ INFER = "/v2/models/mha/infer"
 @pytest.fixture(scope="module")
 def server(mha_repository: Path) -> Iterator[ServerProcess]:
     flags = (
-        "--max-json-request-bytes", str(JSON_REQUEST_BOUND),
-        "--max-connection-idle-s", str(IDLE_S),
-        "--http-header-timeout-s", str(HEADER_TIMEOUT_S),
-        "--restricted-api", f"metadata:{HEADER}={SECRET}",
-    )  # fmt: skip
+        "--max-json-request-bytes",
+        str(JSON_REQUEST_BOUND),
+        "--max-connection-idle-s",
+        str(IDLE_S),
+        "--http-header-timeout-s",
+        str(HEADER_TIMEOUT_S),
+        "--restricted-api",
+        f"metadata:{HEADER}={SECRET}",
+    )
     with ServerProcess(mha_repository, *flags, http=True) as process:
         yield process
     assert process.process.returncode == 0, process.log
@@ -149,11 +153,19 @@ class PeakMemory:
 def _binary_infer(n: int, outputs: list[str]) -> tuple[bytes, dict[str, str]]:
     """A legal infer body: [n, 512, 512] as a binary tensor, outputs asked for as JSON."""
     x = np.random.default_rng(n).standard_normal((n, 512, D), dtype=np.float32)
-    header = json.dumps({
-        "inputs": [{"name": "embeddings", "shape": list(x.shape), "datatype": "FP32",
-                    "parameters": {"binary_data_size": x.nbytes}}],
-        "outputs": [{"name": name} for name in outputs],
-    }).encode()  # fmt: skip
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "embeddings",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ],
+            "outputs": [{"name": name} for name in outputs],
+        }
+    ).encode()
     return header + x.tobytes(), {"Inference-Header-Content-Length": str(len(header))}
 
 
@@ -161,9 +173,12 @@ def _json_infer(shape: list[int]) -> bytes:
     """An infer body of JSON numbers only ("0.5," each): ~4 bytes a value."""
     data = b"[" + b",".join([b"0.5"] * int(np.prod(shape))) + b"]"
     return (
-        b'{"inputs":[{"name":"embeddings","shape":' + json.dumps(shape).encode()
-        + b',"datatype":"FP32","data":' + data + b'}],"parameters":{"binary_data_output":true}}'
-    )  # fmt: skip
+        b'{"inputs":[{"name":"embeddings","shape":'
+        + json.dumps(shape).encode()
+        + b',"datatype":"FP32","data":'
+        + data
+        + b'}],"parameters":{"binary_data_output":true}}'
+    )
 
 
 # -- item 2: JSON answers and bodies, bounded and coded off the event loop -------------------
@@ -250,9 +265,7 @@ def test_nested_and_ragged_json_data(server: ServerProcess) -> None:
     """Data decoded in pieces reads as it did whole: nested rows, and ragged ones refused."""
     x = np.random.default_rng(3).standard_normal((2, 3, D)).astype(np.float32)
     tensor = {"name": "embeddings", "shape": [2, 3, D], "datatype": "FP32", "data": x.tolist()}
-    status, _, raw = _request(
-        server, "POST", INFER, json.dumps({"inputs": [tensor]}).encode()
-    )  # fmt: skip
+    status, _, raw = _request(server, "POST", INFER, json.dumps({"inputs": [tensor]}).encode())
     assert status == 200, raw[:300]
     flat = dict(tensor, data=x.ravel().tolist())
     _, _, flat_raw = _request(server, "POST", INFER, json.dumps({"inputs": [flat]}).encode())
@@ -260,7 +273,7 @@ def test_nested_and_ragged_json_data(server: ServerProcess) -> None:
     ragged = dict(tensor, data=[x[0].tolist(), x[1, :2].tolist()])
     status, headers, raw = _request(
         server, "POST", INFER, json.dumps({"inputs": [ragged]}).encode()
-    )  # fmt: skip
+    )
     assert status == 400
     assert "not a regular array" in _error(headers, raw)
 
@@ -270,13 +283,22 @@ def test_nested_and_ragged_json_data(server: ServerProcess) -> None:
 HUGE = "9" * 5000  # json.loads and int() refuse more than 4300 digits with a bare ValueError
 HUGE_INTEGERS = [
     ("POST", INFER, '{"id": ' + HUGE + ', "inputs": []}', {}),
-    ("POST", INFER, '{"inputs": [{"name": "embeddings", "shape": [1, 1, 512], '
-                    '"datatype": "FP32", "data": [' + HUGE + "]}]}", {}),
-    ("POST", "/v2/systemsharedmemory/region/r/register",
-     '{"key": "/k", "offset": ' + HUGE + ', "byte_size": 4}', {}),
+    (
+        "POST",
+        INFER,
+        '{"inputs": [{"name": "embeddings", "shape": [1, 1, 512], '
+        '"datatype": "FP32", "data": [' + HUGE + "]}]}",
+        {},
+    ),
+    (
+        "POST",
+        "/v2/systemsharedmemory/region/r/register",
+        '{"key": "/k", "offset": ' + HUGE + ', "byte_size": 4}',
+        {},
+    ),
     ("POST", "/v2/repository/index", '{"ready": ' + HUGE + "}", {}),
     ("POST", INFER, '{"inputs": []}', {"Inference-Header-Content-Length": HUGE}),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -296,8 +318,9 @@ def test_integers_past_the_digit_limit_are_400(
 
 def test_a_register_offset_past_64_bits_is_400(server: ServerProcess) -> None:
     body = json.dumps({"key": "/k", "offset": 1 << 64, "byte_size": 4}).encode()
-    status, headers, raw = _request(server, "POST", "/v2/systemsharedmemory/region/r/register",
-                                    body)  # fmt: skip
+    status, headers, raw = _request(
+        server, "POST", "/v2/systemsharedmemory/region/r/register", body
+    )
     assert status == 400
     assert "offset, an integer from 0 to" in _error(headers, raw)
 
@@ -443,18 +466,34 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout(server: ServerProce
 
 MARK = "EchoMark"  # must not come back in an answer
 PARSER_REFUSALS = [
-    ("both-lengths", 400, f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
-                          f"Transfer-Encoding: chunked\r\nX-{MARK}: 1\r\n\r\n0\r\n\r\n"),
-    ("two-lengths", 400, f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
-                         f"Content-Length: 2\r\nX-{MARK}: 1\r\n\r\n{{}}"),
+    (
+        "both-lengths",
+        400,
+        f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+        f"Transfer-Encoding: chunked\r\nX-{MARK}: 1\r\n\r\n0\r\n\r\n",
+    ),
+    (
+        "two-lengths",
+        400,
+        f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        f"Content-Length: 2\r\nX-{MARK}: 1\r\n\r\n{{}}",
+    ),
     ("long-header", 431, f"GET /v2 HTTP/1.1\r\nHost: x\r\nX-{MARK}: {'h' * 9000}\r\n\r\n"),
-    ("many-headers", 431, "GET /v2 HTTP/1.1\r\nHost: x\r\n"
-                          + "".join(f"X-{MARK}-{i}: 1\r\n" for i in range(200)) + "\r\n"),
+    (
+        "many-headers",
+        431,
+        "GET /v2 HTTP/1.1\r\nHost: x\r\n"
+        + "".join(f"X-{MARK}-{i}: 1\r\n" for i in range(200))
+        + "\r\n",
+    ),
     ("long-url", 414, f"GET /v2/models/{MARK}{'u' * 9000} HTTP/1.1\r\nHost: x\r\n\r\n"),
     ("bad-method", 400, f"G{MARK}(T /v2 HTTP/1.1\r\nHost: x\r\n\r\n"),
-    ("unknown-expect", 417, f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
-                            f"Expect: {MARK}\r\n\r\n"),
-]  # fmt: skip
+    (
+        "unknown-expect",
+        417,
+        f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: {MARK}\r\n\r\n",
+    ),
+]
 
 
 def _read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
@@ -519,9 +558,12 @@ def _brotli_bomb(gib: int) -> bytes:
 
 @pytest.mark.parametrize(
     ("method", "path", "status"),
-    [("GET", "/v2/health/live", 200), ("POST", "/v2/nothing-here", 404),
-     ("POST", "/v2/models/mha", 405)],
-)  # fmt: skip
+    [
+        ("GET", "/v2/health/live", 200),
+        ("POST", "/v2/nothing-here", 404),
+        ("POST", "/v2/models/mha", 405),
+    ],
+)
 def test_an_unread_compressed_body_is_never_inflated(
     server: ServerProcess, method: str, path: str, status: int
 ) -> None:
@@ -574,8 +616,13 @@ def test_refused_big_json_bodies_do_not_pile_up_in_memory(server: ServerProcess)
 def _tensor_body(data: bytes, parameters: bytes = b"", outputs: bytes = b"") -> bytes:
     return (
         b'{"inputs":[{"name":"embeddings","shape":[32,512,511],"datatype":"FP32",'
-        + parameters + b'"data":' + data + b"}]" + outputs + b"}"
-    )  # fmt: skip
+        + parameters
+        + b'"data":'
+        + data
+        + b"}]"
+        + outputs
+        + b"}"
+    )
 
 
 def _many(item: bytes, nbytes: int = 16 << 20) -> bytes:
@@ -591,19 +638,33 @@ NUMBER_FREE = [
     ("nulls", lambda: _tensor_body(b"[" + _many(b"null") + b"]"), "without numbers"),
     ("strings", lambda: _tensor_body(b"[" + _many(b'""') + b"]"), "strings"),
     ("objects", lambda: _tensor_body(b"[" + _many(b"{}") + b"]"), "non-numbers"),
-    ("lists-then-numbers", lambda: _tensor_body(b"[" + _many(b"[]") + b",[1]]"),
-     "without numbers"),
-    ("input-parameters", lambda: _tensor_body(b"[0]", b'"parameters":{' + _names(b'"p%07d":1')
-                                              + b"},"), "strings"),
-    ("request-parameters", lambda: b'{"parameters":{' + _names(b'"p%07d":1') + b'},"inputs":[]}',
-     "strings"),
-    ("outputs", lambda: _tensor_body(b"[0]", outputs=b',"outputs":['
-                                     + _many(b'{"name":"output"}') + b"]"), "strings"),
-    ("inputs", lambda: b'{"inputs":[' + _many(b'{"name":"e","shape":[1],"data":[0]}') + b"]}",
-     "strings"),
-    ("shape", lambda: b'{"inputs":[{"name":"e","shape":[' + _many(b"1") + b'],"data":[0]}]}',
-     "at most 64"),
-]  # fmt: skip
+    ("lists-then-numbers", lambda: _tensor_body(b"[" + _many(b"[]") + b",[1]]"), "without numbers"),
+    (
+        "input-parameters",
+        lambda: _tensor_body(b"[0]", b'"parameters":{' + _names(b'"p%07d":1') + b"},"),
+        "strings",
+    ),
+    (
+        "request-parameters",
+        lambda: b'{"parameters":{' + _names(b'"p%07d":1') + b'},"inputs":[]}',
+        "strings",
+    ),
+    (
+        "outputs",
+        lambda: _tensor_body(b"[0]", outputs=b',"outputs":[' + _many(b'{"name":"output"}') + b"]"),
+        "strings",
+    ),
+    (
+        "inputs",
+        lambda: b'{"inputs":[' + _many(b'{"name":"e","shape":[1],"data":[0]}') + b"]}",
+        "strings",
+    ),
+    (
+        "shape",
+        lambda: b'{"inputs":[{"name":"e","shape":[' + _many(b"1") + b'],"data":[0]}]}',
+        "at most 64",
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -630,25 +691,46 @@ INLINE_LIMIT = 64 << 10
 
 
 def _input(parameters: dict[str, object] | None = None) -> dict[str, object]:
-    return {"name": "embeddings", "shape": [1, 1, D], "datatype": "FP32", "data": [0.5] * D,
-            "parameters": parameters or {}}  # fmt: skip
+    return {
+        "name": "embeddings",
+        "shape": [1, 1, D],
+        "datatype": "FP32",
+        "data": [0.5] * D,
+        "parameters": parameters or {},
+    }
 
 
 MANY = {f"p{i}": 1 for i in range(65)}
 COUNTED = [
-    ("request-parameters", INFER, {"parameters": MANY, "inputs": [_input()]},
-     "request parameters has 65 entries"),
+    (
+        "request-parameters",
+        INFER,
+        {"parameters": MANY, "inputs": [_input()]},
+        "request parameters has 65 entries",
+    ),
     ("input-parameters", INFER, {"inputs": [_input(MANY)]}, "parameters has 65 entries"),
     ("inputs", INFER, {"inputs": [_input()] * 65}, "inputs has 65 entries"),
-    ("outputs", INFER, {"inputs": [_input()], "outputs": [{"name": "output"}] * 65},
-     "outputs has 65 entries"),
-    ("output-parameters", INFER, {"inputs": [_input()], "outputs": [{"name": "output",
-     "parameters": MANY}]}, "parameters has 65 entries"),
+    (
+        "outputs",
+        INFER,
+        {"inputs": [_input()], "outputs": [{"name": "output"}] * 65},
+        "outputs has 65 entries",
+    ),
+    (
+        "output-parameters",
+        INFER,
+        {"inputs": [_input()], "outputs": [{"name": "output", "parameters": MANY}]},
+        "parameters has 65 entries",
+    ),
     ("shape", INFER, {"inputs": [dict(_input(), shape=[1] * 65)]}, "shape has 65 entries"),
-    ("load-parameters", "/v2/repository/models/mha/load", {"parameters": MANY},
-     "parameters has 65 entries"),
+    (
+        "load-parameters",
+        "/v2/repository/models/mha/load",
+        {"parameters": MANY},
+        "parameters has 65 entries",
+    ),
     ("log-settings", "/v2/logging", MANY, "request has 65 entries"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -671,8 +753,9 @@ def test_a_key_header_that_is_not_utf8_is_403(server: ServerProcess, value: byte
     """A restricted API's key header holding bytes that are not UTF-8 (aiohttp decodes them
     with surrogateescape) is a wrong key like any other: 403, no 500 and no traceback."""
     with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
-        sock.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\n" + HEADER.encode() + b": " + value
-                     + b"\r\n\r\n")  # fmt: skip
+        sock.sendall(
+            b"GET /v2 HTTP/1.1\r\nHost: x\r\n" + HEADER.encode() + b": " + value + b"\r\n\r\n"
+        )
         status, headers, raw = _read_answer(sock)
     assert status == 403, raw[:300]
     assert "with a wrong value in the header" in _error(headers, raw)
@@ -681,10 +764,13 @@ def test_a_key_header_that_is_not_utf8_is_403(server: ServerProcess, value: byte
 
 @pytest.mark.parametrize(
     "start",
-    [b"Content-Length: 100\r\n\r\n{", b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n",
-     b"Content-Length: 100\r\nExpect: 100-continue\r\n\r\n"],
+    [
+        b"Content-Length: 100\r\n\r\n{",
+        b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n",
+        b"Content-Length: 100\r\nExpect: 100-continue\r\n\r\n",
+    ],
     ids=["short-body", "unfinished-chunks", "expect-then-nothing"],
-)  # fmt: skip
+)
 def test_a_body_that_stops_coming_gets_408(server: ServerProcess, start: bytes) -> None:
     """Headers, then part of a body (or none) and silence: the connection stayed open for
     ever, its handler waiting."""
@@ -720,9 +806,13 @@ def test_a_pipelined_partial_request_gets_408(server: ServerProcess) -> None:
 
 @pytest.mark.parametrize(
     ("parameters", "where"),
-    [({"binary_data_output": "true"}, None), ({"binary_data_output": 1}, None),
-     (None, {"binary_data": "no"}), (None, {"binary_data": 0})],
-)  # fmt: skip
+    [
+        ({"binary_data_output": "true"}, None),
+        ({"binary_data_output": 1}, None),
+        (None, {"binary_data": "no"}),
+        (None, {"binary_data": 0}),
+    ],
+)
 def test_binary_flags_that_are_not_booleans_are_400(
     server: ServerProcess, parameters: dict[str, object] | None, where: dict[str, object] | None
 ) -> None:

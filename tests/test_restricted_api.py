@@ -142,9 +142,11 @@ def restricted(
     key_file = tmp_path_factory.mktemp("secret") / "admin-key"
     key_file.write_text(SECRET)
     flags = (
-        "--model-control-mode", "explicit",
-        "--restricted-api", f"model-repository,inference:{HEADER}=@{key_file}",
-    )  # fmt: skip
+        "--model-control-mode",
+        "explicit",
+        "--restricted-api",
+        f"model-repository,inference:{HEADER}=@{key_file}",
+    )
     with ServerProcess(repository, *flags, http=True) as server:
         assert behind_gateway(server) == (grpc_gateway == "on"), server.log
         yield server
@@ -335,8 +337,10 @@ def test_refusals_are_pythons_word_for_word_and_counted_once(
             continue
         refused += 1
         assert (answer.code, answer.message, answer.messages()) == (
-            PERMISSION_DENIED, message, []
-        ), (name, answer)  # fmt: skip
+            PERMISSION_DENIED,
+            message,
+            [],
+        ), (name, answer)
     assert restricted.wait_metric(DENIALS, before + refused, group="inference") == before + refused
     if pid is not None:
         assert _counted_by(pid, DENIALS, group="inference") == gateway_before + refused

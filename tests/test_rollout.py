@@ -35,8 +35,17 @@ def staging(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Finished versions 1 and 2 (different weights), outside any served repository."""
     root = tmp_path_factory.mktemp("staging")
     for version, seed in SEEDS.items():
-        run_export(ExportRequest(name=NAME, embed_dim=D, num_heads=H, seed=seed, version=version,
-                                 out=root, fused=False))  # fmt: skip
+        run_export(
+            ExportRequest(
+                name=NAME,
+                embed_dim=D,
+                num_heads=H,
+                seed=seed,
+                version=version,
+                out=root,
+                fused=False,
+            )
+        )
     return root
 
 
@@ -172,9 +181,12 @@ def test_publish_under_load_switches_without_a_failure(
     late = [version for sent, _, _, version, _ in load.answers if sent > first_v2]
     assert late
     assert set(late) == {"2"}
-    assert poll_server.metric(
-        "attention_model_load_events_total", model=NAME, action="load", outcome="success"
-    ) == 2  # version 1 at start, version 2 now  # fmt: skip
+    assert (
+        poll_server.metric(
+            "attention_model_load_events_total", model=NAME, action="load", outcome="success"
+        )
+        == 2
+    )  # version 1 at start, version 2 now
     print(
         f"\nROLLOUT publish v2: {len(load.answers) + len(load.failures)} requests, "
         f"{len(load.failures)} failed, {CALLERS} callers; publish -> first v2 answer "
@@ -203,13 +215,19 @@ def test_removing_a_version_under_load_releases_it(
     assert {version for *_, version, _ in load.answers} == {"1", "2"}
     assert index(poll_server.target) == {f"{NAME}/2": ("READY", "")}
     samples = poll_server.metrics()
-    assert not [key for key in samples if key[0] == "attention_model_ready" and
-                ("version", "1") in key[1]]  # fmt: skip
-    assert poll_server.metric(
-        "attention_model_load_events_total", model=NAME, action="unload", outcome="success"
-    ) == 1  # fmt: skip
-    print(f"\nROLLOUT remove v1: {len(load.answers) + len(load.failures)} requests, "
-          f"{len(load.failures)} failed")  # fmt: skip
+    assert not [
+        key for key in samples if key[0] == "attention_model_ready" and ("version", "1") in key[1]
+    ]
+    assert (
+        poll_server.metric(
+            "attention_model_load_events_total", model=NAME, action="unload", outcome="success"
+        )
+        == 1
+    )
+    print(
+        f"\nROLLOUT remove v1: {len(load.answers) + len(load.failures)} requests, "
+        f"{len(load.failures)} failed"
+    )
 
 
 def test_a_broken_version_leaves_the_served_one_serving(
@@ -233,9 +251,12 @@ def test_a_broken_version_leaves_the_served_one_serving(
     state, reason = index(poll_server.target)[f"{NAME}/3"]
     assert state == "UNAVAILABLE"
     assert "ONNX Runtime cannot load it" in reason
-    assert poll_server.metric(
-        "attention_model_load_events_total", model=NAME, action="load", outcome="failure"
-    ) == 1  # fmt: skip
+    assert (
+        poll_server.metric(
+            "attention_model_load_events_total", model=NAME, action="load", outcome="failure"
+        )
+        == 1
+    )
     with AttentionClient(poll_server.target) as client:
         assert [v.version for v in client.get_model(NAME).versions] == ["2", "1"]
 
@@ -254,8 +275,9 @@ def test_unloading_frees_the_sessions_memory(tmp_path: Path) -> None:
     rollout after rollout (load a version, remove it) it does not pile up. How much of one
     version's memory the first removal hands back depends on malloc's caching (fully here,
     ~15 % on another machine), so only the accumulation is asserted."""
-    run_export(ExportRequest(name="big", embed_dim=1024, num_heads=8, version=1, out=tmp_path,
-                             fused=False))  # fmt: skip
+    run_export(
+        ExportRequest(name="big", embed_dim=1024, num_heads=8, version=1, out=tmp_path, fused=False)
+    )
     weights = sum(f.stat().st_size for f in (tmp_path / "big" / "1").glob("*.onnx"))
     with ServerProcess(tmp_path, *POLL) as server:
         pid = worker_pid(server)  # the process that holds the sessions
@@ -270,15 +292,18 @@ def test_unloading_frees_the_sessions_memory(tmp_path: Path) -> None:
             retired = tmp_path / "big" / f".{version}.retired"
             (tmp_path / "big" / str(version)).rename(retired)
             shutil.rmtree(retired)
-            server.wait_metric("attention_model_load_events_total", rollout, model="big",
-                               action="unload")  # fmt: skip
+            server.wait_metric(
+                "attention_model_load_events_total", rollout, model="big", action="unload"
+            )
             # The unload is counted before the sessions' memory is handed back: poll for it
             # (bounded); memory that piles up stays up and fails the check below.
             after.append(_settled_rss(pid, below=loaded[-1] - weights // 2))
     grown = loaded[0] - before
-    print(f"\nROLLOUT memory: RSS {before >> 20} MiB; three rollouts, loaded / removed: "
-          + ", ".join(f"{a >> 20} / {b >> 20}" for a, b in zip(loaded, after, strict=True))
-          + f" MiB (graphs {weights >> 20} MiB)")  # fmt: skip
+    print(
+        f"\nROLLOUT memory: RSS {before >> 20} MiB; three rollouts, loaded / removed: "
+        + ", ".join(f"{a >> 20} / {b >> 20}" for a, b in zip(loaded, after, strict=True))
+        + f" MiB (graphs {weights >> 20} MiB)"
+    )
     assert grown > weights / 2, "loading the version should cost about its weights"
     piled_up = after[-1] - after[0]
     assert piled_up < grown / 2, f"each rollout left memory behind: {before=} {loaded=} {after=}"
@@ -318,9 +343,10 @@ def test_tritonclient_drives_explicit_mode(tmp_path: Path, staging: Path) -> Non
         state = client.get_model_repository_index(as_json=True)["models"]
         assert {"name": NAME, "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"} in state
         assert not [
-            key for key in server.metrics() if key[0] == "attention_model_ready" and
-            ("model", NAME) in key[1]
-        ]  # fmt: skip
+            key
+            for key in server.metrics()
+            if key[0] == "attention_model_ready" and ("model", NAME) in key[1]
+        ]
         with AttentionClient(server.target) as attention:
             assert [m.name for m in attention.list_models()] == ["other"]
             assert not attention.is_serving(NAME)

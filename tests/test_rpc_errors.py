@@ -62,8 +62,9 @@ def test_request_duration_includes_serializing_the_response() -> None:
 
     async def scenario() -> pb.AttendResponse:
         server = grpc.aio.server()
-        add_servicer(server, attention_pb2_grpc.add_AttentionServiceServicer_to_server,
-                     ExplodingServicer())  # fmt: skip
+        add_servicer(
+            server, attention_pb2_grpc.add_AttentionServiceServicer_to_server, ExplodingServicer()
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -141,8 +142,9 @@ def test_a_refused_call_leaves_no_reference_cycle_holding_its_request() -> None:
 
     async def scenario(request: pb.AttendRequest) -> list[grpc.StatusCode]:
         server = grpc.aio.server()
-        add_servicer(server, attention_pb2_grpc.add_AttentionServiceServicer_to_server,
-                     RefusingServicer())  # fmt: skip
+        add_servicer(
+            server, attention_pb2_grpc.add_AttentionServiceServicer_to_server, RefusingServicer()
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         codes = []

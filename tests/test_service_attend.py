@@ -224,8 +224,11 @@ def test_cli_client_prints_a_summary(server: ServerProcess, tmp_path: Path) -> N
     base = [sys.executable, "-m", "service.client", "--target", server.target]
     done = subprocess.run(
         [*base, "--requests", "8", "--concurrency", "4", "--seq", "12", "--weights"],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     assert "output [12, 512]" in done.stdout
     assert "attention_weights [8, 12, 12]" in done.stdout
     assert "req/s" in done.stdout
@@ -233,8 +236,11 @@ def test_cli_client_prints_a_summary(server: ServerProcess, tmp_path: Path) -> N
     np.save(npy, np.ones((2, 3, 64), np.float32))
     given = subprocess.run(
         [*base, "--npy", str(npy), "--model", "small"],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     assert "output [2, 3, 64]" in given.stdout
     bad = subprocess.run(
         [*base, "--model", "nope"], capture_output=True, text=True, check=False, timeout=60

@@ -37,35 +37,136 @@ def _nan_data(value: float) -> bytes:
 
 
 BAD_REQUESTS = {
-    "rank 1": (pb.AttendRequest(embeddings=_tensor([D])), INVALID, "expects [seq, 512] or [n, seq, 512]"),
-    "rank 4": (pb.AttendRequest(embeddings=_tensor([1, 1, 2, D])), INVALID, "has shape [1, 1, 2, 512]"),
-    "wrong d": (pb.AttendRequest(embeddings=_tensor([3, 64])), INVALID, "d=64 (shape [3, 64]); model 'mha' expects d=512"),
+    "rank 1": (
+        pb.AttendRequest(embeddings=_tensor([D])),
+        INVALID,
+        "expects [seq, 512] or [n, seq, 512]",
+    ),
+    "rank 4": (
+        pb.AttendRequest(embeddings=_tensor([1, 1, 2, D])),
+        INVALID,
+        "has shape [1, 1, 2, 512]",
+    ),
+    "wrong d": (
+        pb.AttendRequest(embeddings=_tensor([3, 64])),
+        INVALID,
+        "d=64 (shape [3, 64]); model 'mha' expects d=512",
+    ),
     "empty seq": (pb.AttendRequest(embeddings=_tensor([0, D])), INVALID, "is empty"),
     "empty batch": (pb.AttendRequest(embeddings=_tensor([0, 3, D])), INVALID, "is empty"),
     "no tensor": (pb.AttendRequest(), INVALID, "embeddings is missing"),
     "dtype unknown": (pb.AttendRequest(embeddings=_tensor([2, D], dtype=9)), INVALID, "dtype is 9"),
-    "short data": (pb.AttendRequest(embeddings=_tensor([2, D], data=b"\0" * 100)), INVALID, "has 100 bytes; shape [2, 512] of FLOAT32 needs 4096 bytes"),
-    "fp16 size": (pb.AttendRequest(embeddings=_tensor([2, D], dtype=pb.FLOAT16)), INVALID, "needs 2048 bytes"),
-    "negative dim": (pb.AttendRequest(embeddings=_tensor([-1, D], data=b"")), INVALID, "negative dimension"),
-    "NaN": (pb.AttendRequest(embeddings=_tensor([4, D], data=_nan_data(math.nan))), INVALID, "1 non-finite values (NaN or inf)"),
-    "inf": (pb.AttendRequest(embeddings=_tensor([4, D], data=_nan_data(math.inf))), INVALID, "expected finite"),
-    "too long": (pb.AttendRequest(embeddings=_tensor([513, D])), INVALID, "sequence length 513 exceeds this server's max_seq_len 512"),
-    "too many": (pb.AttendRequest(embeddings=_tensor([33, 1, D])), INVALID, "at most max_batch_size=32"),
-    "unknown model": (pb.AttendRequest(model="nope", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "unknown model 'nope'; this server serves ['causal', 'half', 'mha', 'small']"),
-    "unknown version": (pb.AttendRequest(model_version="9", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '9'; available versions: [1]"),
-    "bad version": (pb.AttendRequest(model_version="latest", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version 'latest'"),
-    "superscript version": (pb.AttendRequest(model_version="²", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "a version is a positive decimal integer in ASCII digits"),
-    "fullwidth version": (pb.AttendRequest(model_version="１", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '１'"),
-    "arabic version": (pb.AttendRequest(model_version="١", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '١'"),
-    "leading zero": (pb.AttendRequest(model_version="01", embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "no version '01'"),
-    "huge version": (pb.AttendRequest(model_version="9" * 5000, embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "(4936 more characters)"),
-    "huge name": (pb.AttendRequest(model="n\n" * 10000, embeddings=_tensor([2, D])), grpc.StatusCode.NOT_FOUND, "unknown model 'n\\nn\\n"),
-    "zero by huge": (pb.AttendRequest(embeddings=_tensor([0, 2**62, 2**62], data=b"")), INVALID, "every dimension must be at least 1"),
-    "huge by zero": (pb.AttendRequest(embeddings=_tensor([2**62, 2**62, 0], data=b"")), INVALID, "is empty"),
-    "fp16 overflow": (pb.AttendRequest(model="half", embeddings=_tensor([2, 64], data=np.full((2, 64), 7e4, np.float32).tobytes())), INVALID, "128 values outside float16's finite range (largest 65504)"),
-    "output overflow": (pb.AttendRequest(embeddings=_tensor([4, D], data=np.full((4, D), 1e30, np.float32).tobytes())), INVALID, "holds NaN or inf: their values are too large"),
-    "many dims": (pb.AttendRequest(embeddings=_tensor([1] * 5000, data=b"")), INVALID, "has 5000 dimensions"),
-}  # fmt: skip
+    "short data": (
+        pb.AttendRequest(embeddings=_tensor([2, D], data=b"\0" * 100)),
+        INVALID,
+        "has 100 bytes; shape [2, 512] of FLOAT32 needs 4096 bytes",
+    ),
+    "fp16 size": (
+        pb.AttendRequest(embeddings=_tensor([2, D], dtype=pb.FLOAT16)),
+        INVALID,
+        "needs 2048 bytes",
+    ),
+    "negative dim": (
+        pb.AttendRequest(embeddings=_tensor([-1, D], data=b"")),
+        INVALID,
+        "negative dimension",
+    ),
+    "NaN": (
+        pb.AttendRequest(embeddings=_tensor([4, D], data=_nan_data(math.nan))),
+        INVALID,
+        "1 non-finite values (NaN or inf)",
+    ),
+    "inf": (
+        pb.AttendRequest(embeddings=_tensor([4, D], data=_nan_data(math.inf))),
+        INVALID,
+        "expected finite",
+    ),
+    "too long": (
+        pb.AttendRequest(embeddings=_tensor([513, D])),
+        INVALID,
+        "sequence length 513 exceeds this server's max_seq_len 512",
+    ),
+    "too many": (
+        pb.AttendRequest(embeddings=_tensor([33, 1, D])),
+        INVALID,
+        "at most max_batch_size=32",
+    ),
+    "unknown model": (
+        pb.AttendRequest(model="nope", embeddings=_tensor([2, D])),
+        grpc.StatusCode.NOT_FOUND,
+        "unknown model 'nope'; this server serves ['causal', 'half', 'mha', 'small']",
+    ),
+    "unknown version": (
+        pb.AttendRequest(model_version="9", embeddings=_tensor([2, D])),
+        grpc.StatusCode.NOT_FOUND,
+        "no version '9'; available versions: [1]",
+    ),
+    "bad version": (
+        pb.AttendRequest(model_version="latest", embeddings=_tensor([2, D])),
+        grpc.StatusCode.NOT_FOUND,
+        "no version 'latest'",
+    ),
+    "superscript version": (
+        pb.AttendRequest(model_version="²", embeddings=_tensor([2, D])),
+        grpc.StatusCode.NOT_FOUND,
+        "a version is a positive decimal integer in ASCII digits",
+    ),
+    "fullwidth version": (
+        pb.AttendRequest(model_version="１", embeddings=_tensor([2, D])),
+        grpc.StatusCode.NOT_FOUND,
+        "no version '１'",
+    ),
+    "arabic version": (
+        pb.AttendRequest(model_version="١", embeddings=_tensor([2, D])),
+        grpc.StatusCode.NOT_FOUND,
+        "no version '١'",
+    ),
+    "leading zero": (
+        pb.AttendRequest(model_version="01", embeddings=_tensor([2, D])),
+        grpc.StatusCode.NOT_FOUND,
+        "no version '01'",
+    ),
+    "huge version": (
+        pb.AttendRequest(model_version="9" * 5000, embeddings=_tensor([2, D])),
+        grpc.StatusCode.NOT_FOUND,
+        "(4936 more characters)",
+    ),
+    "huge name": (
+        pb.AttendRequest(model="n\n" * 10000, embeddings=_tensor([2, D])),
+        grpc.StatusCode.NOT_FOUND,
+        "unknown model 'n\\nn\\n",
+    ),
+    "zero by huge": (
+        pb.AttendRequest(embeddings=_tensor([0, 2**62, 2**62], data=b"")),
+        INVALID,
+        "every dimension must be at least 1",
+    ),
+    "huge by zero": (
+        pb.AttendRequest(embeddings=_tensor([2**62, 2**62, 0], data=b"")),
+        INVALID,
+        "is empty",
+    ),
+    "fp16 overflow": (
+        pb.AttendRequest(
+            model="half",
+            embeddings=_tensor([2, 64], data=np.full((2, 64), 7e4, np.float32).tobytes()),
+        ),
+        INVALID,
+        "128 values outside float16's finite range (largest 65504)",
+    ),
+    "output overflow": (
+        pb.AttendRequest(
+            embeddings=_tensor([4, D], data=np.full((4, D), 1e30, np.float32).tobytes())
+        ),
+        INVALID,
+        "holds NaN or inf: their values are too large",
+    ),
+    "many dims": (
+        pb.AttendRequest(embeddings=_tensor([1] * 5000, data=b"")),
+        INVALID,
+        "has 5000 dimensions",
+    ),
+}
 
 
 @pytest.fixture(scope="module")

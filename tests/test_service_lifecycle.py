@@ -157,10 +157,26 @@ def test_broken_models_are_skipped_and_the_rest_served(
 
 def test_empty_repository_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "service", "--model-repository", str(tmp_path),
-         "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "--model-repository",
+            str(tmp_path),
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 1
     assert "no servable model" in done.stderr
 
@@ -168,11 +184,28 @@ def test_empty_repository_fails_fast_with_a_clear_message(tmp_path: Path) -> Non
 def test_a_taken_port_fails_fast(server: ServerProcess, model_repository: Path) -> None:
     for flag, port in (("--grpc-port", server.grpc_port), ("--metrics-port", server.metrics_port)):
         done = subprocess.run(
-            [sys.executable, "-m", "service", "--model-repository", str(model_repository),
-             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0",
-             flag, str(port)],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "service",
+                "--model-repository",
+                str(model_repository),
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--http-port",
+                "0",
+                flag,
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 1, done.stderr
         assert "cannot bind" in done.stderr
 

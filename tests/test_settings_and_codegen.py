@@ -49,9 +49,18 @@ def test_help_lists_every_flag_and_its_environment_variable() -> None:
         check=True,
         cwd=REPO,
     )
-    for flag in ("--host", "--grpc-port", "--metrics-port", "--model-repository", "--max-batch-size",
-                 "--max-queue-delay-ms", "--max-queue-size", "--max-seq-len", "--intra-op-threads",
-                 "--grace-period-s"):  # fmt: skip
+    for flag in (
+        "--host",
+        "--grpc-port",
+        "--metrics-port",
+        "--model-repository",
+        "--max-batch-size",
+        "--max-queue-delay-ms",
+        "--max-queue-size",
+        "--max-seq-len",
+        "--intra-op-threads",
+        "--grace-period-s",
+    ):
         assert flag in done.stdout
     assert "ATTENTION_GRPC_PORT" in done.stdout
     assert "defaults < environment < flags" in done.stdout

@@ -213,9 +213,15 @@ def _executable(path: Path, text: str) -> Path:
 def _checkout(tmp_path: Path) -> Path:
     """The files make setup and the offline script read, copied; no virtualenv."""
     tree = tmp_path / "checkout"
-    for name in ("Makefile", "pyproject.toml", "constraints.txt", "constraints-gpu.txt",
-                 "scripts/torch_index.py", "scripts/build-image-offline.sh",
-                 "service/gateway/go.mod"):  # fmt: skip
+    for name in (
+        "Makefile",
+        "pyproject.toml",
+        "constraints.txt",
+        "constraints-gpu.txt",
+        "scripts/torch_index.py",
+        "scripts/build-image-offline.sh",
+        "service/gateway/go.mod",
+    ):
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         (tree / name).write_bytes((ROOT / name).read_bytes())
     (tree / "scripts/build-image-offline.sh").chmod(0o755)

@@ -49,8 +49,14 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def shm_server(repository: Path, grpc_gateway: str) -> Iterator[ServerProcess]:
-    flags = ("--default-model", "small", "--client-shared-memory", "on",
-             "--max-client-shared-memory-regions", str(MAX_REGIONS))  # fmt: skip
+    flags = (
+        "--default-model",
+        "small",
+        "--client-shared-memory",
+        "on",
+        "--max-client-shared-memory-regions",
+        str(MAX_REGIONS),
+    )
     with ServerProcess(repository, *flags, http=True) as process:
         yield process
 
@@ -118,8 +124,12 @@ def test_grpc_inputs_and_outputs_in_shared_memory_equal_torch(
         client.register_system_shared_memory("in", key_in, IN_BYTES + 128)
         client.register_system_shared_memory("out", key_out, IN_BYTES + WEIGHTS_BYTES, offset=256)
         status = client.get_system_shared_memory_status(as_json=True)["regions"]
-        assert status["out"] == {"name": "out", "key": key_out, "offset": "256",
-                                 "byte_size": str(IN_BYTES + WEIGHTS_BYTES)}  # fmt: skip
+        assert status["out"] == {
+            "name": "out",
+            "key": key_out,
+            "offset": "256",
+            "byte_size": str(IN_BYTES + WEIGHTS_BYTES),
+        }
         result = client.infer(
             "small",
             [_shm_input(offset=128)],
@@ -283,8 +293,16 @@ def test_region_gone_while_waiting_fails_that_request_alone(repository: Path, re
     and another's object is removed: those two fail NOT_FOUND, the one batched with them is
     answered."""
     made = Objects()
-    flags = ("--default-model", "small", "--client-shared-memory", "on",
-             "--max-queue-delay-ms", "3000", "--max-batch-size", "8")  # fmt: skip
+    flags = (
+        "--default-model",
+        "small",
+        "--client-shared-memory",
+        "on",
+        "--max-queue-delay-ms",
+        "3000",
+        "--max-batch-size",
+        "8",
+    )
     x = np.random.default_rng(2).standard_normal((N, SEQ, D), dtype=np.float32)
     try:
         with ServerProcess(repository, *flags) as server:
@@ -355,8 +373,16 @@ def test_two_clients_cycling_regions_never_disturb_each_other(repository: Path, 
     answered OK, every answer of the other client equals torch, and no descriptor is closed
     twice (no EBADF in the log)."""
     made = Objects()
-    flags = ("--default-model", "small", "--client-shared-memory", "on",
-             "--max-queue-delay-ms", "1", "--max-batch-size", "8")  # fmt: skip
+    flags = (
+        "--default-model",
+        "small",
+        "--client-shared-memory",
+        "on",
+        "--max-queue-delay-ms",
+        "1",
+        "--max-batch-size",
+        "8",
+    )
     x = np.random.default_rng(11).standard_normal((N, SEQ, D), dtype=np.float32)
     want, _ = attend_alone(reference, x)
     cycles, give_up = 60, time.monotonic() + 90
@@ -402,13 +428,17 @@ def test_two_clients_cycling_regions_never_disturb_each_other(repository: Path, 
                     stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
                     steady = made.handles[1]
                     for _ in range(cycles):
-                        stub.SystemSharedMemoryRegister(v2.SystemSharedMemoryRegisterRequest(
-                            name="steady", key=handles["steady"], byte_size=2 * IN_BYTES),
-                            timeout=30)  # fmt: skip
+                        stub.SystemSharedMemoryRegister(
+                            v2.SystemSharedMemoryRegisterRequest(
+                                name="steady", key=handles["steady"], byte_size=2 * IN_BYTES
+                            ),
+                            timeout=30,
+                        )
                         shm.set_shared_memory_region(steady, [np.zeros_like(x)], offset=IN_BYTES)
                         stub.ModelInfer(_v2_request("steady", IN_BYTES), timeout=30)
-                        got = shm.get_contents_as_numpy(steady, np.float32, [N, SEQ, D],
-                                                        offset=IN_BYTES)  # fmt: skip
+                        got = shm.get_contents_as_numpy(
+                            steady, np.float32, [N, SEQ, D], offset=IN_BYTES
+                        )
                         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
                         del got
                         stub.SystemSharedMemoryUnregister(
@@ -456,8 +486,9 @@ def _v2_request(region: str, nbytes: int) -> v2.ModelInferRequest:
     return request
 
 
-def test_every_front_end_serves_a_region_registered_through_one(repository: Path,
-                                                                 reference) -> None:  # fmt: skip
+def test_every_front_end_serves_a_region_registered_through_one(
+    repository: Path, reference
+) -> None:
     """With two front ends, a region registered on one connection is used on sixteen new
     connections (the kernel spreads them over both front ends); unregistered on one, it is
     gone on all. A client that shrinks its object fails its own request, not the server."""
@@ -481,8 +512,9 @@ def test_every_front_end_serves_a_region_registered_through_one(repository: Path
                     assert status.regions["both"].key == key
                     shm.set_shared_memory_region(handle, [np.zeros_like(x)], offset=IN_BYTES)
                     stub.ModelInfer(_v2_request("both", IN_BYTES), timeout=30)
-                    got = shm.get_contents_as_numpy(handle, np.float32, [N, SEQ, D],
-                                                    offset=IN_BYTES)  # fmt: skip
+                    got = shm.get_contents_as_numpy(
+                        handle, np.float32, [N, SEQ, D], offset=IN_BYTES
+                    )
                     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
                     del got
             with open(Path("/dev/shm") / key.lstrip("/"), "r+b") as shrunk:
@@ -572,15 +604,29 @@ def test_rest_answers_nobody_reads_stay_within_the_budget(
     shm.set_shared_memory_region(memory, [np.ones((sequences, seq, D), np.float32)])
     with triton.InferenceServerClient(shm_server.target) as client:
         client.register_system_shared_memory("rest-big", key, nbytes)
-    body = json.dumps({
-        "inputs": [{"name": "embeddings", "datatype": "FP32", "shape": [sequences, seq, D],
-                    "parameters": {"shared_memory_region": "rest-big",
-                                   "shared_memory_byte_size": nbytes}}],
-        "outputs": [{"name": name, "parameters": {"binary_data": True}}
-                    for name in ("output", "attention_weights")],
-    }).encode()  # fmt: skip
-    http = (f"POST /v2/models/small/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    body = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "embeddings",
+                    "datatype": "FP32",
+                    "shape": [sequences, seq, D],
+                    "parameters": {
+                        "shared_memory_region": "rest-big",
+                        "shared_memory_byte_size": nbytes,
+                    },
+                }
+            ],
+            "outputs": [
+                {"name": name, "parameters": {"binary_data": True}}
+                for name in ("output", "attention_weights")
+            ],
+        }
+    ).encode()
+    http = (
+        f"POST /v2/models/small/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     assert len(http) < 500
     refusals = shm_server.metric("attention_undelivered_refusals_total")
     computed = shm_server.metric("attention_batch_size_sequences_sum")
@@ -660,8 +706,11 @@ def _v2_cases(x: np.ndarray) -> dict[str, v2.ModelInferRequest | bytes]:
         for name, offset in outputs:
             output = message.outputs.add(name=name)
             if offset is not None:
-                _refs(output.parameters, offset=offset, nbytes=IN_BYTES if name == "output"
-                      else WEIGHTS_BYTES)  # fmt: skip
+                _refs(
+                    output.parameters,
+                    offset=offset,
+                    nbytes=IN_BYTES if name == "output" else WEIGHTS_BYTES,
+                )
         return message
 
     weights_at = 2 * IN_BYTES
@@ -729,11 +778,12 @@ def _v2_cases(x: np.ndarray) -> dict[str, v2.ModelInferRequest | bytes]:
 def _attend_cases() -> dict[str, pb.AttendRequest | bytes]:
     def request(**fields) -> pb.AttendRequest:
         message = pb.AttendRequest(
-            model="small", request_id="attend-shm",
+            model="small",
+            request_id="attend-shm",
             embeddings=pb.Tensor(shape=[N, SEQ, D], dtype=pb.FLOAT32),
             embeddings_region=pb.SharedMemoryRef(region="io", byte_size=IN_BYTES),
             output_region=pb.SharedMemoryRef(region="io", offset=IN_BYTES, byte_size=IN_BYTES),
-        )  # fmt: skip
+        )
         for name, value in fields.items():
             if value is None:
                 message.ClearField(name)
@@ -744,10 +794,11 @@ def _attend_cases() -> dict[str, pb.AttendRequest | bytes]:
         return message
 
     weights = pb.SharedMemoryRef(region="io", offset=2 * IN_BYTES, byte_size=WEIGHTS_BYTES)
-    flat = request(embeddings=pb.Tensor(shape=[SEQ, D], dtype=pb.FLOAT32),
-                   embeddings_region=pb.SharedMemoryRef(region="io", byte_size=SEQ * D * 4),
-                   output_region=pb.SharedMemoryRef(region="io", offset=IN_BYTES,
-                                                    byte_size=SEQ * D * 4))  # fmt: skip
+    flat = request(
+        embeddings=pb.Tensor(shape=[SEQ, D], dtype=pb.FLOAT32),
+        embeddings_region=pb.SharedMemoryRef(region="io", byte_size=SEQ * D * 4),
+        output_region=pb.SharedMemoryRef(region="io", offset=IN_BYTES, byte_size=SEQ * D * 4),
+    )
     with_data = request()
     with_data.embeddings.data = b"\0" * IN_BYTES
     # A message field given twice is merged: the second output_region keeps the first's offset.
@@ -816,8 +867,9 @@ def test_the_gateway_answers_region_references_as_the_python_front_end(
                 grpc.insecure_channel(server.target) as channel,
             ):
                 control = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
-                control.SystemSharedMemoryRegister(v2.SystemSharedMemoryRegisterRequest(
-                    name="io", key=key, byte_size=size))  # fmt: skip
+                control.SystemSharedMemoryRegister(
+                    v2.SystemSharedMemoryRegisterRequest(name="io", key=key, byte_size=size)
+                )
                 # Sent as bytes: a case may be bytes no message object would serialize to.
                 attend = channel.unary_unary(
                     "/attention.v1.AttentionService/Attend",
@@ -829,12 +881,14 @@ def test_the_gateway_answers_region_references_as_the_python_front_end(
                     request_serializer=_serialized,
                     response_deserializer=v2.ModelInferResponse.FromString,
                 )
-                calls = {**{name: (infer, message)
-                            for name, message in _v2_cases(_X).items()},
-                         **{name: (attend, message)
-                            for name, message in _attend_cases().items()}}  # fmt: skip
-                outcomes[gateway] = {name: _outcome(call, message, region, size)
-                                     for name, (call, message) in calls.items()}  # fmt: skip
+                calls = {
+                    **{name: (infer, message) for name, message in _v2_cases(_X).items()},
+                    **{name: (attend, message) for name, message in _attend_cases().items()},
+                }
+                outcomes[gateway] = {
+                    name: _outcome(call, message, region, size)
+                    for name, (call, message) in calls.items()
+                }
     finally:
         for handle in list(made.handles):
             made.destroy(handle)

@@ -13,18 +13,46 @@ from service.ipc import packed, span_record
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 TRACE_ID, SPAN_ID, CALLER = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x1122334455667788, 0xF067AA0BA902B7
-INFER = {"t": "infer", "id": 41, "model": "mha/1", "w": True, "shape": [2, 16, 512],
-         "dtype": "<f4", "in": 0, "out": 65536, "wout": 131072, "deadline": 812.5,
-         "tag": [TRACE_ID, SPAN_ID, 1]}  # fmt: skip
-DONE = {"t": "done", "id": 41, "q": 0.002, "c": 0.0005, "b": 6, "s": 811.25, "p": 0.125,
-        "i": 9, "tags": [[TRACE_ID, SPAN_ID, 1], [1, 2**64 - 1, 0]]}  # fmt: skip
+INFER = {
+    "t": "infer",
+    "id": 41,
+    "model": "mha/1",
+    "w": True,
+    "shape": [2, 16, 512],
+    "dtype": "<f4",
+    "in": 0,
+    "out": 65536,
+    "wout": 131072,
+    "deadline": 812.5,
+    "tag": [TRACE_ID, SPAN_ID, 1],
+}
+DONE = {
+    "t": "done",
+    "id": 41,
+    "q": 0.002,
+    "c": 0.0005,
+    "b": 6,
+    "s": 811.25,
+    "p": 0.125,
+    "i": 9,
+    "tags": [[TRACE_ID, SPAN_ID, 1], [1, 2**64 - 1, 0]],
+}
 RECORD = span_record.SpanRecord(
-    trace_id=TRACE_ID, span_id=SPAN_ID, parent_span_id=CALLER, parent_flags=1,
-    received_ns=1_700_000_000_123_456_789, answered_ns=1_700_000_000_125_456_789, code=0,
-    model_version=1, sequences=2, length=16,
-    method="inference.GRPCInferenceService/ModelInfer", model="mha",
-    trace_state="congo=t61rcWkgMzE", done=DONE,
-)  # fmt: skip
+    trace_id=TRACE_ID,
+    span_id=SPAN_ID,
+    parent_span_id=CALLER,
+    parent_flags=1,
+    received_ns=1_700_000_000_123_456_789,
+    answered_ns=1_700_000_000_125_456_789,
+    code=0,
+    model_version=1,
+    sequences=2,
+    length=16,
+    method="inference.GRPCInferenceService/ModelInfer",
+    model="mha",
+    trace_state="congo=t61rcWkgMzE",
+    done=DONE,
+)
 
 
 @pytest.mark.parametrize(
@@ -58,10 +86,14 @@ def test_a_record_gives_the_spans_the_attributes_of_the_python_path() -> None:
     assert call.name == "inference.GRPCInferenceService/ModelInfer"
     assert (call.code, call.error) == ("OK", False)
     assert dict(call.attributes) == {
-        "rpc.system": "grpc", "rpc.service": "inference.GRPCInferenceService",
-        "rpc.method": "ModelInfer", "rpc.grpc.status_code": 0, "attention.model": "mha",
-        "attention.model_version": 1, "attention.sequences": 2,
+        "rpc.system": "grpc",
+        "rpc.service": "inference.GRPCInferenceService",
+        "rpc.method": "ModelInfer",
+        "rpc.grpc.status_code": 0,
+        "attention.model": "mha",
+        "attention.model_version": 1,
+        "attention.sequences": 2,
         "attention.sequence_length": 16,
-    }  # fmt: skip
+    }
     failed = gateway_call(span_record.SpanRecord(**{**RECORD.__dict__, "code": 13, "done": None}))
     assert (failed.code, failed.error, failed.batch) == ("INTERNAL", True, None)

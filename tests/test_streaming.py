@@ -189,11 +189,29 @@ def test_async_client_streams_an_async_iterable_and_names_answers_by_position(
 
 
 BAD_IN_THE_MIDDLE = {
-    "bad-d": (_request(np.ones((3, 32), np.float32)), grpc.StatusCode.INVALID_ARGUMENT, "model 'small' expects d=64"),
-    "bad-model": (pb.AttendRequest(model="nope", embeddings=_request(np.ones((3, D), np.float32)).embeddings), grpc.StatusCode.NOT_FOUND, "unknown model 'nope'"),
-    "bad-bytes": (pb.AttendRequest(model="small", embeddings=pb.Tensor(shape=[2, D], dtype=pb.FLOAT32, data=b"\0" * 10)), grpc.StatusCode.INVALID_ARGUMENT, "has 10 bytes; shape [2, 64] of FLOAT32 needs 512 bytes"),
-    "bad-nan": (_request(np.full((2, D), np.nan, np.float32)), grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
-}  # fmt: skip
+    "bad-d": (
+        _request(np.ones((3, 32), np.float32)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "model 'small' expects d=64",
+    ),
+    "bad-model": (
+        pb.AttendRequest(model="nope", embeddings=_request(np.ones((3, D), np.float32)).embeddings),
+        grpc.StatusCode.NOT_FOUND,
+        "unknown model 'nope'",
+    ),
+    "bad-bytes": (
+        pb.AttendRequest(
+            model="small", embeddings=pb.Tensor(shape=[2, D], dtype=pb.FLOAT32, data=b"\0" * 10)
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "has 10 bytes; shape [2, 64] of FLOAT32 needs 512 bytes",
+    ),
+    "bad-nan": (
+        _request(np.full((2, D), np.nan, np.float32)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "non-finite",
+    ),
+}
 
 
 def test_a_bad_message_gets_its_error_and_the_stream_goes_on(
@@ -407,8 +425,11 @@ def test_a_v2_client_that_goes_away_leaves_nothing_queued(parked: ServerProcess)
     dropped = parked.metric("attention_requests_dropped_total", reason="cancelled")
     client = subprocess.Popen(
         [sys.executable, "-c", ABANDONING_CLIENT, parked.target],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     try:
         assert client.stdout is not None
         assert client.stdout.readline().strip() == "sent"
@@ -476,8 +497,15 @@ def _stream_is_held_back(
 def test_the_inflight_bound_holds_a_stream_back_instead_of_failing(
     small_only: Path, grpc_gateway: str
 ) -> None:
-    flags = (*PARKED, "--max-batch-size", str(ROOM), "--max-queue-size", str(BOUND + 1),
-             "--max-stream-inflight-requests", str(BOUND))  # fmt: skip
+    flags = (
+        *PARKED,
+        "--max-batch-size",
+        str(ROOM),
+        "--max-queue-size",
+        str(BOUND + 1),
+        "--max-stream-inflight-requests",
+        str(BOUND),
+    )
     with (
         ServerProcess(small_only, *flags) as server,
         grpc.insecure_channel(server.target) as channel,

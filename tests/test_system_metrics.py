@@ -38,17 +38,24 @@ def _vm_rss(pid: int) -> int:
 
 
 def test_cpu_and_memory_of_each_process_by_role() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     try:
         pids = {"supervisor": os.getpid(), "worker": child.pid, "gateway-0": 2**22 + 7}
         samples = _samples(ProcessCollector(lambda: pids))
     finally:
         child.communicate(b"")
-    cpu = {dict(labels)["process"]: value for (name, labels), value in samples.items()
-           if name == "attention_process_cpu_seconds_total"}  # fmt: skip
-    memory = {dict(labels)["process"]: value for (name, labels), value in samples.items()
-              if name == "attention_process_resident_memory_bytes"}  # fmt: skip
+    cpu = {
+        dict(labels)["process"]: value
+        for (name, labels), value in samples.items()
+        if name == "attention_process_cpu_seconds_total"
+    }
+    memory = {
+        dict(labels)["process"]: value
+        for (name, labels), value in samples.items()
+        if name == "attention_process_resident_memory_bytes"
+    }
     assert set(cpu) == set(memory) == {"supervisor", "worker"}  # a gone pid has no series
     own_cpu = os.times()
     assert 0 < cpu["supervisor"] <= own_cpu.user + own_cpu.system + 0.02
@@ -118,8 +125,14 @@ def fake_nvml(devices: list[dict[str, Any]], *, init_error: bool = False) -> typ
     return nvml
 
 
-H200 = {"uuid": b"GPU-5e3d", "gpu": 37, "memory": (2 << 30, 141 << 30), "milliwatts": 118_500,
-        "limit_milliwatts": 700_000, "millijoules": 9_876_543}  # fmt: skip
+H200 = {
+    "uuid": b"GPU-5e3d",
+    "gpu": 37,
+    "memory": (2 << 30, 141 << 30),
+    "milliwatts": 118_500,
+    "limit_milliwatts": 700_000,
+    "millijoules": 9_876_543,
+}
 
 
 def test_gpu_series_from_nvml() -> None:

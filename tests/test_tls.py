@@ -199,10 +199,24 @@ def test_health_over_tls_and_the_healthcheck_command(
 
 def test_client_cli_over_tls(tls_server: TlsServerProcess, pki: Pki) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "service.client", "--target", tls_server.target,
-         "--tls-ca", str(pki.ca_file), "--seq", "4", "--requests", "3"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "service.client",
+            "--target",
+            tls_server.target,
+            "--tls-ca",
+            str(pki.ca_file),
+            "--seq",
+            "4",
+            "--requests",
+            "3",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "3 requests in" in done.stdout
 
@@ -304,8 +318,12 @@ def test_incomplete_tls_settings_are_refused(
 
 
 def test_tls_settings_read_the_environment() -> None:
-    env = {"ATTENTION_TLS_CERT": "/s/tls.crt", "ATTENTION_TLS_KEY": "/s/tls.key",
-           "ATTENTION_TLS_CLIENT_CA": "", "ATTENTION_MAX_CONNECTION_AGE_S": "60"}  # fmt: skip
+    env = {
+        "ATTENTION_TLS_CERT": "/s/tls.crt",
+        "ATTENTION_TLS_KEY": "/s/tls.key",
+        "ATTENTION_TLS_CLIENT_CA": "",
+        "ATTENTION_MAX_CONNECTION_AGE_S": "60",
+    }
     settings = load_settings([], env)
     assert (settings.tls_cert, settings.tls_key) == (Path("/s/tls.crt"), Path("/s/tls.key"))
     assert settings.tls_client_ca is None  # empty = off
@@ -335,11 +353,30 @@ def test_server_with_an_unreadable_certificate_exits_with_a_clear_error(
 ) -> None:
     missing = tmp_path / "secret" / "tls.key"
     done = subprocess.run(
-        [sys.executable, "-m", "service", "--host", "127.0.0.1", "--grpc-port", "0",
-         "--metrics-port", "0", "--http-port", "0", "--model-repository", str(repository),
-         "--tls-cert", str(pki.server_cert), "--tls-key", str(missing)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--model-repository",
+            str(repository),
+            "--tls-cert",
+            str(pki.server_cert),
+            "--tls-key",
+            str(missing),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1, done.stderr
     assert f"cannot start: cannot read the private key (--tls-key) {missing}" in done.stderr
     assert "No such file or directory" in done.stderr
@@ -362,8 +399,14 @@ def test_a_client_ca_bundle_with_several_cas_and_utf8_comments(
     load_material(TlsFiles(pki.server_cert, pki.server_key, bundle))
     third = Authority("a third CA")
     outsider = third.issue("outsider", server=False).write(tmp_path, "outsider")
-    flags = ("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
-             "--tls-client-ca", str(bundle))  # fmt: skip
+    flags = (
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--tls-client-ca",
+        str(bundle),
+    )
     with TlsServerProcess(repository, *flags, credentials=pki.credentials(pki.client)) as server:
         for client in (pki.client, pki.stranger):
             assert _health(server.target, pki.credentials(client)) == (

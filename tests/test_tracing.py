@@ -46,8 +46,16 @@ def _otel_env(endpoint: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def traced(repository: Path, grpc_gateway: str) -> Iterator[tuple[ServerProcess, OtlpReceiver]]:
     with OtlpReceiver() as receiver:
-        flags = ("--default-model", "small", "--tracing", "on", "--max-queue-delay-ms", "200",
-                 "--max-batch-size", "2")  # fmt: skip
+        flags = (
+            "--default-model",
+            "small",
+            "--tracing",
+            "on",
+            "--max-queue-delay-ms",
+            "200",
+            "--max-batch-size",
+            "2",
+        )
         with ServerProcess(repository, *flags, env=_otel_env(receiver.endpoint), http=True) as s:
             # Tracing keeps the fast path: the gateway serves the port when it is on.
             assert behind_gateway(s) == (grpc_gateway == "on")
@@ -127,8 +135,11 @@ def test_an_attend_call_is_traced_under_its_caller(traced) -> None:
     trace_id = "5" * 32
     with grpc.insecure_channel(server.target) as channel:
         attend = attention_pb2_grpc.AttentionServiceStub(channel).Attend
-        attend(attend_request(np.ones((1, 4, D), np.float32), model="small"),
-               metadata=[("traceparent", _traceparent(trace_id))], timeout=30)  # fmt: skip
+        attend(
+            attend_request(np.ones((1, 4, D), np.float32), model="small"),
+            metadata=[("traceparent", _traceparent(trace_id))],
+            timeout=30,
+        )
     spans = receiver.wait_for(lambda got: len(_of_trace(got, trace_id)) >= 3)
     (call,) = _calls(_of_trace(spans, trace_id), "attention.v1.AttentionService/Attend")
     assert call.parent_span_id.hex() == CALLER_SPAN
@@ -199,8 +210,16 @@ def test_a_ratio_sampler_samples_the_trace_ids_the_sdk_would(repository: Path) -
 
 
 def _rest_infer(server: ServerProcess, trace_id: str, seq: int) -> None:
-    body = {"inputs": [{"name": "embeddings", "shape": [1, seq, D], "datatype": "FP32",
-                        "data": [0.5] * (seq * D)}]}  # fmt: skip
+    body = {
+        "inputs": [
+            {
+                "name": "embeddings",
+                "shape": [1, seq, D],
+                "datatype": "FP32",
+                "data": [0.5] * (seq * D),
+            }
+        ]
+    }
     request = urllib.request.Request(
         f"http://{server.http_url}/v2/models/small/infer",
         data=json.dumps(body).encode(),
@@ -237,8 +256,10 @@ def test_stream_gets_a_span_per_message(traced) -> None:
     trace_id = "3" * 32
     client = triton_grpc.InferenceServerClient(server.target)
     answers: list[object] = []
-    client.start_stream(callback=lambda result, error: answers.append(error or result),
-                        headers={"traceparent": _traceparent(trace_id)})  # fmt: skip
+    client.start_stream(
+        callback=lambda result, error: answers.append(error or result),
+        headers={"traceparent": _traceparent(trace_id)},
+    )
     x = np.ones((1, 2, D), np.float32)
     for _ in range(2):
         tensor = triton_grpc.InferInput("embeddings", list(x.shape), "FP32")
@@ -278,8 +299,9 @@ def test_an_unresponsive_collector_neither_slows_nor_grows_the_server(repository
                 slowest = 0.0
                 for i in range(n):
                     started = time.monotonic()
-                    client.infer("small", [tensor],
-                                 headers={"traceparent": _traceparent(f"{i + 1:032x}")})  # fmt: skip
+                    client.infer(
+                        "small", [tensor], headers={"traceparent": _traceparent(f"{i + 1:032x}")}
+                    )
                     slowest = max(slowest, time.monotonic() - started)
                 return slowest
 

@@ -55,8 +55,16 @@ class _Served:
     """What V2Plane reads of its data plane to estimate an answer: the served set."""
 
     def __init__(self) -> None:
-        spec = ModelSpec(name="mha", version=1, embed_dim=512, num_heads=8, causal=False,
-                         dtype=np.dtype("float32"), weights_sha256="", weights_source="")  # fmt: skip
+        spec = ModelSpec(
+            name="mha",
+            version=1,
+            embed_dim=512,
+            num_heads=8,
+            causal=False,
+            dtype=np.dtype("float32"),
+            weights_sha256="",
+            weights_source="",
+        )
         view = ModelView("mha/1", spec, "CPUExecutionProvider", BatchCaps(((512, 32),)), True)
         self.models = ModelRegistry([view], "mha")
 
@@ -96,10 +104,15 @@ def _weights_call() -> bytes:
 
 
 def _gauges(server: ServerProcess) -> dict[str, float]:
-    names = ("attention_undelivered_answer_bytes", "attention_inflight_requests",
-             "attention_queue_depth_requests")  # fmt: skip
-    codes = {f"code {c}": server.metric("attention_requests_total", code=c)
-             for c in ("OK", "CANCELLED", "RESOURCE_EXHAUSTED", "INTERNAL")}  # fmt: skip
+    names = (
+        "attention_undelivered_answer_bytes",
+        "attention_inflight_requests",
+        "attention_queue_depth_requests",
+    )
+    codes = {
+        f"code {c}": server.metric("attention_requests_total", code=c)
+        for c in ("OK", "CANCELLED", "RESOURCE_EXHAUSTED", "INTERNAL")
+    }
     return {name: server.metric(name) for name in names} | codes
 
 

@@ -53,8 +53,11 @@ def test_server_and_model_state(server: ServerProcess, v2: triton.InferenceServe
     metadata = v2.get_server_metadata(as_json=True)
     assert metadata["name"] == "attention-serving"
     assert set(metadata["extensions"]) == {
-        "model_configuration", "statistics", "model_repository", "logging"
-    }  # fmt: skip
+        "model_configuration",
+        "statistics",
+        "model_repository",
+        "logging",
+    }
 
 
 def test_model_metadata_and_config(v2: triton.InferenceServerClient) -> None:
@@ -165,20 +168,85 @@ def _raw_and_typed() -> service_pb2.ModelInferRequest:
 
 
 BAD = {
-    "input name": (lambda: [_input(np.ones((1, 2, 64), np.float32), name="x")], {}, "StatusCode.INVALID_ARGUMENT", "unexpected inference input 'x'"),
-    "unnamed input": (lambda: [_input(np.ones((1, 2, 64), np.float32), name="")], {}, "StatusCode.INVALID_ARGUMENT", "unexpected inference input ''"),
-    "datatype": (lambda: [_input(np.ones((1, 2, 64)), datatype="FP64")], {}, "StatusCode.INVALID_ARGUMENT", "datatype FP64; model 'small' version 2 expects FP32"),
-    "shape rank": (lambda: [_input(np.ones((2, 64), np.float32))], {}, "StatusCode.INVALID_ARGUMENT", "expects [n, seq, 64]"),
-    "wrong d": (lambda: [_input(np.ones((1, 2, 32), np.float32))], {}, "StatusCode.INVALID_ARGUMENT", "expects d=64"),
-    "output name": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"outputs": [triton.InferRequestedOutput("logits")]}, "StatusCode.INVALID_ARGUMENT", "unexpected inference output 'logits'"),
-    "model": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"model_name": "nope"}, "StatusCode.NOT_FOUND", "unknown model 'nope'"),
-    "version": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"model_version": "7"}, "StatusCode.NOT_FOUND", "no version '7'"),
-    "nan": (lambda: [_input(np.full((1, 2, 64), np.nan, np.float32))], {}, "StatusCode.INVALID_ARGUMENT", "non-finite"),
-    "class_count": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"outputs": [triton.InferRequestedOutput("output", class_count=3)]}, "StatusCode.INVALID_ARGUMENT", "output 'output' has parameter 'classification', which this server does not implement"),
-    "priority": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"priority": 2}, "StatusCode.INVALID_ARGUMENT", "request has parameter 'priority'"),
-    "odd version": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"model_version": "²"}, "StatusCode.NOT_FOUND", "no version '²'"),
-    "long model name": (lambda: [_input(np.ones((1, 2, 64), np.float32))], {"model_name": "m" * 20000}, "StatusCode.NOT_FOUND", "(19936 more characters)"),
-}  # fmt: skip
+    "input name": (
+        lambda: [_input(np.ones((1, 2, 64), np.float32), name="x")],
+        {},
+        "StatusCode.INVALID_ARGUMENT",
+        "unexpected inference input 'x'",
+    ),
+    "unnamed input": (
+        lambda: [_input(np.ones((1, 2, 64), np.float32), name="")],
+        {},
+        "StatusCode.INVALID_ARGUMENT",
+        "unexpected inference input ''",
+    ),
+    "datatype": (
+        lambda: [_input(np.ones((1, 2, 64)), datatype="FP64")],
+        {},
+        "StatusCode.INVALID_ARGUMENT",
+        "datatype FP64; model 'small' version 2 expects FP32",
+    ),
+    "shape rank": (
+        lambda: [_input(np.ones((2, 64), np.float32))],
+        {},
+        "StatusCode.INVALID_ARGUMENT",
+        "expects [n, seq, 64]",
+    ),
+    "wrong d": (
+        lambda: [_input(np.ones((1, 2, 32), np.float32))],
+        {},
+        "StatusCode.INVALID_ARGUMENT",
+        "expects d=64",
+    ),
+    "output name": (
+        lambda: [_input(np.ones((1, 2, 64), np.float32))],
+        {"outputs": [triton.InferRequestedOutput("logits")]},
+        "StatusCode.INVALID_ARGUMENT",
+        "unexpected inference output 'logits'",
+    ),
+    "model": (
+        lambda: [_input(np.ones((1, 2, 64), np.float32))],
+        {"model_name": "nope"},
+        "StatusCode.NOT_FOUND",
+        "unknown model 'nope'",
+    ),
+    "version": (
+        lambda: [_input(np.ones((1, 2, 64), np.float32))],
+        {"model_version": "7"},
+        "StatusCode.NOT_FOUND",
+        "no version '7'",
+    ),
+    "nan": (
+        lambda: [_input(np.full((1, 2, 64), np.nan, np.float32))],
+        {},
+        "StatusCode.INVALID_ARGUMENT",
+        "non-finite",
+    ),
+    "class_count": (
+        lambda: [_input(np.ones((1, 2, 64), np.float32))],
+        {"outputs": [triton.InferRequestedOutput("output", class_count=3)]},
+        "StatusCode.INVALID_ARGUMENT",
+        "output 'output' has parameter 'classification', which this server does not implement",
+    ),
+    "priority": (
+        lambda: [_input(np.ones((1, 2, 64), np.float32))],
+        {"priority": 2},
+        "StatusCode.INVALID_ARGUMENT",
+        "request has parameter 'priority'",
+    ),
+    "odd version": (
+        lambda: [_input(np.ones((1, 2, 64), np.float32))],
+        {"model_version": "²"},
+        "StatusCode.NOT_FOUND",
+        "no version '²'",
+    ),
+    "long model name": (
+        lambda: [_input(np.ones((1, 2, 64), np.float32))],
+        {"model_name": "m" * 20000},
+        "StatusCode.NOT_FOUND",
+        "(19936 more characters)",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

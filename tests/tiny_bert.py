@@ -30,10 +30,14 @@ def make_tiny_bert(
     """Save a random BertModel (biases and LayerNorms randomised too) and return it in eval."""
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=len(SPECIAL) + len(WORDS), hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, intermediate_size=2 * hidden, max_position_embeddings=64,
+        vocab_size=len(SPECIAL) + len(WORDS),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
         attn_implementation="eager",
-    )  # fmt: skip
+    )
     model = BertModel(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -22,10 +22,16 @@ from tests.server_process import ServerProcess
 SERVER_NAMES = ("localhost", "attention")
 SERVER_IPS = ("127.0.0.1",)
 CA_USAGE = x509.KeyUsage(
-    digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-    key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+    digital_signature=True,
+    key_cert_sign=True,
+    crl_sign=True,
+    content_commitment=False,
+    key_encipherment=False,
+    data_encipherment=False,
+    key_agreement=False,
+    encipher_only=False,
     decipher_only=False,
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)

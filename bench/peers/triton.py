@@ -88,13 +88,28 @@ def serve_command(r: Runner, python: Path, queue_delay_us: int) -> tuple[list[st
     pinning, c = r.config.pinning, r.config
     grpc_port = free_port()
     command = [
-        *pinning.prefix(pinning.server_cpus), str(python), str(SERVE),
-        "--model", str(c.model_path), "--name", c.model, "--embed-dim", str(c.embed_dim),
-        "--threads", str(pinning.server_threads or 1),
-        "--max-batch-size", str(MAX_BATCH_SIZE), "--max-queue-delay-us", str(queue_delay_us),
-        "--grpc-port", str(grpc_port), "--http-port", str(free_port()),
-        "--metrics-port", str(free_port()),
-    ]  # fmt: skip
+        *pinning.prefix(pinning.server_cpus),
+        str(python),
+        str(SERVE),
+        "--model",
+        str(c.model_path),
+        "--name",
+        c.model,
+        "--embed-dim",
+        str(c.embed_dim),
+        "--threads",
+        str(pinning.server_threads or 1),
+        "--max-batch-size",
+        str(MAX_BATCH_SIZE),
+        "--max-queue-delay-us",
+        str(queue_delay_us),
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(free_port()),
+        "--metrics-port",
+        str(free_port()),
+    ]
     return command, grpc_port
 
 
@@ -102,8 +117,14 @@ def failed_rows(r: Runner, name: str, reason: str) -> None:
     r.keep_failed(group="peers", target="triton", name=name, seqs=LENGTHS, reason=reason)
 
 
-def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER, *,
-        shm: bool = False, with_h2load: bool = False) -> None:  # fmt: skip
+def run(
+    r: Runner,
+    venv: Path = VENV,
+    interpreter: Path = INTERPRETER,
+    *,
+    shm: bool = False,
+    with_h2load: bool = False,
+) -> None:
     """Each queue delay's server at every length; with shm, also V2 with the tensors in client
     shared memory (Triton's system shared-memory extension, on in Triton by default); with
     with_h2load, h2load rows of both servers while they are up side by side."""
@@ -121,11 +142,25 @@ def run(r: Runner, venv: Path = VENV, interpreter: Path = INTERPRETER, *,
                 service.wait_ready(r.config.ready_timeout_s, model=r.config.model)
                 log(f"{name}: pid {service.pid} on {service.target}")
                 for seq in LENGTHS:
-                    r.load(service, group="peers", target="triton", name=name, api="v2",
-                           seq=seq, pinning=pinning)  # fmt: skip
+                    r.load(
+                        service,
+                        group="peers",
+                        target="triton",
+                        name=name,
+                        api="v2",
+                        seq=seq,
+                        pinning=pinning,
+                    )
                 for seq in SEQS if shm else ():
-                    r.load(service, group="shm", target="triton", name=name, api=SHM,
-                           seq=seq, pinning=pinning)  # fmt: skip
+                    r.load(
+                        service,
+                        group="shm",
+                        target="triton",
+                        name=name,
+                        api=SHM,
+                        seq=seq,
+                        pinning=pinning,
+                    )
         except (RuntimeError, OSError) as err:
             failed_rows(r, name, short(str(err)))
     best = best_delay(r)
@@ -142,9 +177,11 @@ def best_delay(r: Runner) -> int | None:
             delay: row["sequences_per_s"]
             for delay in QUEUE_DELAYS_US
             for row in r.rows
-            if row["group"] == "peers" and row["name"] == config_name(delay)
-            and row["seq"] == seq and row.get("sequences_per_s")
-        }  # fmt: skip
+            if row["group"] == "peers"
+            and row["name"] == config_name(delay)
+            and row["seq"] == seq
+            and row.get("sequences_per_s")
+        }
         if not served:
             continue
         best = max(served.values())
@@ -174,9 +211,15 @@ def head_to_head(r: Runner, python: Path, delay: int, *, with_h2load: bool = Fal
                 pair = [("server", "server", ours), ("triton", name, triton)]
                 for seq in LENGTHS:
                     for target, who, service in pair if round_ % 2 else pair[::-1]:
-                        r.load(service, group=HEAD_TO_HEAD, target=target,
-                               name=round_name(who, round_), api="v2", seq=seq,
-                               pinning=pinning)  # fmt: skip
+                        r.load(
+                            service,
+                            group=HEAD_TO_HEAD,
+                            target=target,
+                            name=round_name(who, round_),
+                            api="v2",
+                            seq=seq,
+                            pinning=pinning,
+                        )
             if with_h2load:
                 h2load_beside(r, ours, triton, name)
     except (RuntimeError, OSError) as err:
@@ -193,8 +236,15 @@ def h2load_beside(r: Runner, ours: Service, peer: Service, name: str) -> None:
     for seq in SEQS:
         for shape in h2load.shapes(r.config.concurrency):
             for service, target, who in pair if turn % 2 == 0 else pair[::-1]:
-                r.h2load_row(service, group=H2LOAD, target=target, name=who, seq=seq,
-                             shape=shape, pinning=r.config.pinning)  # fmt: skip
+                r.h2load_row(
+                    service,
+                    group=H2LOAD,
+                    target=target,
+                    name=who,
+                    seq=seq,
+                    shape=shape,
+                    pinning=r.config.pinning,
+                )
             turn += 1
 
 

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--soak-requests", type=int, default=100_000, help="soak: requests")
     add("--soak-seq", default="uniform:8:64", help="soak: lengths, N or uniform:LOW:HIGH")
     add("--out", type=Path, default=RESULTS, help="folder for the JSON results")
-    args = parser.parse_args(argv)  # fmt: skip
+    args = parser.parse_args(argv)
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from {SCENARIOS}")
@@ -62,8 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _fuzz(args: argparse.Namespace, server: ServerSpec) -> Figures:
     service = server.start("fuzz")
     try:
-        return fuzz.run(service.target, served=[args.model], model=args.model,
-                        embed_dim=args.embed_dim, requests=args.fuzz_requests)  # fmt: skip
+        return fuzz.run(
+            service.target,
+            served=[args.model],
+            model=args.model,
+            embed_dim=args.embed_dim,
+            requests=args.fuzz_requests,
+        )
     finally:
         service.stop()
 
@@ -72,23 +77,35 @@ def runners(args: argparse.Namespace, server: ServerSpec) -> dict[str, Callable[
     common: dict[str, Any] = {"model": args.model, "embed_dim": args.embed_dim}
     queue = ("--max-queue-size", str(args.overload_queue_size))
     return {
-        "overload": lambda: overload.run(overload.OverloadConfig(
-            server=replace(server, flags=(*server.flags, *queue)), seq=args.overload_seq,
-            overload_s=args.overload_s, factor=args.overload_factor,
-            deadline_s=args.overload_deadline_s, **common)),
-        "drain": lambda: drain.run(drain.DrainConfig(
-            server=server, callers=args.drain_callers, **common)),
-        "vanish": lambda: vanish.run(vanish.VanishConfig(
-            server=server, rounds=args.vanish_rounds, per_wave=args.vanish_per_wave, **common)),
+        "overload": lambda: overload.run(
+            overload.OverloadConfig(
+                server=replace(server, flags=(*server.flags, *queue)),
+                seq=args.overload_seq,
+                overload_s=args.overload_s,
+                factor=args.overload_factor,
+                deadline_s=args.overload_deadline_s,
+                **common,
+            )
+        ),
+        "drain": lambda: drain.run(
+            drain.DrainConfig(server=server, callers=args.drain_callers, **common)
+        ),
+        "vanish": lambda: vanish.run(
+            vanish.VanishConfig(
+                server=server, rounds=args.vanish_rounds, per_wave=args.vanish_per_wave, **common
+            )
+        ),
         "fuzz": lambda: _fuzz(args, server),
-        "soak": lambda: soak.run(soak.SoakConfig(
-            server=server, requests=args.soak_requests, seq=args.soak_seq, **common)),
-    }  # fmt: skip
+        "soak": lambda: soak.run(
+            soak.SoakConfig(server=server, requests=args.soak_requests, seq=args.soak_seq, **common)
+        ),
+    }
 
 
 def conditions(args: argparse.Namespace, pinning: Pinning) -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     return {
         "started_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": commit,

@@ -45,14 +45,23 @@ class ServerSpec:
         threads = self.pinning.server_threads
         return [
             *self.pinning.prefix(self.pinning.server_cpus),
-            sys.executable, "-m", "service",
-            "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
-            "--http-port", "0",
-            "--model-repository", str(self.repository),
+            sys.executable,
+            "-m",
+            "service",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--model-repository",
+            str(self.repository),
             *(["--intra-op-threads", str(threads)] if threads else []),
             *([] if self.measure_caps else ["--batch-cap-budget-s", "0"]),
             *self.flags,
-        ]  # fmt: skip
+        ]
 
     def start(self, name: str = "server", timeout_s: float = 120) -> Service:
         service = Service(name, self.command(), env=dict(self.env))

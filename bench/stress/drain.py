@@ -168,8 +168,12 @@ def failed_checks(figures: Figures, second_logged: bool) -> list[str]:
 
 
 def run(config: DrainConfig) -> Figures:
-    flags = ("--shutdown-not-serving-s", str(config.not_serving_s),
-             "--grace-period-s", str(config.grace_s))  # fmt: skip
+    flags = (
+        "--shutdown-not-serving-s",
+        str(config.not_serving_s),
+        "--grace-period-s",
+        str(config.grace_s),
+    )
     spec = replace(config.server, flags=(*config.server.flags, *flags))
     service = spec.start("drain")
     try:

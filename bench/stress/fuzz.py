@@ -43,8 +43,9 @@ def _models(served: list[str]) -> st.SearchStrategy[str]:
 
 
 def _versions() -> st.SearchStrategy[str]:
-    return st.one_of(st.just(""), st.just(""), st.sampled_from(["1", "2"]), st.text(max_size=30),
-                     DIGIT_STRINGS)  # fmt: skip
+    return st.one_of(
+        st.just(""), st.just(""), st.sampled_from(["1", "2"]), st.text(max_size=30), DIGIT_STRINGS
+    )
 
 
 @st.composite

@@ -55,17 +55,24 @@ def _bad_items(model: str, d: int) -> list[Item]:
     wrong_type = v2.ModelInferRequest(model_name=model, raw_input_contents=[b"\0" * 4 * d])
     wrong_type.inputs.add(name="embeddings", datatype="INT8", shape=[1, 1, d])
     return [
-        Item("attention", attend_body(np.ones((1, 3, d // 2), np.float32), False, model),
-             "INVALID_ARGUMENT"),
-        Item("attention", pb.AttendRequest(model=model, embeddings=pb.Tensor(
-            shape=[4, d], data=nan.tobytes())).SerializeToString(), "INVALID_ARGUMENT"),
-        Item("attention", attend_body(np.ones((1, 3, d), np.float32), False, "nope"),
-             "NOT_FOUND"),
+        Item(
+            "attention",
+            attend_body(np.ones((1, 3, d // 2), np.float32), False, model),
+            "INVALID_ARGUMENT",
+        ),
+        Item(
+            "attention",
+            pb.AttendRequest(
+                model=model, embeddings=pb.Tensor(shape=[4, d], data=nan.tobytes())
+            ).SerializeToString(),
+            "INVALID_ARGUMENT",
+        ),
+        Item("attention", attend_body(np.ones((1, 3, d), np.float32), False, "nope"), "NOT_FOUND"),
         Item("attention", b"\xff\xff\xff garbage", "INVALID_ARGUMENT"),
         Item("v2", infer.SerializeToString(), "INVALID_ARGUMENT"),
         Item("v2", wrong_type.SerializeToString(), "INVALID_ARGUMENT"),
         Item("v2", v2_body(np.ones((1, 3, d), np.float32), False, "nope"), "NOT_FOUND"),
-    ]  # fmt: skip
+    ]
 
 
 def plan(config: SoakConfig, size: int = 1 << 14) -> list[Item]:
@@ -80,8 +87,11 @@ def plan(config: SoakConfig, size: int = 1 << 14) -> list[Item]:
         if draw[0] < config.bad_fraction:
             items.append(bad[int(draw[1] * len(bad))])
             continue
-        key = (int(length), bool(draw[1] < config.weights_fraction), "v2" if draw[2] < 0.5 else
-               "attention")  # fmt: skip
+        key = (
+            int(length),
+            bool(draw[1] < config.weights_fraction),
+            "v2" if draw[2] < 0.5 else "attention",
+        )
         if key not in good:
             x = rng.standard_normal((1, key[0], config.embed_dim), np.float32)
             encode = attend_body if key[2] == "attention" else v2_body

@@ -44,8 +44,16 @@ class VanishConfig:
 
     def parked_flags(self) -> tuple[str, ...]:
         # No measured batch caps: a cap (8 sequences at seq 64, say) would close batches.
-        return ("--max-queue-delay-ms", "600000", "--max-batch-size", str(self.check_batch),
-                "--max-queue-size", "100000", "--batch-cap-budget-s", "0")  # fmt: skip
+        return (
+            "--max-queue-delay-ms",
+            "600000",
+            "--max-batch-size",
+            str(self.check_batch),
+            "--max-queue-size",
+            "100000",
+            "--batch-cap-budget-s",
+            "0",
+        )
 
 
 def _bodies(config: VanishConfig) -> dict[str, bytes]:

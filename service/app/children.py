@@ -72,8 +72,9 @@ def _run(
 
     async def with_heartbeat() -> int:
         beating = asyncio.create_task(_heartbeat(report), name="heartbeat")
-        following = asyncio.create_task(logs.follow(logs.LogSettingsFile(run_dir)),
-                                        name="log-settings")  # fmt: skip
+        following = asyncio.create_task(
+            logs.follow(logs.LogSettingsFile(run_dir)), name="log-settings"
+        )
         try:
             return await main()
         finally:
@@ -136,8 +137,9 @@ def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoRetur
     from service.worker.server import StartupError, WorkerServer
 
     async def main() -> int:
-        server = WorkerServer(settings, run_dir,
-                              report_served=lambda rows: report.send(("served", rows)))  # fmt: skip
+        server = WorkerServer(
+            settings, run_dir, report_served=lambda rows: report.send(("served", rows))
+        )
         try:
             started, _ = await _until_signal(server.start())
         except StartupError as err:
@@ -154,16 +156,19 @@ def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoRetur
 
 
 def run_frontend(
-    settings: Settings, run_dir: Path, index: int, ports: tuple[int, int], queue_bytes: int,
+    settings: Settings,
+    run_dir: Path,
+    index: int,
+    ports: tuple[int, int],
+    queue_bytes: int,
     report: Connection,
-) -> NoReturn:  # fmt: skip
+) -> NoReturn:
     _child_setup(settings, f"frontend-{index}", run_dir)
     from service.frontend.server import FrontendServer, StartupError
     from service.worker_socket import socket_path
 
     async def main() -> int:
-        server = FrontendServer(settings, socket_path(run_dir), f"frontend-{index}",
-                                queue_bytes)  # fmt: skip
+        server = FrontendServer(settings, socket_path(run_dir), f"frontend-{index}", queue_bytes)
         try:
             started, signalled_at = await _until_signal(server.start(*ports))
         except StartupError as err:

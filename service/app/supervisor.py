@@ -145,8 +145,9 @@ class Supervisor:
         try:
             self._port_socket = reserve_port(settings.host, settings.grpc_port)
         except OSError as err:
-            return self._cannot_start(f"cannot bind gRPC to {settings.host}:{settings.grpc_port}: "
-                                      f"{err}")  # fmt: skip
+            return self._cannot_start(
+                f"cannot bind gRPC to {settings.host}:{settings.grpc_port}: {err}"
+            )
         self.grpc_port = self._port_socket.getsockname()[1]
         if settings.http_port:
             try:
@@ -183,8 +184,11 @@ class Supervisor:
             for child in list(self._children.values()):
                 silent = now - child.last_seen
                 if child.process.exitcode is None and silent > timeout and not self._stopping:
-                    log.error("%s sent no heartbeat for %.1fs (hung or stopped); killing it",
-                              child.role, silent)  # fmt: skip
+                    log.error(
+                        "%s sent no heartbeat for %.1fs (hung or stopped); killing it",
+                        child.role,
+                        silent,
+                    )
                     child.last_seen = now  # once: the kill's exit restarts it
                     child.process.kill()
 
@@ -201,9 +205,14 @@ class Supervisor:
         if self._bound.is_set() and not self._stop.is_set():
             assert self._metrics_http is not None
             # Tests and tools parse "listening grpc_port=N metrics_port=N http_port=N".
-            log.info("listening grpc_port=%d metrics_port=%d http_port=%d host=%s (%d front "
-                     "ends)", self.grpc_port, self._metrics_http[0].server_port, self.http_port,
-                     self._settings.host, self._settings.frontends)  # fmt: skip
+            log.info(
+                "listening grpc_port=%d metrics_port=%d http_port=%d host=%s (%d front ends)",
+                self.grpc_port,
+                self._metrics_http[0].server_port,
+                self.http_port,
+                self._settings.host,
+                self._settings.frontends,
+            )
         await stopped
 
     # -- children ----------------------------------------------------------------------------
@@ -277,9 +286,13 @@ class Supervisor:
             self._fail()
             return
         if not self._may_restart():
-            log.error("%s exited with code %s; more than %d restarts within %.0fs: giving up",
-                      child.role, code, self._settings.max_restarts,
-                      self._settings.restart_window_s)  # fmt: skip
+            log.error(
+                "%s exited with code %s; more than %d restarts within %.0fs: giving up",
+                child.role,
+                code,
+                self._settings.max_restarts,
+                self._settings.restart_window_s,
+            )
             self._fail()
             return
         log.warning("%s exited with code %s; restarting it", child.role, code)
@@ -311,8 +324,9 @@ class Supervisor:
         if not self._serving():
             log.info("shutdown signal received during start-up; stopping without serving")
         else:
-            log.info("shutdown signal received; draining for up to %.1fs",
-                     self._settings.grace_period_s)  # fmt: skip
+            log.info(
+                "shutdown signal received; draining for up to %.1fs", self._settings.grace_period_s
+            )
         self._stop.set()
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -339,8 +353,9 @@ class Supervisor:
                 child.process.kill()
                 child.process.join(5)
             if child.process.exitcode not in (0, None) and self._signalled_at is not None:
-                log.warning("%s exited with code %s during the drain", child.role,
-                            child.process.exitcode)  # fmt: skip
+                log.warning(
+                    "%s exited with code %s during the drain", child.role, child.process.exitcode
+                )
         if self._metrics_http is not None:
             httpd, _ = self._metrics_http
             # shutdown() waits for the server's 0.5 s poll: on a thread, it need not delay us.

@@ -43,8 +43,9 @@ async def admit_and_run(
     name = model.spec.name
     embeddings = received
     if isinstance(received, RegionTensor):
-        sequence_batch_shape(list(received.shape), embed_dim=model.spec.embed_dim,
-                             limits=limits, model=name)  # fmt: skip
+        sequence_batch_shape(
+            list(received.shape), embed_dim=model.spec.embed_dim, limits=limits, model=name
+        )
     else:
         embeddings = as_sequence_batch(
             received, embed_dim=model.spec.embed_dim, limits=limits, model=name

@@ -176,10 +176,12 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         dtypes = {"output_region": received.dtype, "attention_weights_region": np.dtype("f4")}
         targets = {
             output: RegionTarget(ref, dtypes[field].newbyteorder("<"))
-            for field, output in (("output_region", "output"),
-                                  ("attention_weights_region", "attention_weights"))
+            for field, output in (
+                ("output_region", "output"),
+                ("attention_weights_region", "attention_weights"),
+            )
             if (ref := refs[field]) is not None
-        }  # fmt: skip
+        }
         result = await admit_and_run(
             self._plane,
             model,

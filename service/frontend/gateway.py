@@ -183,9 +183,17 @@ class Gateway:
     """One gateway process: start() binds the port, stop() drains it; on_exit runs when it
     exits on its own (the front end then exits, and the supervisor restarts both)."""
 
-    def __init__(self, settings: Settings, *, name: str, backend: Path, worker_socket: Path,
-                 slab_bytes: int, receive_bytes: int,
-                 restrictions: Restrictions | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        name: str,
+        backend: Path,
+        worker_socket: Path,
+        slab_bytes: int,
+        receive_bytes: int,
+        restrictions: Restrictions | None = None,
+    ) -> None:
         self._settings = settings
         self._restrictions = restrictions or Restrictions()
         self._name = name
@@ -240,8 +248,10 @@ class Gateway:
             f"--log-settings={self._worker_socket.parent / logs.SETTINGS_FILE}",
         ]
         if self._spans is not None:
-            command += [f"--trace-sampler={tracing.gateway_sampler()}",
-                        f"--spans-socket={self._spans.path}"]  # fmt: skip
+            command += [
+                f"--trace-sampler={tracing.gateway_sampler()}",
+                f"--spans-socket={self._spans.path}",
+            ]
         if s.tls_cert and s.tls_key:
             command += [f"--tls-cert={s.tls_cert}", f"--tls-key={s.tls_key}"]
             if s.tls_client_ca:
@@ -264,9 +274,11 @@ class Gateway:
             # Its log lines go straight to standard error, as this process's do; its standard
             # output says "listening ADDRESS", or "failed WHY".
             process = await asyncio.create_subprocess_exec(
-                *self._command(address), env=env, stdout=asyncio.subprocess.PIPE,
+                *self._command(address),
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
                 pass_fds=(restricted,),
-            )  # fmt: skip
+            )
         except OSError as err:
             raise GatewayError(f"cannot run the gateway: {err}") from err
         finally:

@@ -28,22 +28,32 @@ def gateway_call(record: span_record.SpanRecord) -> tracing.GatewayCall:
     code = _CODES.get(record.code, grpc.StatusCode.UNKNOWN)
     service, _, method = record.method.partition("/")
     attributes: dict[str, object] = {
-        "rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
+        "rpc.system": "grpc",
+        "rpc.service": service,
+        "rpc.method": method,
         "rpc.grpc.status_code": code.value[0],
-    }  # fmt: skip
+    }
     if record.model:
         attributes |= {
-            "attention.model": record.model, "attention.model_version": record.model_version,
+            "attention.model": record.model,
+            "attention.model_version": record.model_version,
             "attention.sequences": record.sequences,
             "attention.sequence_length": record.length,
-        }  # fmt: skip
+        }
     return tracing.GatewayCall(
-        trace_id=record.trace_id, span_id=record.span_id,
-        parent_span_id=record.parent_span_id, parent_flags=record.parent_flags,
-        trace_state=record.trace_state, name=record.method, received_ns=record.received_ns,
-        answered_ns=record.answered_ns, code=code.name, error=code in SERVER_FAULTS,
-        attributes=attributes, batch=record.done,
-    )  # fmt: skip
+        trace_id=record.trace_id,
+        span_id=record.span_id,
+        parent_span_id=record.parent_span_id,
+        parent_flags=record.parent_flags,
+        trace_state=record.trace_state,
+        name=record.method,
+        received_ns=record.received_ns,
+        answered_ns=record.answered_ns,
+        code=code.name,
+        error=code in SERVER_FAULTS,
+        attributes=attributes,
+        batch=record.done,
+    )
 
 
 class SpanSink:

@@ -20,9 +20,15 @@ from service.observability import metrics
 
 # Triton's group names (its `trace` group has no RPC here).
 GROUPS = (
-    "model-repository", "shared-memory", "statistics", "model-config", "metadata",
-    "inference", "health", "logging",
-)  # fmt: skip
+    "model-repository",
+    "shared-memory",
+    "statistics",
+    "model-config",
+    "metadata",
+    "inference",
+    "health",
+    "logging",
+)
 
 # Every RPC this server answers, in the group Triton puts it (or would: AttentionService's
 # calls go where their V2 counterparts are; reflection describes the API, like metadata).

@@ -163,8 +163,13 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
                 ended = answered if answered is not None else time.monotonic()
                 metrics.request_duration(model, api).observe(ended - started)
                 if log.isEnabledFor(logging.DEBUG):  # a line per call only when verbose
-                    log.debug("%s %s ended %s after %.6f s", api, handler.__name__, code.name,
-                              ended - started)  # fmt: skip
+                    log.debug(
+                        "%s %s ended %s after %.6f s",
+                        api,
+                        handler.__name__,
+                        code.name,
+                        ended - started,
+                    )
                 logs.REQUEST_ID.reset(id_token)
 
         wrapped.writes_answer = holds_answer  # type: ignore[attr-defined]

@@ -60,8 +60,11 @@ class ServedSet:
                 log.warning(
                     "%s takes calls of up to %d bytes (answers %d) but the gRPC limits were set "
                     "at start to %d (%d) from the models served then: larger calls get "
-                    "RESOURCE_EXHAUSTED until a restart", model.key, *needs, *self._limits,
-                )  # fmt: skip
+                    "RESOURCE_EXHAUSTED until a restart",
+                    model.key,
+                    *needs,
+                    *self._limits,
+                )
 
     async def _set_health(self, statuses: dict[str, int]) -> None:
         # set() can wait (a Watch call holds its entry while it writes): without the lock, an

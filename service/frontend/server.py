@@ -98,8 +98,9 @@ class FrontendServer:
         self._worker_socket = socket_path
         self._gateway: Gateway | None = None
         self._gateway_on = False
-        self.plane = WorkerClient(socket_path, name, slab_bytes(settings, queue_bytes),
-                                  on_change=self._changed)  # fmt: skip
+        self.plane = WorkerClient(
+            socket_path, name, slab_bytes(settings, queue_bytes), on_change=self._changed
+        )
         self._started = False
         self._draining = False
         self._background: set[asyncio.Future[None]] = set()
@@ -136,8 +137,10 @@ class FrontendServer:
             log.warning(
                 "the largest legal call and its answer take up to %d bytes of shared memory, "
                 "more than this front end has (%d, --shared-memory-bytes): such calls get "
-                "RESOURCE_EXHAUSTED", receive_bytes + send_bytes, slab,
-            )  # fmt: skip
+                "RESOURCE_EXHAUSTED",
+                receive_bytes + send_bytes,
+                slab,
+            )
         self._served.check_limits(
             lambda model: message_limits([model], settings), (receive_bytes, send_bytes)
         )
@@ -163,8 +166,9 @@ class FrontendServer:
         # This front end's share of the undelivered-answers budget, for gRPC and REST alike:
         # every front end holds its own answers.
         self._answers = AnswerBudget(*undelivered_share(settings, gateway=self._gateway_on))
-        self._add_servicers(server, v2_plane, Unpacker(settings.grpc_compression,
-                                                       max_bytes=receive_bytes))  # fmt: skip
+        self._add_servicers(
+            server, v2_plane, Unpacker(settings.grpc_compression, max_bytes=receive_bytes)
+        )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._gateway_on:
             bound = await self._serve_behind_gateway(server, port, receive_bytes)
@@ -183,8 +187,10 @@ class FrontendServer:
         if http_port:
             await self._start_rest(v2_plane, http_port, receive_bytes)
         if self.tls is not None:
-            log.info("gRPC port serves TLS%s; metrics port plain HTTP",
-                     " and requires client certificates" if self.tls.mutual else "")  # fmt: skip
+            log.info(
+                "gRPC port serves TLS%s; metrics port plain HTTP",
+                " and requires client certificates" if self.tls.mutual else "",
+            )
         self._started = True
         self._changed()
         return bound
@@ -201,8 +207,10 @@ class FrontendServer:
         if off:
             log.log(
                 logging.WARNING if mode == "on" else logging.INFO,
-                "--grpc-gateway %s, but Python serves the gRPC port: %s", mode, off,
-            )  # fmt: skip
+                "--grpc-gateway %s, but Python serves the gRPC port: %s",
+                mode,
+                off,
+            )
         return not off
 
     async def _serve_behind_gateway(
@@ -220,10 +228,14 @@ class FrontendServer:
             raise StartupError(f"cannot bind gRPC to {backend}: {err}") from err
         await server.start()
         self._gateway = Gateway(
-            settings, name=self.name, backend=backend, worker_socket=self._worker_socket,
-            slab_bytes=slab_bytes(settings, self._queue_bytes), receive_bytes=receive_bytes,
+            settings,
+            name=self.name,
+            backend=backend,
+            worker_socket=self._worker_socket,
+            slab_bytes=slab_bytes(settings, self._queue_bytes),
+            receive_bytes=receive_bytes,
             restrictions=self._restrictions_in_force,
-        )  # fmt: skip
+        )
         try:
             return await self._gateway.start(grpc_address(settings.host, port), _gateway_died)
         except GatewayError as err:

@@ -64,10 +64,16 @@ HTTP_STATUS_BY_CODE: dict[grpc.StatusCode, int] = {
 }
 
 # Codes that mean the server failed the call (OpenTelemetry's rule for gRPC server spans).
-SERVER_FAULTS = frozenset({
-    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
-})  # fmt: skip
+SERVER_FAULTS = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 
 
 def http_status(code: grpc.StatusCode) -> int:

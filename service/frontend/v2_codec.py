@@ -30,8 +30,15 @@ V2_NAME_OF = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16"}
 TOLERATED_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
 TOLERATED_INPUT_PARAMETERS = frozenset({"binary_data_size"})
 TOLERATED_OUTPUT_PARAMETERS = frozenset({"binary_data"})
-TYPED_FIELDS = ("bool_contents", "int_contents", "int64_contents", "uint_contents",
-                "uint64_contents", "fp64_contents", "bytes_contents")  # fmt: skip
+TYPED_FIELDS = (
+    "bool_contents",
+    "int_contents",
+    "int64_contents",
+    "uint_contents",
+    "uint64_contents",
+    "fp64_contents",
+    "bytes_contents",
+)
 
 
 def _model_ref(model: ServedModel) -> str:
@@ -68,10 +75,14 @@ def refuse_parameters(request: v2.ModelInferRequest, *, shared_memory: bool = Fa
         return  # the common case, checked without building the messages
     shm = shm_tensors.PARAMETERS if shared_memory else frozenset()
     places = [("request", request.parameters, TOLERATED_REQUEST_PARAMETERS)]
-    places += [(f"input {shown(t.name)}", t.parameters, TOLERATED_INPUT_PARAMETERS | shm)
-               for t in request.inputs]  # fmt: skip
-    places += [(f"output {shown(t.name)}", t.parameters, TOLERATED_OUTPUT_PARAMETERS | shm)
-               for t in request.outputs]  # fmt: skip
+    places += [
+        (f"input {shown(t.name)}", t.parameters, TOLERATED_INPUT_PARAMETERS | shm)
+        for t in request.inputs
+    ]
+    places += [
+        (f"output {shown(t.name)}", t.parameters, TOLERATED_OUTPUT_PARAMETERS | shm)
+        for t in request.outputs
+    ]
     for place, parameters, tolerated in places:
         unknown = sorted(set(parameters) - tolerated)
         if unknown and unknown[0] in shm_tensors.PARAMETERS:

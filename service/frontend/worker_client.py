@@ -102,9 +102,13 @@ def _infer_message(
     """An INFER without its id, deadline and tag: the tensors by slab offset (at) or, for
     those in a client's region, by reference."""
     message: channel.Message = {
-        "t": messages.INFER, "model": model.key, "w": with_weights,
-        "shape": list(embeddings.shape), "dtype": model.spec.dtype.str, **at,
-    }  # fmt: skip
+        "t": messages.INFER,
+        "model": model.key,
+        "w": with_weights,
+        "shape": list(embeddings.shape),
+        "dtype": model.spec.dtype.str,
+        **at,
+    }
     if isinstance(embeddings, RegionTensor):
         # As the client wrote it: the worker checks and casts it once read.
         message["iref"] = [*_ref_json(embeddings.ref), embeddings.dtype.str]
@@ -141,8 +145,13 @@ class WorkerClient:
     """connect_forever() keeps a connection to the worker; infer() and the control calls
     use it. models is the served set as the worker last reported it."""
 
-    def __init__(self, socket_path: Path, name: str, slab_bytes: int,
-                 on_change: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        socket_path: Path,
+        name: str,
+        slab_bytes: int,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
         self._socket_path = socket_path
         self._status = StatusView(page_path(socket_path.parent))  # the worker's queue fill
         self._name = name
@@ -310,8 +319,9 @@ class WorkerClient:
             "wout": 4 * math.prod(weights_shape) if with_weights and not weights_target else 0,
         }
         wanted = [key for key, nbytes in sizes.items() if nbytes]
-        call = _Call(asyncio.get_running_loop().create_future(),
-                     link.reserve([sizes[key] for key in wanted]))  # fmt: skip
+        call = _Call(
+            asyncio.get_running_loop().create_future(), link.reserve([sizes[key] for key in wanted])
+        )
         regions = call.regions
         at = {key: region.offset for key, region in zip(wanted, regions, strict=True)}
         if isinstance(embeddings, np.ndarray):

@@ -42,9 +42,15 @@ def pack(message: dict[str, Any]) -> bytes | None:
             return _pack_infer(message)
         if kind == messages.DONE and message.keys() <= _DONE_KEYS:
             head = _DONE.pack(
-                DONE_KIND, message["id"], message["q"], message["c"], message["b"],
-                message["s"], message["p"], message["i"],
-            )  # fmt: skip
+                DONE_KIND,
+                message["id"],
+                message["q"],
+                message["c"],
+                message["b"],
+                message["s"],
+                message["p"],
+                message["i"],
+            )
             return head + b"".join(_pack_tag(tag) for tag in message["tags"])
     except (struct.error, TypeError, KeyError, ValueError, OverflowError, IndexError):
         pass  # a value outside the layout's fields (out of range, not UTF-8): JSON carries it
@@ -77,10 +83,17 @@ def _pack_infer(message: dict[str, Any]) -> bytes | None:
         return None
     deadline = message.get("deadline")
     head = _INFER.pack(
-        INFER_KIND, message["id"], message["w"], *shape,
-        message.get("in", -1), message.get("out", -1), message.get("wout", -1),
-        math.nan if deadline is None else deadline, len(key), len(dtype),
-    )  # fmt: skip
+        INFER_KIND,
+        message["id"],
+        message["w"],
+        *shape,
+        message.get("in", -1),
+        message.get("out", -1),
+        message.get("wout", -1),
+        math.nan if deadline is None else deadline,
+        len(key),
+        len(dtype),
+    )
     tag = message.get("tag")
     return head + key + dtype + (b"" if tag is None else _pack_tag(tag))
 
@@ -94,10 +107,31 @@ def unpack(body: bytes | bytearray) -> dict[str, Any]:
     try:
         if body[0] == DONE_KIND:
             _, request_id, q, c, b, s, p, i = _DONE.unpack_from(body)
-            return {"t": messages.DONE, "id": request_id, "q": q, "c": c, "b": b, "s": s,
-                    "p": p, "i": i, "tags": _unpack_tags(body, _DONE.size)}  # fmt: skip
-        (_, request_id, with_weights, n, seq, d, at_in, at_out, at_wout, deadline,
-         key_len, dtype_len) = _INFER.unpack_from(body)  # fmt: skip
+            return {
+                "t": messages.DONE,
+                "id": request_id,
+                "q": q,
+                "c": c,
+                "b": b,
+                "s": s,
+                "p": p,
+                "i": i,
+                "tags": _unpack_tags(body, _DONE.size),
+            }
+        (
+            _,
+            request_id,
+            with_weights,
+            n,
+            seq,
+            d,
+            at_in,
+            at_out,
+            at_wout,
+            deadline,
+            key_len,
+            dtype_len,
+        ) = _INFER.unpack_from(body)
         end = _INFER.size + key_len
         if len(body) not in (end + dtype_len, end + dtype_len + TAG.size):
             raise ValueError(f"packed INFER of {len(body)} bytes, its lengths say otherwise")
@@ -106,10 +140,15 @@ def unpack(body: bytes | bytearray) -> dict[str, Any]:
     except (struct.error, UnicodeDecodeError) as err:
         raise ValueError(f"malformed packed message: {err}") from err
     message: dict[str, Any] = {
-        "t": messages.INFER, "id": request_id, "model": key, "w": with_weights,
-        "shape": [n, seq, d], "dtype": dtype,
-        "deadline": None if math.isnan(deadline) else deadline, "tag": tags[0] if tags else None,
-    }  # fmt: skip
+        "t": messages.INFER,
+        "id": request_id,
+        "model": key,
+        "w": with_weights,
+        "shape": [n, seq, d],
+        "dtype": dtype,
+        "deadline": None if math.isnan(deadline) else deadline,
+        "tag": tags[0] if tags else None,
+    }
     if at_in >= 0:
         message["in"] = at_in
     if at_out >= 0:

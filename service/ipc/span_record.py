@@ -46,11 +46,22 @@ def pack(record: SpanRecord) -> bytes:
     state = record.trace_state.encode()
     done = b"" if record.done is None else packed.pack(dict(record.done)) or b""
     head = _HEAD.pack(
-        VERSION, record.trace_id.to_bytes(16, "big"), record.span_id.to_bytes(8, "big"),
-        record.parent_span_id.to_bytes(8, "big"), record.parent_flags, record.received_ns,
-        record.answered_ns, record.code, record.model_version, record.sequences, record.length,
-        len(method), len(model), len(state), len(done),
-    )  # fmt: skip
+        VERSION,
+        record.trace_id.to_bytes(16, "big"),
+        record.span_id.to_bytes(8, "big"),
+        record.parent_span_id.to_bytes(8, "big"),
+        record.parent_flags,
+        record.received_ns,
+        record.answered_ns,
+        record.code,
+        record.model_version,
+        record.sequences,
+        record.length,
+        len(method),
+        len(model),
+        len(state),
+        len(done),
+    )
     body = head + method + model + state + done
     return LENGTH.pack(len(body)) + body
 
@@ -58,8 +69,20 @@ def pack(record: SpanRecord) -> bytes:
 def unpack(body: bytes | bytearray | memoryview) -> SpanRecord:
     """One record's body (after its length); ValueError when malformed."""
     try:
-        (version, trace_id, span_id, parent_span_id, parent_flags, received_ns, answered_ns,
-         code, model_version, sequences, length, *lengths) = _HEAD.unpack_from(body)  # fmt: skip
+        (
+            version,
+            trace_id,
+            span_id,
+            parent_span_id,
+            parent_flags,
+            received_ns,
+            answered_ns,
+            code,
+            model_version,
+            sequences,
+            length,
+            *lengths,
+        ) = _HEAD.unpack_from(body)
     except struct.error as err:
         raise ValueError(f"malformed span record: {err}") from err
     if version != VERSION:
@@ -73,10 +96,20 @@ def unpack(body: bytes | bytearray | memoryview) -> SpanRecord:
     method, model, state, done = parts
     try:
         return SpanRecord(
-            int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"),
-            int.from_bytes(parent_span_id, "big"), parent_flags, received_ns, answered_ns,
-            code, model_version, sequences, length, method.decode(), model.decode(),
-            state.decode(), packed.unpack(done) if done else None,
-        )  # fmt: skip
+            int.from_bytes(trace_id, "big"),
+            int.from_bytes(span_id, "big"),
+            int.from_bytes(parent_span_id, "big"),
+            parent_flags,
+            received_ns,
+            answered_ns,
+            code,
+            model_version,
+            sequences,
+            length,
+            method.decode(),
+            model.decode(),
+            state.decode(),
+            packed.unpack(done) if done else None,
+        )
     except UnicodeDecodeError as err:
         raise ValueError(f"malformed span record: {err}") from err

@@ -61,9 +61,10 @@ class QueueFill:
             )
         if self.pending and self.pending_bytes + nbytes > self.max_queue_bytes:
             return QUEUE_FULL_BY_BYTES.format(
-                pending_bytes=self.pending_bytes, nbytes=nbytes,
+                pending_bytes=self.pending_bytes,
+                nbytes=nbytes,
                 max_queue_bytes=self.max_queue_bytes,
-            )  # fmt: skip
+            )
         return None
 
 
@@ -92,8 +93,7 @@ class StatusPage:
     def publish(self, pending: int, pending_bytes: int) -> None:
         self._sequence += 1  # odd: being written
         _U64.pack_into(self._map, SEQUENCE_OFFSET, self._sequence)
-        _FIELDS.pack_into(self._map, PENDING_REQUESTS_OFFSET, pending, pending_bytes,
-                          *self._bounds)  # fmt: skip
+        _FIELDS.pack_into(self._map, PENDING_REQUESTS_OFFSET, pending, pending_bytes, *self._bounds)
         self._sequence += 1
         _U64.pack_into(self._map, SEQUENCE_OFFSET, self._sequence)
 

@@ -239,9 +239,11 @@ def _followed(state: LogState) -> None:
     change_to(state, "changed")
 
 
-async def follow(settings_file: LogSettingsFile,
-                 on_change: Callable[[LogState], None] = _followed,
-                 interval_s: float = FOLLOW_INTERVAL_S) -> None:  # fmt: skip
+async def follow(
+    settings_file: LogSettingsFile,
+    on_change: Callable[[LogState], None] = _followed,
+    interval_s: float = FOLLOW_INTERVAL_S,
+) -> None:
     """Apply the settings file's state whenever it changes, until cancelled."""
     while True:
         state = settings_file.changed()

@@ -90,10 +90,14 @@ def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> 
     provider.add_span_processor(processor)
     _provider, _tracer = provider, provider.get_tracer(TRACER_NAME)
     _finished = _Finished(processor, resource)
-    log.info("tracing on: OTLP %s to %s, sampler %s, at most %d spans queued", protocol,
-             environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-             or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "the exporter's default endpoint"),
-             provider.sampler.get_description(), max_queue_spans)  # fmt: skip
+    log.info(
+        "tracing on: OTLP %s to %s, sampler %s, at most %d spans queued",
+        protocol,
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "the exporter's default endpoint"),
+        provider.sampler.get_description(),
+        max_queue_spans,
+    )
 
 
 def stop(timeout_s: float) -> None:
@@ -173,14 +177,31 @@ class _Finished:
         self.resource = resource
         self.scope = InstrumentationScope(TRACER_NAME)
 
-    def end(self, name: str, context: Any, parent: Any, start_ns: int, end_ns: int,
-            attributes: Mapping[str, Any], **more: Any) -> None:  # fmt: skip
+    def end(
+        self,
+        name: str,
+        context: Any,
+        parent: Any,
+        start_ns: int,
+        end_ns: int,
+        attributes: Mapping[str, Any],
+        **more: Any,
+    ) -> None:
         from opentelemetry.sdk.trace import ReadableSpan
 
-        self.processor.on_end(ReadableSpan(
-            name, context, parent, self.resource, dict(attributes), start_time=start_ns,
-            end_time=end_ns, instrumentation_scope=self.scope, **more,
-        ))  # fmt: skip
+        self.processor.on_end(
+            ReadableSpan(
+                name,
+                context,
+                parent,
+                self.resource,
+                dict(attributes),
+                start_time=start_ns,
+                end_time=end_ns,
+                instrumentation_scope=self.scope,
+                **more,
+            )
+        )
 
 
 # The samplers OTEL_TRACES_SAMPLER names, as the SDK describes them.
@@ -242,9 +263,12 @@ def record_gateway_call(call: GatewayCall) -> None:
     parent = None
     if call.parent_span_id:  # the gateway read it by the W3C propagator's rules
         parent = trace.SpanContext(
-            call.trace_id, call.parent_span_id, is_remote=True,
-            trace_flags=trace.TraceFlags(call.parent_flags), trace_state=state,
-        )  # fmt: skip
+            call.trace_id,
+            call.parent_span_id,
+            is_remote=True,
+            trace_flags=trace.TraceFlags(call.parent_flags),
+            trace_state=state,
+        )
     sampled = trace.TraceFlags(trace.TraceFlags.SAMPLED)
     context = trace.SpanContext(
         call.trace_id, call.span_id, is_remote=False, trace_flags=sampled, trace_state=state
@@ -257,9 +281,11 @@ def record_gateway_call(call: GatewayCall) -> None:
         queue_s, started_at, compute_s = done["q"], done["s"], done["c"]
         started = _epoch_ns(started_at)
         batch = {
-            **request, "attention.batch_size": done["b"],
-            "attention.batch_padding_ratio": done["p"], "attention.batch_id": done["i"],
-        }  # fmt: skip
+            **request,
+            "attention.batch_size": done["b"],
+            "attention.batch_padding_ratio": done["p"],
+            "attention.batch_id": done["i"],
+        }
         links = [  # straight from the DONE's rows: per traced call, one per traced batchmate
             trace.Link(trace.SpanContext(row[0], row[1], True, trace.TraceFlags(row[2])))
             for row in done["tags"]
@@ -268,21 +294,29 @@ def record_gateway_call(call: GatewayCall) -> None:
             ("queue", _epoch_ns(started_at - queue_s), started, request, {}),
             ("compute", started, started + round(compute_s * 1e9), batch, {"links": links}),
         ):
-            child = trace.SpanContext(call.trace_id, _span_id(), is_remote=False,
-                                      trace_flags=sampled, trace_state=state)  # fmt: skip
+            child = trace.SpanContext(
+                call.trace_id, _span_id(), is_remote=False, trace_flags=sampled, trace_state=state
+            )
             finished.end(name, child, context, start_ns, end_ns, attributes, **more)
     status = Status(StatusCode.ERROR, call.code) if call.error else Status(StatusCode.UNSET)
     finished.end(
-        call.name, context, parent, call.received_ns, max(call.answered_ns, call.received_ns),
-        {**call.attributes, "attention.code": call.code}, kind=trace.SpanKind.SERVER,
+        call.name,
+        context,
+        parent,
+        call.received_ns,
+        max(call.answered_ns, call.received_ns),
+        {**call.attributes, "attention.code": call.code},
+        kind=trace.SpanKind.SERVER,
         status=status,
-    )  # fmt: skip
+    )
 
 
 REQUEST_ATTRIBUTES = (
-    "attention.model", "attention.model_version", "attention.sequences",
+    "attention.model",
+    "attention.model_version",
+    "attention.sequences",
     "attention.sequence_length",
-)  # fmt: skip
+)
 
 
 def _span_id() -> int:

@@ -134,8 +134,11 @@ class _HttpsContexts:
                 self.current = _ssl_context(self.files, self.pick)
                 log.info("HTTPS certificate reloaded from %s", self.files.cert)
             except (TlsError, OSError, ssl.SSLError) as err:
-                log.warning("TLS files changed but cannot be used for HTTPS (%s); keeping the "
-                            "current certificate", err)  # fmt: skip
+                log.warning(
+                    "TLS files changed but cannot be used for HTTPS (%s); keeping the "
+                    "current certificate",
+                    err,
+                )
         if self.current is not self.base:
             connection.context = self.current
 
@@ -185,8 +188,11 @@ class ReloadingCredentials:
             # Once per problem, not per connection or per write: a file copied in place changes
             # (and is refused) many times while it is written.
             if str(err) != self._refused:
-                log.warning("TLS files changed but cannot be used (%s); keeping the current "
-                            "certificate until they are fixed", err)  # fmt: skip
+                log.warning(
+                    "TLS files changed but cannot be used (%s); keeping the current "
+                    "certificate until they are fixed",
+                    err,
+                )
                 self._refused = str(err)
             self._refused_stamp = stamp
             return None

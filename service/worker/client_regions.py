@@ -166,8 +166,9 @@ class RegionWriter:
         except (InvalidInput, RegionNotFound, RegionsExhausted) as err:
             self.error = err
         except OSError as err:
-            log.error("writing an answer into shared-memory region %r failed: %s",
-                      self._region.name, err)  # fmt: skip
+            log.error(
+                "writing an answer into shared-memory region %r failed: %s", self._region.name, err
+            )
             self.error = err
 
     def close(self) -> None:

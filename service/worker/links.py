@@ -168,8 +168,9 @@ class FrontendLink:
             self._fail(request_id, err)
             return
         except (KeyError, TypeError, ValueError, OSError) as err:
-            log.error("request %d from front end %s could not be read: %s", request_id,
-                      self.name, err)  # fmt: skip
+            log.error(
+                "request %d from front end %s could not be read: %s", request_id, self.name, err
+            )
             self._fail(request_id, err)
             return
         if read is None:
@@ -196,8 +197,9 @@ class FrontendLink:
             self._queue(request_id, message, model, reading.result())
             return
         if not isinstance(error, ServingError):
-            log.error("reading request %d's input from client shared memory failed: %r",
-                      request_id, error)  # fmt: skip
+            log.error(
+                "reading request %d's input from client shared memory failed: %r", request_id, error
+            )
         self._fail(request_id, error)
 
     def _queue(
@@ -217,15 +219,19 @@ class FrontendLink:
                 else None
             )
             submitted = self._batcher.enqueue(
-                model, embeddings, with_weights=with_weights,
-                deadline=message.get("deadline"), tag=message.get("tag"),
+                model,
+                embeddings,
+                with_weights=with_weights,
+                deadline=message.get("deadline"),
+                tag=message.get("tag"),
                 into=(output, weights),
-            )  # fmt: skip
+            )
         except (ServingError, KeyError, TypeError, ValueError) as err:  # queue full, ...
             self._close(writers)
             if not isinstance(err, ServingError):
-                log.error("front end %s sent a malformed request %d: %s", self.name,
-                          request_id, err)  # fmt: skip
+                log.error(
+                    "front end %s sent a malformed request %d: %s", self.name, request_id, err
+                )
             self._fail(request_id, err)
             return
         self._submitted[request_id] = submitted
@@ -334,19 +340,35 @@ class FrontendLink:
         error = submitted.exception()
         if error is not None:
             if not isinstance(error, ServingError):
-                log.error("request %d from front end %s failed", request_id, self.name,
-                          exc_info=error)  # fmt: skip
+                log.error(
+                    "request %d from front end %s failed", request_id, self.name, exc_info=error
+                )
             self._fail(request_id, error)
             return
         result = submitted.result()
-        self.send({"t": messages.DONE, "id": request_id, "q": result.queue_s,
-                   "c": result.compute_s, "b": result.batch_size, "s": result.started_at,
-                   "p": result.padding, "i": result.batch_id,
-                   "tags": list(result.batch_tags)})  # fmt: skip
+        self.send(
+            {
+                "t": messages.DONE,
+                "id": request_id,
+                "q": result.queue_s,
+                "c": result.compute_s,
+                "b": result.batch_size,
+                "s": result.started_at,
+                "p": result.padding,
+                "i": result.batch_id,
+                "tags": list(result.batch_tags),
+            }
+        )
 
     def _send_cancelled(self, request_id: int) -> None:
-        self.send({"t": messages.FAIL, "id": request_id, "kind": messages.CANCELLED,
-                   "msg": "cancelled by the front end"})  # fmt: skip
+        self.send(
+            {
+                "t": messages.FAIL,
+                "id": request_id,
+                "kind": messages.CANCELLED,
+                "msg": "cancelled by the front end",
+            }
+        )
 
     def _fail(self, request_id: int, error: BaseException) -> None:
         kind = messages.error_kind(error)
@@ -359,8 +381,7 @@ class FrontendLink:
             result = await self._call(str(message["op"]), dict(message.get("args") or {}))
         except Exception as err:
             if not isinstance(err, ServingError):
-                log.exception("control call %s from front end %s failed", message["op"],
-                              self.name)  # fmt: skip
+                log.exception("control call %s from front end %s failed", message["op"], self.name)
             kind = messages.error_kind(err)
             text = str(err) if kind != "Internal" else "the worker failed this call"
             self.send({"t": messages.REPLY, "id": call_id, "kind": kind, "msg": text})
@@ -411,8 +432,12 @@ def _region_ref(ref: list[Any]) -> RegionRef:
 class LinkListener:
     """Accepts front ends on a Unix socket; each hello brings its slab's descriptor."""
 
-    def __init__(self, path: Path, on_link: Callable[[FrontendLink], Awaitable[None]],
-                 make_link: Callable[..., FrontendLink]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: Path,
+        on_link: Callable[[FrontendLink], Awaitable[None]],
+        make_link: Callable[..., FrontendLink],
+    ) -> None:
         self._path = path
         self._on_link = on_link
         self._make_link = make_link

@@ -75,8 +75,11 @@ class WorkerServer:
         self.ready = False
         self.draining = False
         limit_bytes = queue_bytes(settings)
-        log.info("queue bounds: %d requests, %d bytes of embeddings",
-                 settings.max_queue_size, limit_bytes)  # fmt: skip
+        log.info(
+            "queue bounds: %d requests, %d bytes of embeddings",
+            settings.max_queue_size,
+            limit_bytes,
+        )
         self.batcher = Batcher(
             BatchLimits(
                 max_batch_size=settings.max_batch_size,
@@ -94,8 +97,9 @@ class WorkerServer:
             on_caps=self._caps_changed,
         )
         # The queue's fill, where front ends and gateways read it to refuse at the edge.
-        self.status_page = StatusPage(page_path(run_dir), max_queue_size=settings.max_queue_size,
-                                      max_queue_bytes=limit_bytes)  # fmt: skip
+        self.status_page = StatusPage(
+            page_path(run_dir), max_queue_size=settings.max_queue_size, max_queue_bytes=limit_bytes
+        )
         self.batcher.publish_fill(self.status_page.publish)
         self.models: ModelController | None = None
         # Client shared memory (Triton's system shared-memory extension): one registry for
@@ -137,9 +141,12 @@ class WorkerServer:
             self._poller = asyncio.create_task(
                 self.models.poll_forever(settings.repository_poll_s), name="repository-poll"
             )
-        log.info("worker ready: serving %s (--model-control-mode %s, --version-policy %s)",
-                 self.registry.names(), settings.model_control_mode,
-                 settings.version_policy)  # fmt: skip
+        log.info(
+            "worker ready: serving %s (--model-control-mode %s, --version-policy %s)",
+            self.registry.names(),
+            settings.model_control_mode,
+            settings.version_policy,
+        )
 
     async def _load_models(self, providers: list[str]) -> None:
         settings = self._settings
@@ -155,8 +162,7 @@ class WorkerServer:
                 f"no servable model under {settings.model_repository} (expected "
                 "<name>/<version>/model.onnx; run `python -m export` or `make export`)"
             )
-        fell_back = [m.key for m in self.registry.all()
-                     if CUDA in providers and m.provider != CUDA]  # fmt: skip
+        fell_back = [m.key for m in self.registry.all() if CUDA in providers and m.provider != CUDA]
         if fell_back and settings.provider == "cuda":
             raise StartupError(
                 f"--provider cuda, but ONNX Runtime put {fell_back} on {CPU}: are the CUDA 13 / "
@@ -165,8 +171,9 @@ class WorkerServer:
         for key in fell_back:
             log.warning("%s runs on %s although a GPU is present", key, CPU)
         if not self.registry.names():
-            log.warning("no model loaded yet (--model-control-mode %s)",
-                        settings.model_control_mode)  # fmt: skip
+            log.warning(
+                "no model loaded yet (--model-control-mode %s)", settings.model_control_mode
+            )
 
     async def _warm_up(self) -> None:
         settings = self._settings
@@ -184,9 +191,12 @@ class WorkerServer:
                 max_seq_len=settings.max_seq_len,
                 budget_s=settings.batch_cap_budget_s,
             )
-            log.info("%s batch caps (%s): %s", model.key,
-                     "measured" if settings.batch_cap_budget_s > 0 else "not measured",
-                     caps.describe())  # fmt: skip
+            log.info(
+                "%s batch caps (%s): %s",
+                model.key,
+                "measured" if settings.batch_cap_budget_s > 0 else "not measured",
+                caps.describe(),
+            )
 
     async def _settle(self, model: OnnxModel) -> None:
         """Until none of a withdrawn version's requests is queued or computing, counting
@@ -213,9 +223,15 @@ class WorkerServer:
     # -- front ends --------------------------------------------------------------------------
 
     def _make_link(self, name: str, slab: Slab) -> FrontendLink:
-        return FrontendLink(name, slab, resolve=self.resolve,
-                            batcher=self.batcher, call=self._control,
-                            regions=self.regions, region_reader=self._region_reader)  # fmt: skip
+        return FrontendLink(
+            name,
+            slab,
+            resolve=self.resolve,
+            batcher=self.batcher,
+            call=self._control,
+            regions=self.regions,
+            region_reader=self._region_reader,
+        )
 
     async def _serve_link(self, link: FrontendLink) -> None:
         self._links.add(link)
@@ -264,8 +280,10 @@ class WorkerServer:
                 self._flushing = asyncio.ensure_future(self.batcher.drain())
             return None
         if op == "statistics":
-            return {key: messages.stats_to_json(self.batcher.statistics.snapshot(key))
-                    for key in args["keys"]}  # fmt: skip
+            return {
+                key: messages.stats_to_json(self.batcher.statistics.snapshot(key))
+                for key in args["keys"]
+            }
         if op.startswith("shm_"):
             return await self._shm_call(op, args)
         controller = self.models
@@ -287,10 +305,15 @@ class WorkerServer:
             raise NotSupported("client shared memory is off on this server")
         name = str(args["name"])
         if op == "shm_register":
-            self.regions.register(name, str(args["key"]), int(args["offset"]),
-                                  int(args["byte_size"]))  # fmt: skip
-            log.debug("client shared-memory region %r registered (key %r, %d bytes)", name,
-                      args["key"], int(args["byte_size"]))  # fmt: skip
+            self.regions.register(
+                name, str(args["key"]), int(args["offset"]), int(args["byte_size"])
+            )
+            log.debug(
+                "client shared-memory region %r registered (key %r, %d bytes)",
+                name,
+                args["key"],
+                int(args["byte_size"]),
+            )
             return None
         if op == "shm_unregister":
             await self.regions.unregister(name)

@@ -35,8 +35,9 @@ def test_memory_is_handed_back_once_a_backlog_drains(monkeypatch: pytest.MonkeyP
     backlog = TRIM_AFTER_BATCH_BYTES // request.nbytes + 1
 
     async def body() -> tuple[int, int]:
-        batcher = Batcher(BatchLimits(max_batch_size=4096, max_queue_delay_s=0.0,
-                                      max_queue_size=backlog + 10))  # fmt: skip
+        batcher = Batcher(
+            BatchLimits(max_batch_size=4096, max_queue_delay_s=0.0, max_queue_size=backlog + 10)
+        )
         await batcher.start()
         try:
             hold.set()

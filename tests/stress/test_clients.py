@@ -21,9 +21,14 @@ def test_vanished_calls_are_dropped_before_compute_and_leave_nothing(
     shutil.copytree(model_repository / "mha", tmp_path / "mha")
     config = vanish.VanishConfig(
         server=ServerSpec(repository=tmp_path, measure_caps=False),
-        rounds=4, per_wave=150, streams=4, per_stream=20, check_batch=256, deadline_s=2.0,
+        rounds=4,
+        per_wave=150,
+        streams=4,
+        per_stream=20,
+        check_batch=256,
+        deadline_s=2.0,
         rss_tolerance_mib=96.0,
-    )  # fmt: skip
+    )
     result = vanish.run(config)
     figures(result)
     assert result["failed_checks"] == [], result
@@ -37,9 +42,12 @@ def test_malformed_requests_get_documented_statuses(
     """Property-based malformed requests over both APIs (and bytes that do not parse), a valid
     request after each; python -m bench.stress fuzz --fuzz-requests 10000 is the long run."""
     result = fuzz.run(
-        server.target, served=["causal", "half", "mha", "small"], model="small", embed_dim=64,
+        server.target,
+        served=["causal", "half", "mha", "small"],
+        model="small",
+        embed_dim=64,
         requests=count,
-    )  # fmt: skip
+    )
     figures(result)
     assert result["failed_checks"] == [], result["violation_examples"]
     assert result["requests_sent"] >= count * 0.9

@@ -74,12 +74,18 @@ async def _batch(
     async def one(i: int, x: np.ndarray) -> tuple[str, str, np.ndarray | None]:
         try:
             if i % 2 == 0:
-                reply = await attend(pb.AttendRequest(
-                    model="small", request_id=f"r{i}",
-                    embeddings=pb.Tensor(shape=list(x.shape), data=x.tobytes())), timeout=30)  # fmt: skip
+                reply = await attend(
+                    pb.AttendRequest(
+                        model="small",
+                        request_id=f"r{i}",
+                        embeddings=pb.Tensor(shape=list(x.shape), data=x.tobytes()),
+                    ),
+                    timeout=30,
+                )
                 return "OK", "", np.frombuffer(reply.output.data, np.float32).reshape(x.shape)
-            request = v2.ModelInferRequest(model_name="small", id=f"r{i}",
-                                           raw_input_contents=[x.tobytes()])  # fmt: skip
+            request = v2.ModelInferRequest(
+                model_name="small", id=f"r{i}", raw_input_contents=[x.tobytes()]
+            )
             request.inputs.add(name="embeddings", datatype="FP32", shape=[1, *x.shape])
             answer = await infer(request, timeout=30)
             out = np.frombuffer(answer.raw_output_contents[0], np.float32).reshape(x.shape)
@@ -97,10 +103,16 @@ async def _scenario(model: OnnxModel, runner: FailingRunner) -> tuple[list, list
     settings = Settings(max_batch_size=4, max_seq_len=64)
     plane = LocalPlane(registry, batcher)
     server = grpc.aio.server()
-    add_servicer(server, attention_pb2_grpc.add_AttentionServiceServicer_to_server,
-                 AttentionServicer(plane, InputLimits(64, 4)))  # fmt: skip
-    add_servicer(server, grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-                 InferenceServicer(plane, settings, lambda: True))  # fmt: skip
+    add_servicer(
+        server,
+        attention_pb2_grpc.add_AttentionServiceServicer_to_server,
+        AttentionServicer(plane, InputLimits(64, 4)),
+    )
+    add_servicer(
+        server,
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        InferenceServicer(plane, settings, lambda: True),
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await batcher.start()
@@ -139,10 +151,15 @@ def test_a_failing_engine_call_fails_its_own_batch_alone(
         failed, after = asyncio.run(_scenario(model, runner))
     failures = _sample("attention_batch_failures_total", model="small") - before[0]
     internal_codes = internal() - before[1]
-    figures({"poisoned batch": [code for code, _, _ in failed],
-             "next batch": [code for (code, _, _), _ in after],
-             "client message": failed[0][1], "batch_failures_total": failures,
-             "requests_total INTERNAL": internal_codes})  # fmt: skip
+    figures(
+        {
+            "poisoned batch": [code for code, _, _ in failed],
+            "next batch": [code for (code, _, _), _ in after],
+            "client message": failed[0][1],
+            "batch_failures_total": failures,
+            "requests_total INTERNAL": internal_codes,
+        }
+    )
     assert runner.failures == 1  # one ONNX Runtime call, holding all four requests
     assert [code for code, _, _ in failed] == ["INTERNAL"] * 4
     for i, (_, details, _) in enumerate(failed):
@@ -171,8 +188,9 @@ def test_a_model_file_unreadable_after_start_does_not_stop_the_server(
             path.chmod(0)
         version.chmod(0)
         try:
-            after = [client.attend(x, model="small", return_attention_weights=w)
-                     for w in (False, True)]  # fmt: skip
+            after = [
+                client.attend(x, model="small", return_attention_weights=w) for w in (False, True)
+            ]
             serving = client.is_serving()
         finally:
             version.chmod(0o755)

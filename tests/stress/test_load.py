@@ -25,14 +25,18 @@ def test_overload_refuses_the_excess_quickly_and_recovers(mha_only: Path, figure
     flags = ("--max-batch-size", "8", "--max-queue-size", "128")  # 16 MiB queued at most
     config = overload.OverloadConfig(
         server=ServerSpec(repository=mha_only, flags=flags, measure_caps=False),
-        seq=64, warmup_s=0.5, capacity_s=2.0, overload_s=3.0, deadline_s=60.0,
+        seq=64,
+        warmup_s=0.5,
+        capacity_s=2.0,
+        overload_s=3.0,
+        deadline_s=60.0,
         rss_tolerance_mib=96.0,
         # Refusals come late when front end and worker share a busy core (p50 ~2.6 s measured
         # in CI), so more calls are outstanding than 4 connections' 1024 streams each allow;
         # HTTP/2 would refuse those (UNAVAILABLE "Stream removed") before the server's own
         # admission, which is what this scenario checks.
         channels=8,
-    )  # fmt: skip
+    )
     result = overload.run(config)
     figures(result)
     assert result["failed_checks"] == [], result
@@ -43,9 +47,13 @@ def test_sigterm_with_64_busy_callers_loses_nothing(mha_only: Path, figures) -> 
     the grace period; a second SIGTERM mid-drain is logged and changes nothing."""
     config = drain.DrainConfig(
         server=ServerSpec(repository=mha_only, measure_caps=False),
-        seq=16, callers=64, load_s=1.5, not_serving_s=2.0, grace_s=30.0,
+        seq=16,
+        callers=64,
+        load_s=1.5,
+        not_serving_s=2.0,
+        grace_s=30.0,
         second_signal_after_s=0.5,
-    )  # fmt: skip
+    )
     # not_serving_s is the margin for "NOT_SERVING seen before the first refusal": a health
     # answer under load can take over a second (p99 1.17 s in the long overload run), so 1 s
     # could fail whenever one slow answer straddled it; 2 s is also the server's default.
@@ -60,9 +68,12 @@ def test_short_soak_answers_every_request_as_documented(mha_only: Path, figures)
     measures the slope over 100k)."""
     config = soak.SoakConfig(
         server=ServerSpec(repository=mha_only, measure_caps=False),
-        requests=3000, sample_every=100, warmup_fraction=0.3, concurrency=8,
+        requests=3000,
+        sample_every=100,
+        warmup_fraction=0.3,
+        concurrency=8,
         max_slope_mib_per_10k=300.0,  # 64 MiB over the 2100 measured requests: growth bound
-    )  # fmt: skip
+    )
     result = soak.run(config)
     result.pop("rss_samples")
     figures(result)

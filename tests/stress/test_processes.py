@@ -56,14 +56,23 @@ def test_a_killed_worker_fails_calls_in_flight_at_once_and_comes_back(
         server.wait_serving(timeout_s=120)
         full = np.ones((64, 4, D), np.float32)  # a whole batch: it does not wait to fill
         answer = stub.Attend(
-            pb.AttendRequest(model="small", embeddings=pb.Tensor(
-                shape=list(full.shape), dtype=pb.FLOAT32, data=full.tobytes())), timeout=60,
-        )  # fmt: skip
+            pb.AttendRequest(
+                model="small",
+                embeddings=pb.Tensor(shape=list(full.shape), dtype=pb.FLOAT32, data=full.tobytes()),
+            ),
+            timeout=60,
+        )
         assert list(answer.output.shape) == [64, 4, D]
         channel.close()
         assert server.terminate() == 0, server.log
-    figures({"calls in flight at the kill": 8, "ended UNAVAILABLE after (s)": round(ended_s, 3),
-             "served again": "yes", "exit code": 0})  # fmt: skip
+    figures(
+        {
+            "calls in flight at the kill": 8,
+            "ended UNAVAILABLE after (s)": round(ended_s, 3),
+            "served again": "yes",
+            "exit code": 0,
+        }
+    )
     assert ended_s < 5
 
 

@@ -281,8 +281,7 @@ class RestFrontend:
         except Exception:
             code, status = grpc.StatusCode.INTERNAL, 500
             request_id = uuid.uuid4().hex[:12]
-            log.exception("internal error in %s %s request_id=%s", API, _route(request),
-                          request_id)  # fmt: skip
+            log.exception("internal error in %s %s request_id=%s", API, _route(request), request_id)
             return error_response(
                 status, f"internal error; request_id={request_id} is in the server log"
             )
@@ -298,8 +297,13 @@ class RestFrontend:
             elapsed = time.monotonic() - started
             metrics.request_duration(model, API).observe(elapsed)
             if log.isEnabledFor(logging.DEBUG):  # a line per request only when verbose
-                log.debug("%s %s ended %d after %.6f s", request.method,
-                          shown(_route(request), 200), status, elapsed)  # fmt: skip
+                log.debug(
+                    "%s %s ended %d after %.6f s",
+                    request.method,
+                    shown(_route(request), 200),
+                    status,
+                    elapsed,
+                )
             logs.REQUEST_ID.reset(id_token)
 
     def _check_access(self, request: web.Request) -> None:

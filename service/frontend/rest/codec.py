@@ -37,9 +37,13 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 BYTE_COUNT = re.compile(r"[0-9]{1,20}")
 JSON_TYPE = "application/json"
 BINARY_TYPE = "application/octet-stream"
-INT64_TYPES = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64,
-               FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_FIXED64,
-               FieldDescriptor.TYPE_SFIXED64}  # fmt: skip
+INT64_TYPES = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
 
 
 @dataclass(frozen=True)

@@ -256,9 +256,14 @@ class Batcher:
         if queue is None:
             queue = self._queues[key] = _Queue(runner, with_weights)
         item = _Pending(
-            embeddings, loop.create_future(), time.monotonic(), deadline, queue, tag=tag,
+            embeddings,
+            loop.create_future(),
+            time.monotonic(),
+            deadline,
+            queue,
+            tag=tag,
             into=into,
-        )  # fmt: skip
+        )
         item.future.add_done_callback(functools.partial(self._on_done, item))
         if deadline is not None:
             item.timer = loop.call_later(deadline - item.enqueued_at, self._expire, item)
@@ -297,8 +302,9 @@ class Batcher:
             raise SchedulerFailed("this server's batch scheduler failed; retry on another replica")
         if not self._accepting:
             raise ShuttingDown(NOT_ACCEPTING)
-        fill = QueueFill(self._pending, self._pending_bytes, limits.max_queue_size,
-                         limits.max_queue_bytes)  # fmt: skip
+        fill = QueueFill(
+            self._pending, self._pending_bytes, limits.max_queue_size, limits.max_queue_bytes
+        )
         refusal = fill.refusal(nbytes)  # the rule front ends apply at the edge, by the page
         if refusal is not None:
             raise QueueFull(refusal)

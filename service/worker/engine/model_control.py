@@ -137,8 +137,11 @@ class ModelController:
         unreadable = found.unreadable if found.listed else frozenset({""})
         for name in sorted(unreadable - self._unreadable):
             what = "the repository" if not name else f"model folder {shown(name)}"
-            log.warning("cannot read %s under %s; serving what was loaded until it can be read",
-                        what, self._repository)  # fmt: skip
+            log.warning(
+                "cannot read %s under %s; serving what was loaded until it can be read",
+                what,
+                self._repository,
+            )
         for name in sorted(self._unreadable - unreadable):
             what = "the repository" if not name else f"model folder {shown(name)}"
             log.info("%s under %s can be read again", what, self._repository)
@@ -289,9 +292,9 @@ class ModelController:
             # Clients see the reason (RepositoryIndex, a failed load): no server paths in it.
             reason = relative_text(reason, self._repository)
             self._failed[key] = files.identity
-            self._states[key] = (READY, f"reload failed: {reason}") if serving else (
-                UNAVAILABLE, reason
-            )  # fmt: skip
+            self._states[key] = (
+                (READY, f"reload failed: {reason}") if serving else (UNAVAILABLE, reason)
+            )
             self._hooks.event(files.name, "load", "failure")
             return False
         self._failed.pop(key, None)
@@ -302,9 +305,14 @@ class ModelController:
         self._hooks.event(files.name, "load", "success")
         log.info(
             "serving %s version %d (d=%d, h=%d, causal=%s) on %s%s",
-            files.name, files.version, model.spec.embed_dim, model.spec.num_heads,
-            model.spec.causal, model.provider, " (reloaded)" if replaced else "",
-        )  # fmt: skip
+            files.name,
+            files.version,
+            model.spec.embed_dim,
+            model.spec.num_heads,
+            model.spec.causal,
+            model.provider,
+            " (reloaded)" if replaced else "",
+        )
         if replaced is not None:
             await self._hooks.settle(replaced)
         return True
@@ -323,8 +331,9 @@ class ModelController:
             return
         self._states[key] = (UNLOADING, reason)
         self._hooks.changed()
-        log.info("unloading %s version %d (%s) once its queued requests finish", name, version,
-                 reason)  # fmt: skip
+        log.info(
+            "unloading %s version %d (%s) once its queued requests finish", name, version, reason
+        )
         await self._hooks.settle(model)
         del model  # the last reference: ONNX Runtime frees the sessions
         release_free_memory()  # their arenas' memory, left in malloc's free lists

@@ -25,8 +25,17 @@ from service.worker.engine.cuda import (
 from service.worker.engine.golden import GoldenMismatch, check_golden, golden_path
 from service.worker.engine.repository import VersionFiles
 
-__all__ = ["CPU", "CUDA", "BrokenModel", "ModelSpec", "OnnxModel", "choose_providers",
-           "count_sessions", "gpu_present", "warm_up_shapes"]  # fmt: skip
+__all__ = [
+    "CPU",
+    "CUDA",
+    "BrokenModel",
+    "ModelSpec",
+    "OnnxModel",
+    "choose_providers",
+    "count_sessions",
+    "gpu_present",
+    "warm_up_shapes",
+]
 log = logging.getLogger(__name__)
 
 INPUTS = ("embeddings", "key_padding_mask")
@@ -78,8 +87,9 @@ def count_sessions(found: Iterable[VersionFiles], fused: str, provider: str) -> 
     )
 
 
-def _session(path: Path, options: ort.SessionOptions, providers: list[str],
-             cuda: CudaOptions | None) -> ort.InferenceSession:  # fmt: skip
+def _session(
+    path: Path, options: ort.SessionOptions, providers: list[str], cuda: CudaOptions | None
+) -> ort.InferenceSession:
     """One session; under CUDA with its provider options and without the wrapper's silent
     retry on CPU, so a CUDA failure fails the batch instead of moving the model to CPU."""
     chosen: list[str | tuple[str, dict[str, str]]] = [
@@ -169,8 +179,13 @@ class OnnxModel:
         self.batch_caps = BatchCaps.uniform(2**31 - 1, 2**31 - 1)
         self._check_golden(files)
 
-    def _load_fused(self, path: Path, options: ort.SessionOptions, providers: list[str],
-                    cuda: CudaOptions | None) -> ort.InferenceSession | None:  # fmt: skip
+    def _load_fused(
+        self,
+        path: Path,
+        options: ort.SessionOptions,
+        providers: list[str],
+        cuda: CudaOptions | None,
+    ) -> ort.InferenceSession | None:
         """The fused graph is optional: failing to load, it is skipped (auto), or the version
         refused (--fused-attention on)."""
         try:
@@ -178,13 +193,17 @@ class OnnxModel:
         except Exception as err:  # ORT's own exception types, e.g. an op it cannot run here
             if self._fused_mode == "on":
                 raise BrokenModel(f"ONNX Runtime cannot load {path.name}: {err}") from err
-            log.warning("%s: %s not used, ONNX Runtime cannot load it: %s", path.parent, path.name,
-                        err)  # fmt: skip
+            log.warning(
+                "%s: %s not used, ONNX Runtime cannot load it: %s", path.parent, path.name, err
+            )
             return None
 
     def _sessions(self) -> dict[str, ort.InferenceSession]:
-        graphs = {"output": self._plain, "output+attention_weights": self._full,
-                  "output(fused)": self._fused}  # fmt: skip
+        graphs = {
+            "output": self._plain,
+            "output+attention_weights": self._full,
+            "output(fused)": self._fused,
+        }
         return {name: session for name, session in graphs.items() if session is not None}
 
     def _common_provider(self) -> str:
@@ -203,8 +222,13 @@ class OnnxModel:
             log.warning("%s: no %s, served without a load-time check", self.key, path.name)
             return
         try:
-            error = check_golden(path, self.run, self.spec.dtype, tf32=self._tf32,
-                                 has_weights_graph=self.has_weights_graph)  # fmt: skip
+            error = check_golden(
+                path,
+                self.run,
+                self.spec.dtype,
+                tf32=self._tf32,
+                has_weights_graph=self.has_weights_graph,
+            )
         except GoldenMismatch as err:
             raise BrokenModel(f"golden check failed on {self.provider}: {err}") from err
         log.info("%s: golden check passed on %s (max error %.2e)", self.key, self.provider, error)
@@ -222,8 +246,9 @@ class OnnxModel:
             return fused.run(["output"], feeds)[0], None
 
         try:
-            error = check_golden(path, run, self.spec.dtype, tf32=self._tf32,
-                                 has_weights_graph=False)  # fmt: skip
+            error = check_golden(
+                path, run, self.spec.dtype, tf32=self._tf32, has_weights_graph=False
+            )
         except GoldenMismatch as err:
             if self._fused_mode == "on":
                 raise BrokenModel(f"fused graph: golden check failed: {err}") from err
@@ -267,9 +292,12 @@ class OnnxModel:
         return is_large_batch(embeddings, with_weights) or scores >= ARENA_KEEP_BYTES
 
     def _run_giving_back(
-        self, session: ort.InferenceSession, names: list[str], embeddings: np.ndarray,
+        self,
+        session: ort.InferenceSession,
+        names: list[str],
+        embeddings: np.ndarray,
         key_padding_mask: np.ndarray,
-    ) -> list[np.ndarray]:  # fmt: skip
+    ) -> list[np.ndarray]:
         """Run a large batch so that its arena memory goes back when it ends: the outputs go
         into arrays of our own (an output left in the arena would keep its region there)
         and the run shrinks the arena afterwards."""
@@ -323,8 +351,10 @@ class OnnxModel:
 
     def _inputs(self, batch: int, seq: int) -> dict[str, np.ndarray]:
         x = np.random.default_rng(0).standard_normal((batch, seq, self.spec.embed_dim))
-        return {"embeddings": x.astype(self.spec.dtype),
-                "key_padding_mask": np.zeros((batch, seq), dtype=bool)}  # fmt: skip
+        return {
+            "embeddings": x.astype(self.spec.dtype),
+            "key_padding_mask": np.zeros((batch, seq), dtype=bool),
+        }
 
     def warm_up(self, shapes: list[tuple[int, int]] | None = None) -> None:
         """First runs allocate and tune; pay for them, on every graph, before reporting ready.

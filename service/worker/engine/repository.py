@@ -138,8 +138,12 @@ def _versions(model_folder: Path, level: int, confined_to: Path | None) -> list[
             continue  # staging folders of an export in progress
         version = parse_version(version_folder.name)
         if version is None:
-            log.log(level, "skipping %r: a version folder's name must be %s",
-                    str(version_folder), VERSION_RULE)  # fmt: skip
+            log.log(
+                level,
+                "skipping %r: a version folder's name must be %s",
+                str(version_folder),
+                VERSION_RULE,
+            )
             continue
         output_graph = version_folder / OUTPUT_GRAPH
         if not _is_file(output_graph):
