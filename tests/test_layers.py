@@ -119,3 +119,19 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     assert _allowed("worker", "worker.engine.onnx_model", ALLOWED["worker"])
     assert _allowed("worker", "observability.metrics", ALLOWED["worker"])
     assert not _allowed("transport", "observability.metrics", ALLOWED["transport"])
+
+
+def test_the_formatter_formats_everything() -> None:
+    """No code is exempt from ruff's formatting: a '# fmt: skip' (or fmt: off) is refused."""
+    root = SERVICE.parent
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    marker = "fmt: " + "skip"  # not written whole, or this file would hold one
+    exempt = [
+        name
+        for name in tracked
+        if (root / name).exists()
+        and any(m in (root / name).read_text() for m in (marker, "fmt: " + "off"))
+    ]
+    assert exempt == []
