@@ -122,7 +122,7 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
 
 
 def test_the_formatter_formats_everything() -> None:
-    """No code is exempt from ruff's formatting: a '# fmt: skip' (or fmt: off) is refused."""
+    """No code is exempt from ruff's formatting: its skip and off comments are refused."""
     root = SERVICE.parent
     tracked = subprocess.run(
         ["git", "ls-files", "*.py"], cwd=root, capture_output=True, text=True, check=True
