@@ -18,6 +18,8 @@ import tritonclient.grpc as triton_grpc
 from export.pipeline import ExportRequest, run_export
 from service.client import attend_request
 from service.generated.attention.v1 import attention_pb2_grpc
+from service.generated.inference import grpc_service_pb2
+from tests.h2_raw import RawGrpc
 from tests.otlp_receiver import OtlpReceiver, attributes
 from tests.server_process import ServerProcess, behind_gateway
 
@@ -158,6 +160,33 @@ def test_a_caller_that_samples_nothing_gets_no_spans(traced) -> None:
     # earlier call's would be.
     spans = receiver.wait_for(lambda got: len(_of_trace(got, marker)) >= 3)
     assert _of_trace(spans, unsampled) == []
+
+
+def test_a_tracestate_that_is_not_utf8_loses_no_span(traced) -> None:
+    """gRPC Python reads such a header as Latin-1 and the SDK drops the state: the call keeps
+    its span (without the state), and so do the calls after it."""
+    server, receiver = traced
+    junk, after = "9" * 32, "a" * 32
+    request = grpc_service_pb2.ModelInferRequest(model_name="small")
+    request.inputs.add(name="embeddings", datatype="FP32", shape=[1, 2, D])
+    request.raw_input_contents.append(np.ones((1, 2, D), np.float32).tobytes())
+    client = RawGrpc(int(server.target.rsplit(":", 1)[1]), read=True)
+    try:
+        for trace_id, state in ((junk, b"a=\xff\xfe"), (after, b"a=1")):
+            metadata = {"traceparent": _traceparent(trace_id), "tracestate": state}
+            stream = client.call(
+                "/inference.GRPCInferenceService/ModelInfer",
+                request.SerializeToString(),
+                metadata=metadata,  # type: ignore[arg-type]
+            )
+            assert client.wait(stream).headers.get("grpc-status") == "0"
+    finally:
+        client.close()
+    spans = receiver.wait_for(
+        lambda got: len(_calls(_of_trace(got, junk))) == len(_calls(_of_trace(got, after))) == 1
+    )
+    assert _calls(_of_trace(spans, junk))[0].trace_state == ""
+    assert _calls(_of_trace(spans, after))[0].trace_state == "a=1"
 
 
 def test_a_refused_call_has_a_span_with_its_code(traced) -> None:

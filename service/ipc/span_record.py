@@ -108,8 +108,19 @@ def unpack(body: bytes | bytearray | memoryview) -> SpanRecord:
             length,
             method.decode(),
             model.decode(),
-            state.decode(),
+            _header_text(state),
             packed.unpack(done) if done else None,
         )
     except UnicodeDecodeError as err:
         raise ValueError(f"malformed span record: {err}") from err
+
+
+def _header_text(value: bytes) -> str:
+    """A header's value (the caller's tracestate, any bytes) as gRPC Python gives it to the
+    propagator: UTF-8, else Latin-1. The state then fails the SDK's checks as it does there
+    (the span is made without it), where a decoding error lost the record, and the records
+    the gateway sent after it on the same connection."""
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
