@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from service.app.children import exit_now, initial_log_state
 from service.app.lifecycle import serve
 from service.observability import logs
-from service.settings import describe, load_settings
+from service.settings import SECRET_FIELDS, describe, env_name, load_settings
 
 log = logging.getLogger("service")
 
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(argv)
+    # Read: the children are given the settings, so a key set in the environment is not
+    # handed on in theirs (/proc/PID/environ), the gateway's included.
+    for field in SECRET_FIELDS:
+        os.environ.pop(env_name(field), None)
     logs.configure("supervisor", initial_log_state(settings))
     log.info("settings: %s", describe(settings))
     exit_now(asyncio.run(serve(settings)))

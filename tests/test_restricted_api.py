@@ -349,6 +349,24 @@ def test_refusals_are_pythons_word_for_word_and_counted_once(
         assert HIDDEN_HEADER in restricted.log
 
 
+def test_a_key_set_in_the_environment_stays_out_of_the_childrens(
+    tmp_path_factory: pytest.TempPathFactory, grpc_gateway: str
+) -> None:
+    """ATTENTION_RESTRICTED_API read, the supervisor's children (worker, front ends, their
+    gateways) do not inherit it: /proc/PID/environ of each is readable longer than a log."""
+    repository = tiny_repository(tmp_path_factory.getbasetemp())
+    env = {"ATTENTION_RESTRICTED_API": f"inference:{HEADER}={SECRET}"}
+    with ServerProcess(repository, env=env) as server:
+        children = child_pids(server)
+        assert any(name.endswith("-gateway") for name in children) == (grpc_gateway == "on")
+        for name, pid in children.items():
+            assert SECRET.encode() not in Path(f"/proc/{pid}/environ").read_bytes(), name
+        client = triton.InferenceServerClient(server.target)
+        with pytest.raises(InferenceServerException, match="is restricted on this server"):
+            _infer(client)  # and the key is still checked
+        assert _infer(client, headers={HEADER: SECRET}).shape == (1, 4, 32)
+
+
 def test_the_key_is_on_no_command_line_and_in_no_log(
     restricted: ServerProcess, grpc_gateway: str
 ) -> None:
