@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.frontend.gateway_spans import gateway_call
+from service.frontend.gateway_spans import SpanSink, gateway_call
 from service.ipc import packed, span_record
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -97,3 +97,14 @@ def test_a_record_gives_the_spans_the_attributes_of_the_python_path() -> None:
     }
     failed = gateway_call(span_record.SpanRecord(**{**RECORD.__dict__, "code": 13, "done": None}))
     assert (failed.code, failed.error, failed.batch) == ("INTERNAL", True, None)
+
+
+def test_a_malformed_record_is_skipped_and_the_next_one_read() -> None:
+    """A record whose body is bad (its length sound) loses only itself: the stream goes on."""
+    good = (GOLDEN / "span-record.bin").read_bytes()
+    body = good[span_record.LENGTH.size :]
+    bad = span_record.LENGTH.pack(len(body)) + bytes([99]) + body[1:]  # an unknown version
+    with pytest.raises(ValueError, match="version"):
+        span_record.unpack(bad[span_record.LENGTH.size :])
+    buffer = bytearray(bad + good + good[:10])  # and the start of a third
+    assert SpanSink._records(buffer) == len(bad) + len(good)

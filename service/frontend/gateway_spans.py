@@ -128,8 +128,15 @@ class SpanSink:
                 end = at + span_record.LENGTH.size + size
                 if end > len(buffer):
                     break
-                record = span_record.unpack(view[at + span_record.LENGTH.size : end])
+                body = view[at + span_record.LENGTH.size : end]
                 at = end
+                try:  # its length was sound: a bad body loses this record, not the stream
+                    record = span_record.unpack(body)
+                except ValueError as err:
+                    log.warning("tracing: a malformed span record from the gateway (%s)", err)
+                    continue
+                finally:
+                    body.release()
                 try:
                     tracing.record_gateway_call(gateway_call(record))
                 except Exception:  # one bad span must not end the others
