@@ -10,33 +10,13 @@ import pytest
 
 from service.frontend.gateway_spans import SpanSink, gateway_call
 from service.ipc import packed, span_record
+from tests import test_channel as channel_messages
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 TRACE_ID, SPAN_ID, CALLER = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x1122334455667788, 0xF067AA0BA902B7
-INFER = {
-    "t": "infer",
-    "id": 41,
-    "model": "mha/1",
-    "w": True,
-    "shape": [2, 16, 512],
-    "dtype": "<f4",
-    "in": 0,
-    "out": 65536,
-    "wout": 131072,
-    "deadline": 812.5,
-    "tag": [TRACE_ID, SPAN_ID, 1],
-}
-DONE = {
-    "t": "done",
-    "id": 41,
-    "q": 0.002,
-    "c": 0.0005,
-    "b": 6,
-    "s": 811.25,
-    "p": 0.125,
-    "i": 9,
-    "tags": [[TRACE_ID, SPAN_ID, 1], [1, 2**64 - 1, 0]],
-}
+# The untraced messages of the channel's tests, traced.
+INFER = {**channel_messages.INFER, "tag": [TRACE_ID, SPAN_ID, 1]}
+DONE = {**channel_messages.DONE, "tags": [[TRACE_ID, SPAN_ID, 1], [1, 2**64 - 1, 0]]}
 RECORD = span_record.SpanRecord(
     trace_id=TRACE_ID,
     span_id=SPAN_ID,
