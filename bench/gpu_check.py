@@ -27,6 +27,7 @@ import numpy as np
 import onnxruntime as ort
 
 from bench import gpu_probe
+from bench.harness import loopback_server
 from bench.launcher import Service
 from service.worker.engine import cuda, fused
 from service.worker.engine.cuda import CPU, CUDA, CudaOptions
@@ -214,19 +215,7 @@ def server_scenarios(repository: Path, model: str, d: int, provider: str, short:
     sequences/s with 64-sequence requests (the benchmark's GPU scenarios)."""
     seconds = "1" if short else "10"
     command = [
-        sys.executable,
-        "-m",
-        "service",
-        "--host",
-        "127.0.0.1",
-        "--grpc-port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--http-port",
-        "0",
-        "--model-repository",
-        str(repository),
+        *loopback_server(repository),
         "--default-model",
         model,
         "--provider",

@@ -4,8 +4,10 @@ loopback, and polling for a condition instead of sleeping for it."""
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 POLL_S = 0.02
 
@@ -16,6 +18,26 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def loopback_server(repository: Path | str) -> list[str]:
+    """The command of a server (python -m service) serving repository on 127.0.0.1, every
+    port the kernel's choice; the caller appends its own flags."""
+    return [
+        sys.executable,
+        "-m",
+        "service",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+        "--model-repository",
+        str(repository),
+    ]
 
 
 def wait_for(

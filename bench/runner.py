@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import echo_model, h2load
+from bench.harness import loopback_server
 from bench.launcher import REPO_ROOT, Pinning, Service
 from bench.payloads import REST
 
@@ -123,19 +124,7 @@ class Runner:
         c = self.config
         return [
             *pinning.prefix(pinning.server_cpus),
-            sys.executable,
-            "-m",
-            "service",
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "0",
-            "--model-repository",
-            str(repository or c.model_repository),
+            *loopback_server(repository or c.model_repository),
             "--intra-op-threads",
             str(pinning.server_threads),
             "--provider",

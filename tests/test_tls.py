@@ -20,7 +20,7 @@ import tritonclient.http as triton_http
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from bench.harness import wait_for
+from bench.harness import loopback_server, wait_for
 from service import healthcheck
 from service.client import AttentionClient, tls_options
 from service.settings import load_settings
@@ -354,19 +354,7 @@ def test_server_with_an_unreadable_certificate_exits_with_a_clear_error(
     missing = tmp_path / "secret" / "tls.key"
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "service",
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "0",
-            "--model-repository",
-            str(repository),
+            *loopback_server(repository),
             "--tls-cert",
             str(pki.server_cert),
             "--tls-key",

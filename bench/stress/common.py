@@ -7,7 +7,6 @@ import asyncio
 import json
 import math
 import os
-import sys
 import threading
 import time
 import urllib.request
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cputime import family_cpu_s
+from bench.harness import loopback_server
 from bench.launcher import Pinning, Service, cpu_set
 from bench.stats import percentile
 
@@ -45,19 +45,7 @@ class ServerSpec:
         threads = self.pinning.server_threads
         return [
             *self.pinning.prefix(self.pinning.server_cpus),
-            sys.executable,
-            "-m",
-            "service",
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "0",
-            "--model-repository",
-            str(self.repository),
+            *loopback_server(self.repository),
             *(["--intra-op-threads", str(threads)] if threads else []),
             *([] if self.measure_caps else ["--batch-cap-budget-s", "0"]),
             *self.flags,
