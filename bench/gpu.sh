@@ -52,9 +52,15 @@ if [[ "$MODE" == check ]] && compgen -G "$BUNDLE/*.whl*" >/dev/null; then
     done
     cp "$BUNDLE"/*.whl "$WHEELS"/ 2>/dev/null || true
     echo "== installing carried wheels into $SITE: $(cd "$WHEELS" && ls | tr '\n' ' ')"
+    started=$SECONDS
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" "$WHEELS"/*.whl
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    echo "== installed in $((SECONDS - started)) s"
+fi
+if [[ "$MODE" == check && -x "$BUNDLE/attention-gateway" ]]; then
+    export ATTENTION_GRPC_GATEWAY_BINARY=$PWD/$BUNDLE/attention-gateway
+    echo "== gRPC gateway: $ATTENTION_GRPC_GATEWAY_BINARY"
 fi
 if [[ "$MODE" == check ]]; then
     # Seconds, before any export or measurement: onnxruntime-gpu, the driver, the imports.

@@ -36,7 +36,18 @@ for wheel in "$BUNDLE"/*.whl; do
     fi
 done
 
-# The last piece travels with the models and the small wheels (about 50 MiB together).
+# The gRPC gateway (Go, static), so the check serves through it as a default install does.
+GO=$(dirname "$PY")/go
+if [[ -x "$GO" ]]; then
+    (cd service/gateway && CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off \
+        GOARCH=amd64 "$OLDPWD/$GO" build -trimpath -ldflags='-s -w' \
+        -o "$OLDPWD/$BUNDLE/attention-gateway" .)
+else
+    echo "no Go toolchain beside $PY (make setup installs it): the check will run without" \
+        "the gateway, Python serving the gRPC port" >&2
+fi
+
+# The last piece travels with the models, the small wheels and the gateway (under 60 MiB).
 parts=("$BUNDLE"/*.part-*)
 last=${parts[-1]}
 echo "device calls, back to back (sizes below; each call's carry under 64 MiB with the"
@@ -46,7 +57,7 @@ for part in "${parts[@]::${#parts[@]}-1}"; do
     call=$((call + 1))
     echo "  $call: carry [\"$part\"]  command: ls -l $BUNDLE"
 done
-small=$(find "$BUNDLE" -maxdepth 1 -name '*.whl' -printf '"%p", ')
+small=$(find "$BUNDLE" -maxdepth 1 \( -name '*.whl' -o -name attention-gateway \) -printf '"%p", ')
 echo "  $((call + 1)): carry [\"$MODELS\", $small\"$last\"]  command:" \
     "PYTHONUNBUFFERED=1 bash bench/gpu.sh  (timeout_s 540)"
 du -sh "$MODELS" "$BUNDLE"/* | sed 's/^/    /'

@@ -210,10 +210,12 @@ def inflight(model: OnnxModel, shape: tuple[int, int], calls: int) -> Report:
     return {"shape": list(shape), **rates}
 
 
-def server_scenarios(repository: Path, model: str, d: int, provider: str, short: bool) -> Report:
+def server_scenarios(
+    repository: Path, model: str, d: int, provider: str, short: bool, log_file: Path | None
+) -> Report:
     """The server with --provider PROVIDER: p50 of one seq-128 request at a time, and
-    sequences/s with 64-sequence requests (the benchmark's GPU scenarios)."""
-    seconds = "1" if short else "10"
+    sequences/s with 64-sequence requests (the benchmark's GPU scenarios). Its whole log goes
+    to log_file, passed or failed: a failure's cause is often far above the log's tail."""
     command = [
         *loopback_server(repository),
         "--default-model",
@@ -232,51 +234,61 @@ def server_scenarios(repository: Path, model: str, d: int, provider: str, short:
     ]
     report: Report = {}
     with Service("server", command) as server:
-        server.wait_ready(180)
-        log = server.log_tail(200)
-        wanted = ("golden check", "graph", "CUDA usable", "loaded", "serving")
-        report["server_log"] = [
-            line.strip()[-160:] for line in log.splitlines() if any(w in line for w in wanted)
-        ][:8]
-        for name, flags in (
-            ("one_request_seq128", ["--concurrency", "1", "--sequences-per-request", "1"]),
-            ("requests_of_64_seq128", ["--concurrency", "4", "--sequences-per-request", "64"]),
-        ):
-            done = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.loadgen",
-                    "--target",
-                    server.target,
-                    "--api",
-                    "attention",
-                    "--model",
-                    model,
-                    "--embed-dim",
-                    str(d),
-                    "--seq",
-                    "128",
-                    "--duration-s",
-                    seconds,
-                    "--warmup-s",
-                    "1" if short else "3",
-                    *flags,
-                ],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=True,
-            )
-            result = json.loads(done.stdout)
-            if result.get("errors"):
-                raise CheckFailed(f"server scenario {name}: errors {result['errors']}")
-            report[name] = {
-                k: result[k] for k in ("sequences_per_s", "p50_ms", "p99_ms") if k in result
-            }
-        # After the load: the GPU has worked, and every process has used CPU.
-        report["metrics"] = system_series(server.metrics_port)
+        try:
+            _measure_server(server, report, model, d, short)
+        finally:
+            if log_file is not None:
+                server.stop()
+                log_file.write_text(server.log_tail(len(server.lines)))
     return report
+
+
+def _measure_server(server: Service, report: Report, model: str, d: int, short: bool) -> None:
+    seconds = "1" if short else "10"
+    server.wait_ready(180)
+    log = server.log_tail(200)
+    wanted = ("golden check", "graph", "CUDA usable", "loaded", "serving")
+    report["server_log"] = [
+        line.strip()[-160:] for line in log.splitlines() if any(w in line for w in wanted)
+    ][:8]
+    for name, flags in (
+        ("one_request_seq128", ["--concurrency", "1", "--sequences-per-request", "1"]),
+        ("requests_of_64_seq128", ["--concurrency", "4", "--sequences-per-request", "64"]),
+    ):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.loadgen",
+                "--target",
+                server.target,
+                "--api",
+                "attention",
+                "--model",
+                model,
+                "--embed-dim",
+                str(d),
+                "--seq",
+                "128",
+                "--duration-s",
+                seconds,
+                "--warmup-s",
+                "1" if short else "3",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        result = json.loads(done.stdout)
+        if result.get("errors"):
+            raise CheckFailed(f"server scenario {name}: errors {result['errors']}")
+        report[name] = {
+            k: result[k] for k in ("sequences_per_s", "p50_ms", "p99_ms") if k in result
+        }
+    # After the load: the GPU has worked, and every process has used CPU.
+    report["metrics"] = system_series(server.metrics_port)
 
 
 # The GPU series the server exposes from NVML (Triton's nv_gpu_* equivalents), and the
@@ -392,8 +404,9 @@ def run(args: argparse.Namespace, report: Report) -> None:
     off_dim = off.spec.embed_dim
     del off, half
     provider = "cpu" if args.dry_run else "cuda"
+    log_file = args.json.with_name("gpu-server.log") if args.json else None
     report["server"] = server_scenarios(
-        args.models, args.fp32_model, off_dim, provider, args.dry_run
+        args.models, args.fp32_model, off_dim, provider, args.dry_run, log_file
     )
     server_rate = report["server"]["requests_of_64_seq128"]["sequences_per_s"]
     report["server"]["inprocess_64x128_seq_per_s"] = inprocess["1_inflight_seq_per_s"]

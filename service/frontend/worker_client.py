@@ -47,6 +47,7 @@ class _Link:
     writer: channel.Writer
     calls: dict[int, _Call] = field(default_factory=dict)
     alive: bool = True
+    welcomed: bool = False  # the worker's first snapshot arrived on this link
 
     high_water: int = 0  # most bytes in use since the slab last gave its pages back
     idle_trim: asyncio.TimerHandle | None = None
@@ -200,12 +201,18 @@ class WorkerClient:
                 await asyncio.sleep(delay)  # the worker is starting (or restarting)
                 delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
-            delay = RECONNECT_FIRST_S
             self._link = link
             try:
                 await self._read(reader, link)
             finally:
                 self._lost(link)
+            if link.welcomed:
+                delay = RECONNECT_FIRST_S  # a worker that served this link: it restarts
+            else:
+                # Refused before its welcome (a failed handshake): retrying at once would
+                # spin, each try a new slab on both sides.
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_MAX_S)
 
     async def _connect(self) -> tuple[asyncio.StreamReader, _Link]:
         loop = asyncio.get_running_loop()
@@ -266,6 +273,7 @@ class WorkerClient:
             elif not call.future.done():
                 call.future.set_result(message)
         elif kind in (messages.WELCOME, messages.MODELS):
+            link.welcomed = True
             self._apply_snapshot(message)
         elif kind == messages.SYNC:
             link.writer.send({"t": messages.SYNCED, "id": message["id"]})

@@ -139,13 +139,24 @@ func (w *worker) connectForever(welcomed chan<- struct{}) {
 			delay = min(delay*2, time.Second)
 			continue
 		}
-		delay = 50 * time.Millisecond
 		w.mu.Lock()
 		w.link = l
 		w.mu.Unlock()
 		go l.writeLoop()
-		w.readLoop(l, func() { once.Do(func() { close(welcomed) }) })
+		greeted := false
+		w.readLoop(l, func() {
+			greeted = true
+			once.Do(func() { close(welcomed) })
+		})
 		w.lost(l)
+		if greeted {
+			delay = 50 * time.Millisecond // a worker that served this link: it restarts
+		} else {
+			// Refused before its welcome (a failed handshake): retrying at once would spin,
+			// each try a new slab on both sides.
+			time.Sleep(delay)
+			delay = min(delay*2, time.Second)
+		}
 	}
 }
 

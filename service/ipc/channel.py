@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import resource
 import socket
 import struct
 from typing import Any
@@ -142,11 +144,24 @@ def send_hello(sock: socket.socket, message: Message, fds: list[int]) -> None:
 
 
 def receive_hello(sock: socket.socket) -> tuple[Message, list[int]]:
-    """The first message and its descriptors, on a blocking socket (timeout set by caller)."""
-    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
-    if len(data) < HEADER.size:
-        raise ValueError("hello message too short")
-    (length,) = HEADER.unpack(data[: HEADER.size])
-    if len(data) != HEADER.size + length:
-        raise ValueError(f"hello message of {len(data)} bytes, header says {length}")
-    return decode(data[HEADER.size :]), list(fds)
+    """The first message and its descriptors, on a blocking socket (timeout set by caller).
+    On any error the descriptors that did arrive are closed."""
+    data, fds, flags, _ = socket.recv_fds(sock, 1 << 16, 4)
+    try:
+        if flags & socket.MSG_CTRUNC:
+            # The kernel drops descriptors it cannot install, most often at the open-file limit.
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            raise ValueError(
+                f"the hello's descriptors were dropped by the kernel (open-file limit {soft} "
+                "reached here?)"
+            )
+        if len(data) < HEADER.size:
+            raise ValueError("hello message too short")
+        (length,) = HEADER.unpack(data[: HEADER.size])
+        if len(data) != HEADER.size + length:
+            raise ValueError(f"hello message of {len(data)} bytes, header says {length}")
+        return decode(data[HEADER.size :]), list(fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -398,7 +398,9 @@ class _Incoming(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A cast, not an isinstance check: uvloop's transports are not asyncio.Transport's
+        # subclasses, though they are stream transports with its methods.
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
         self._link._connected(transport)
 
@@ -471,6 +473,8 @@ class LinkListener:
             connection.settimeout(channel.HELLO_TIMEOUT_S)
             hello, fds = await asyncio.to_thread(channel.receive_hello, connection)
             if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
                 raise ValueError(f"hello carried {len(fds)} descriptors, expected 1")
             slab = Slab.attach(fds[0])
             connection.settimeout(None)
