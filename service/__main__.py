@@ -10,6 +10,7 @@ import sys
 
 from service.app.children import exit_now, initial_log_state
 from service.app.lifecycle import serve
+from service.app.loops import event_loop_factory
 from service.observability import logs
 from service.settings import SECRET_FIELDS, describe, env_name, load_settings
 
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(env_name(field), None)
     logs.configure("supervisor", initial_log_state(settings))
     log.info("settings: %s", describe(settings))
+    uvloop = event_loop_factory(settings.event_loop) is not None  # asked for, absent: exits
+    log.info("event loop of the worker and front ends: %s", "uvloop" if uvloop else "asyncio")
     exit_now(asyncio.run(serve(settings)))
 
 
