@@ -134,6 +134,20 @@ def test_full_batch_closes_without_waiting_for_the_delay() -> None:
     np.testing.assert_array_equal(results[0].output, _x(3) + 1)
 
 
+def test_a_batch_s_leader_gets_every_tag_and_each_other_tagged_request_the_leader_s() -> None:
+    runner = RecordingRunner()
+    tags = [None, "a", None, "b", "c"]  # the first tagged request (a) leads the batch
+
+    async def body(batcher: Batcher):
+        return await asyncio.gather(
+            *(batcher.submit(runner, _x(3), with_weights=False, tag=tag) for tag in tags)
+        )
+
+    results = asyncio.run(_with_batcher(_limits(max_batch_size=5, max_queue_delay_s=30), body))
+    assert runner.batches == [(5, 3, 2)]
+    assert [r.batch_tags for r in results] == [(), ("a", "b", "c"), (), ("a",), ("a",)]
+
+
 def test_partial_batch_closes_after_the_delay() -> None:
     runner = RecordingRunner()
 

@@ -259,7 +259,7 @@ def _rest_infer(server: ServerProcess, trace_id: str, seq: int) -> None:
         assert reply.status == 200
 
 
-def test_rest_calls_batched_together_link_one_compute_to_both(traced) -> None:
+def test_rest_calls_batched_together_link_through_the_batch_s_leader(traced) -> None:
     server, receiver = traced
     first, second = "1" * 32, "2" * 32
     # --max-queue-delay-ms 200 and --max-batch-size 2: the two requests share a batch.
@@ -274,10 +274,20 @@ def test_rest_calls_batched_together_link_one_compute_to_both(traced) -> None:
     }
     assert calls[first].name == "POST /v2/models/{model}/infer"
     assert attributes(calls[first])["http.response.status_code"] == 200
-    compute = next(s for s in _of_trace(spans, first) if s.name == "compute")
-    assert attributes(compute)["attention.batch_size"] == 2
-    assert attributes(compute)["attention.batch_padding_ratio"] == pytest.approx(0.25)
-    assert {link.span_id for link in compute.links} == {c.span_id for c in calls.values()}
+    computes = {t: next(s for s in _of_trace(spans, t) if s.name == "compute") for t in calls}
+    for compute in computes.values():
+        assert attributes(compute)["attention.batch_size"] == 2
+        assert attributes(compute)["attention.batch_padding_ratio"] == pytest.approx(0.25)
+        assert (
+            attributes(compute)["attention.batch_id"]
+            == attributes(computes[first])["attention.batch_id"]
+        )
+    # The batch's leader links to both calls; the other request's compute to the leader's.
+    links = {t: [link.span_id for link in c.links] for t, c in computes.items()}
+    leader = first if len(links[first]) == 2 else second
+    other = second if leader == first else first
+    assert set(links[leader]) == {c.span_id for c in calls.values()}
+    assert links[other] == [calls[leader].span_id]
 
 
 def test_stream_gets_a_span_per_message(traced) -> None:

@@ -286,7 +286,7 @@ def record_gateway_call(call: GatewayCall) -> None:
             "attention.batch_padding_ratio": done["p"],
             "attention.batch_id": done["i"],
         }
-        links = [  # straight from the DONE's rows: per traced call, one per traced batchmate
+        links = [  # straight from the DONE's rows: the batch's leader has them all, others one
             trace.Link(trace.SpanContext(row[0], row[1], True, trace.TraceFlags(row[2])))
             for row in done["tags"]
         ]
@@ -357,7 +357,8 @@ def record_batch(
     tags: Iterable[object],
 ) -> None:
     """Queue and compute child spans of the current request, with explicit times; compute
-    links to the span of every traced request its batch served."""
+    links to the spans of the tags its batch gave it (the batch's leader: every traced
+    request's; any other request: the leader's)."""
     if _tracer is None:
         return
     from opentelemetry import trace

@@ -243,8 +243,10 @@ class Batcher:
         (cancelling it drops them before compute).
 
         deadline is on the time.monotonic() clock; past it the request is never computed.
-        tag (small, plain data; e.g. a trace's span ids) comes back in Result.batch_tags of
-        every tagged request computed with this one (an untagged one gets none). into: arrays
+        tag (small, plain data; e.g. a trace's span ids) goes to the batch's tagged requests
+        in Result.batch_tags: the batch's first tagged request (its leader) gets every tag of
+        the batch, each other tagged request the leader's alone, an untagged one none (a
+        batch of B tagged requests so carries 2B - 1 tags, not B squared). into: arrays
         of the answer's shapes that the answer is written into (the Result then holds them);
         the caller keeps them valid until the future is done, also after withdraw() returned
         False.
@@ -685,6 +687,7 @@ class Batcher:
         succeeded = []
         batch_id = next(self._batches)
         tags = tuple(item.tag for item in batch if item.tag is not None)
+        leader = next((item for item in batch if item.tag is not None), None)
         for item, (output, weights), finite in zip(
             batch, computed.parts, computed.finite, strict=True
         ):
@@ -714,7 +717,9 @@ class Batcher:
                         started_at=started,
                         padding=computed.padding,
                         batch_id=batch_id,
-                        batch_tags=tags if item.tag is not None else (),
+                        batch_tags=(
+                            () if item.tag is None else tags if item is leader else tags[:1]
+                        ),
                     )
                 )
         self.statistics.record_batch(runner.key, sequences, succeeded, computed.compute_s)
