@@ -18,6 +18,10 @@ log = logging.getLogger("service")
 
 
 def main(argv: list[str] | None = None) -> int:
+    # No process here forks to go on using gRPC (children are spawned, the gateway is
+    # exec'd). gRPC's fork handlers, run when uvloop forks to start the gateway, print a line
+    # outside --log-format json, and when enabled they stopped the gateway from starting.
+    os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
     settings = load_settings(argv)
     # Read: the children are given the settings, so a key set in the environment is not
     # handed on in theirs (/proc/PID/environ), the gateway's included.
