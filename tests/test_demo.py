@@ -41,6 +41,7 @@ def _check(stdout: str, out: Path, grid: tuple[int, int]) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.heavy  # the demo end to end (~20 s); the export paths it uses run by default
 def test_demo_on_a_tiny_bert(tmp_path: Path) -> None:
     folder = tmp_path / "tiny"
     make_tiny_bert(folder, hidden=32, heads=4, layers=2)

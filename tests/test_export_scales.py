@@ -43,7 +43,13 @@ def _save(tmp_path: Path, state: dict[str, torch.Tensor]) -> Path:
 
 @pytest.mark.parametrize(
     ("embed_dim", "num_heads", "scale"),
-    [(128, 4, 0.25), (128, 4, 1.0), (128, 4, 4.0), (128, 4, 16.0), (512, 8, 4.0)],
+    [
+        pytest.param(128, 4, 0.25, marks=pytest.mark.heavy),
+        pytest.param(128, 4, 1.0, marks=pytest.mark.heavy),
+        pytest.param(128, 4, 4.0, marks=pytest.mark.heavy),
+        (128, 4, 16.0),
+        (512, 8, 4.0),
+    ],
 )
 def test_trained_layers_with_large_weights_export(
     tmp_path: Path, embed_dim: int, num_heads: int, scale: float
@@ -78,7 +84,7 @@ def _module_from(layer: torch.nn.MultiheadAttention) -> MultiHeadSelfAttention:
     return module.eval()
 
 
-@pytest.mark.parametrize("scale", [1.0, 16.0])
+@pytest.mark.parametrize("scale", [pytest.param(1.0, marks=pytest.mark.heavy), 16.0])
 @pytest.mark.parametrize("mistake", ["swap q and k", "swap k and v", "transpose out_proj"])
 def test_a_wrong_graph_fails_at_every_scale(tmp_path: Path, scale: float, mistake: str) -> None:
     layer = _trained_layer(64, 4, scale)
