@@ -6,7 +6,11 @@ the Python that defines it.
   (service/status_texts.py);
 - service/gateway/proto_gen.go: the field numbers of every message the gateway reads or writes
   by hand (service/gateway/protowire.go), and attention.v1's DataType values, from the
-  generated protobuf modules Python serves with.
+  generated protobuf modules Python serves with;
+- service/gateway/defaults_gen.go: the defaults of its flags that Python has a value for, from
+  service/settings.py's Settings defaults and the constants of
+  service/transport/grpc_options.py, service/dataplane.py and service/frontend/ (the front
+  end passes every flag; the defaults serve a gateway started by hand).
 
     python -m scripts.go_contract            # regenerate in place (make proto runs it)
     python -m scripts.go_contract --check    # exit 1 when a Go file is stale
@@ -15,6 +19,7 @@ the Python that defines it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -22,14 +27,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from service import status_texts
+from service import dataplane, status_texts
+from service.frontend import gateway, limits, server
 from service.generated.attention.v1 import attention_pb2
 from service.generated.inference import grpc_service_pb2
 from service.ipc import status_page
+from service.settings import Settings
+from service.transport import grpc_options
 
 GATEWAY = Path(__file__).resolve().parent.parent / "service" / "gateway"
 GO_FILE = GATEWAY / "contract_gen.go"
 PROTO_GO_FILE = GATEWAY / "proto_gen.go"
+DEFAULTS_GO_FILE = GATEWAY / "defaults_gen.go"
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
 # Go spells these initialisms in capitals (RequestID, not RequestId).
 INITIALISMS = {"id": "ID"}
@@ -199,6 +208,106 @@ def render_proto() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+Value = str | int | float | bool
+
+
+def flag_defaults() -> dict[str, tuple[Value, str]]:
+    """Each gateway flag with a Python counterpart, in main.go's order: (its default, where
+    Python has it)."""
+    settings = Settings()
+    fields: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Settings)}
+
+    def setting(name: str) -> tuple[Value, str]:
+        return fields[name], f"Settings.{name}"
+
+    return {
+        # Loopback: the front end always passes --listen (its --host); by hand, this machine.
+        "listen": (f"127.0.0.1:{fields['grpc_port']}", "Settings.grpc_port, on 127.0.0.1"),
+        "accept-encoding": (
+            grpc_options.accepted_encodings(fields["grpc_compression"]),
+            "grpc_options.accepted_encodings(Settings.grpc_compression)",
+        ),
+        # The least a front end's slab is: --shared-memory-bytes 0 and no queue bound.
+        "slab-bytes": (server.slab_bytes(settings, 0), "frontend.server.slab_bytes, at least"),
+        "max-seq-len": setting("max_seq_len"),
+        "client-shared-memory": (
+            fields["client_shared_memory"] == "on",
+            "Settings.client_shared_memory",
+        ),
+        "max-batch-size": setting("max_batch_size"),
+        # The receive bound of a front end with no model served yet.
+        "max-receive-bytes": (
+            limits.message_limits([], settings)[0],
+            "frontend.limits.message_limits, no model served",
+        ),
+        # The whole server's bounds (a front end passes its gateway a share of them).
+        "max-undelivered-bytes": setting("max_undelivered_bytes"),
+        "max-undelivered-bytes-per-connection": setting("max_undelivered_bytes_per_connection"),
+        "max-connection-idle-s": setting("max_connection_idle_s"),
+        "max-connection-age-s": setting("max_connection_age_s"),
+        "max-concurrent-streams": (
+            grpc_options.MAX_CONCURRENT_STREAMS,
+            "grpc_options.MAX_CONCURRENT_STREAMS",
+        ),
+        "max-stream-inflight-requests": setting("max_stream_inflight_requests"),
+        "max-stream-pending-bytes": setting("max_stream_pending_bytes"),
+        "keepalive-s": (grpc_options.KEEPALIVE_TIME_MS / 1000, "grpc_options.KEEPALIVE_TIME_MS"),
+        "keepalive-timeout-s": (
+            grpc_options.KEEPALIVE_TIMEOUT_MS / 1000,
+            "grpc_options.KEEPALIVE_TIMEOUT_MS",
+        ),
+        "min-client-ping-interval-s": (
+            grpc_options.MIN_CLIENT_PING_INTERVAL_MS / 1000,
+            "grpc_options.MIN_CLIENT_PING_INTERVAL_MS",
+        ),
+        "max-ping-strikes": (grpc_options.MAX_PING_STRIKES, "grpc_options.MAX_PING_STRIKES"),
+        "deadline-slack-s": (dataplane.DEADLINE_SLACK_S, "dataplane.DEADLINE_SLACK_S"),
+        "shutdown-not-serving-s": setting("shutdown_not_serving_s"),
+        "grace-period-s": setting("grace_period_s"),
+        "refuse-linger-s": (gateway.REFUSE_LINGER_S, "frontend.gateway.REFUSE_LINGER_S"),
+    }
+
+
+def default_constant(flag: str) -> str:
+    """The Go name of a flag's default: defaultMaxSeqLen for --max-seq-len."""
+    return "default" + _camel(flag.replace("-", "_"), upper=True)
+
+
+def _go_value(value: Value) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+def render_defaults() -> str:
+    specs = {
+        default_constant(flag): (_go_value(value), source)
+        for flag, (value, source) in flag_defaults().items()
+    }
+    name_width = max(map(len, specs))
+    value_width = max(len(value) for value, _ in specs.values())
+    lines = [
+        "// Code generated by scripts/go_contract.py from service/settings.py, "
+        "service/transport/grpc_options.py, service/dataplane.py and service/frontend/; "
+        "DO NOT EDIT.",
+        "",
+        "package main",
+        "",
+        "// The flags' defaults, from the Python that defines them: Settings' defaults and the",
+        "// constants service/frontend/gateway.py passes. A front end passes every flag; these",
+        "// serve a gateway started by hand.",
+        "const (",
+        *(
+            f"\t{name:<{name_width}} = {value:<{value_width}} // {source}"
+            for name, (value, source) in specs.items()
+        ),
+        ")",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _stale(path: Path, text: str) -> bool:
     return not path.exists() or path.read_text() != text
 
@@ -207,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail when a Go file is stale")
     args = parser.parse_args(argv)
-    files = {GO_FILE: render(), PROTO_GO_FILE: render_proto()}
+    files = {
+        GO_FILE: render(),
+        PROTO_GO_FILE: render_proto(),
+        DEFAULTS_GO_FILE: render_defaults(),
+    }
     if args.check:
         stale = [path for path, text in files.items() if _stale(path, text)]
         for path in stale:

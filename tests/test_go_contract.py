@@ -1,15 +1,22 @@
-"""The gateway's Go keeps no private copy of the contract: protobuf field numbers and the
-status messages it writes come from the generated Go (scripts/go_contract.py, from the
-descriptors Python serves with and from service/status_texts.py), never from literals.
+"""The gateway's Go keeps no private copy of the contract: protobuf field numbers, the
+status messages it writes and its flags' defaults come from the generated Go
+(scripts/go_contract.py, from the descriptors Python serves with, service/status_texts.py,
+service/settings.py and the constants the front end passes), never from literals.
 tests/test_status_page.py checks that the generated Go is current."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from pathlib import Path
 
-from service import status_texts
+from scripts import go_contract
+from service import dataplane, status_texts
+from service.frontend import limits, server
 from service.ipc import status_page
+from service.settings import Settings
+from service.transport import grpc_options
 
 GATEWAY = Path(__file__).resolve().parent.parent / "service" / "gateway"
 # The protowire helpers, and which argument (from 0) is the field number.
@@ -32,6 +39,13 @@ NUM_COMPARED = re.compile(r"\.num\s*[!=]=\s*\d")
 NUMBER_KEYED_MAP = re.compile(r"map\[int\]\w+\{[^}]*?[{,\s]\d+\s*:", re.DOTALL)
 # A field number's constant belongs in proto_gen.go, generated.
 FIELD_CONSTANT = re.compile(r"^[ \t]*(?:const )?field[A-Z]\w*( \w+)? = \d", re.MULTILINE)
+# flag.XVar(pointer, name, default, usage) and flag.X(name, default, usage).
+FLAG_CALL = re.compile(r"\bflag\.(\w+?)(Var)?\(")
+FLAG_DEFAULT_LITERAL = re.compile(r"^[-+(]*\.?\d|^(true|false)$")
+GO_CONSTANT = re.compile(r"^\t(\w+)\s+= (.+?)(?:\s+//.*)?$", re.MULTILINE)
+# Flags whose numeric or boolean default has no Python counterpart, and why. None today:
+# every such default is generated into defaults_gen.go (scripts/go_contract.py).
+GO_ONLY_DEFAULTS: dict[str, str] = {}
 
 
 def _without_comments(source: str) -> str:
@@ -184,3 +198,118 @@ def test_the_check_finds_literal_field_numbers() -> None:
     )
     found = literal_field_numbers(source)
     assert [entry.split(":")[0] for entry in found] == ["8", "10", "12", "14", "15", "18"], found
+
+
+def flag_definitions(source: str) -> list[tuple[int, str, str]]:
+    """(line, flag name, default as written) for each flag source (gofmt'd Go) defines."""
+    code = _without_comments(source)
+    found = []
+    for call in FLAG_CALL.finditer(code):
+        if call[1] in ("Parse", "Args", "Arg", "NArg", "NFlag", "Set", "Lookup", "Visit"):
+            continue
+        arguments = _arguments(code, call.end())[1 if call[2] else 0 :]
+        if len(arguments) == 3 and arguments[0].startswith('"'):
+            found.append((_line(code, call.start()), json.loads(arguments[0]), arguments[1]))
+    return found
+
+
+def literal_flag_defaults(source: str) -> list[str]:
+    """Where source defines a flag with a numeric or boolean literal for its default."""
+    return [
+        f"{line}: --{name} {default}"
+        for line, name, default in flag_definitions(source)
+        if FLAG_DEFAULT_LITERAL.match(default) and name not in GO_ONLY_DEFAULTS
+    ]
+
+
+def _main_flags() -> dict[str, str]:
+    return {name: default for _, name, default in flag_definitions(_read("main.go"))}
+
+
+def _read(name: str) -> str:
+    return (GATEWAY / name).read_text()
+
+
+def _go_value(literal: str) -> object:
+    """A generated constant's value, as Python reads it."""
+    if literal in ("true", "false"):
+        return literal == "true"
+    return json.loads(literal)
+
+
+def test_no_hand_written_go_has_a_literal_flag_default() -> None:
+    found = {
+        path.name: where
+        for path in _hand_written_go()
+        if (where := literal_flag_defaults(path.read_text()))
+    }
+    assert not found, (
+        "take the default from Python: add the flag to scripts/go_contract.py's "
+        f"flag_defaults and use its default<Flag> constant of defaults_gen.go: {found}"
+    )
+    defined = {
+        name for path in _hand_written_go() for _, name, _ in flag_definitions(path.read_text())
+    }
+    assert GO_ONLY_DEFAULTS.keys() <= defined, "GO_ONLY_DEFAULTS names a flag no longer defined"
+
+
+def test_the_check_finds_literal_flag_defaults() -> None:
+    source = "\n".join(
+        [
+            "func parse() {",
+            '\tflag.IntVar(&o.a, "a", 64<<20, "bytes, as 1<<20")',
+            '\tflag.Float64Var(&b, "b", defaultB, "") // flag.IntVar(&c, "c", 1, "")',
+            '\tflag.BoolVar(&o.d, "d", false, "")',
+            '\tx := flag.Int("e", -1, "a, b")',
+            '\tflag.Float64Var(&f, "f", .5, "")',
+            '\tflag.StringVar(&g, "g", "1", "")',
+            "\tflag.Parse()",
+            "}",
+        ]
+    )
+    assert [name for _, name, _ in flag_definitions(source)] == list("abdefg")
+    found = literal_flag_defaults(source)
+    assert [entry.split(":")[0] for entry in found] == ["2", "4", "5", "6"], found
+
+
+def test_each_flag_with_a_python_default_takes_its_generated_constant() -> None:
+    flags = _main_flags()
+    wrong = {
+        flag: flags.get(flag)
+        for flag in go_contract.flag_defaults()
+        if flags.get(flag) != go_contract.default_constant(flag)
+    }
+    assert not wrong, f"main.go's flags that do not take their default<Flag> constant: {wrong}"
+
+
+def test_the_generated_defaults_are_pythons() -> None:
+    """Read back from defaults_gen.go through main.go's flags: each flag named as a Settings
+    field defaults to that field's default; the others to the constants the front end
+    passes them (service/frontend/gateway.py)."""
+    constants = {m[1]: _go_value(m[2]) for m in GO_CONSTANT.finditer(_read("defaults_gen.go"))}
+    flags = {name: constants.get(default) for name, default in _main_flags().items()}
+    settings = {f.name.replace("_", "-"): f.default for f in dataclasses.fields(Settings)}
+    # Settings' None (the TLS files: none) is Go's empty string, nothing to generate.
+    unset = {name for name in flags.keys() & settings.keys() if settings[name] is None}
+    assert {name: _main_flags()[name] for name in unset} == dict.fromkeys(unset, '""')
+    expected = {name: settings[name] for name in flags.keys() & settings.keys() - unset}
+    assert len(expected) >= 10, sorted(expected)
+    expected |= {
+        "client-shared-memory": settings["client-shared-memory"] == "on",
+        "listen": f"127.0.0.1:{settings['grpc-port']}",
+        "accept-encoding": grpc_options.accepted_encodings(settings["grpc-compression"]),
+        "max-concurrent-streams": grpc_options.MAX_CONCURRENT_STREAMS,
+        "keepalive-s": grpc_options.KEEPALIVE_TIME_MS / 1000,
+        "keepalive-timeout-s": grpc_options.KEEPALIVE_TIMEOUT_MS / 1000,
+        "min-client-ping-interval-s": grpc_options.MIN_CLIENT_PING_INTERVAL_MS / 1000,
+        "max-ping-strikes": grpc_options.MAX_PING_STRIKES,
+        "deadline-slack-s": dataplane.DEADLINE_SLACK_S,
+        # A front end's least slab (no queue bound), and its receive bound with no model.
+        "slab-bytes": server.slab_bytes(Settings(), 0),
+        "max-receive-bytes": limits.message_limits([], Settings())[0],
+        # The Python front end's own drain, which the gateway's follows.
+        "refuse-linger-s": server.REFUSE_LINGER_S,
+    }
+    assert expected.keys() == go_contract.flag_defaults().keys()
+    found = {name: flags.get(name) for name in expected}
+    assert found == expected
