@@ -50,6 +50,7 @@ NUMBER_TYPES = {
     "ANSWERS_BACKLOGGED_BY_CONNECTION": "int64",
     "SLAB_TOO_SMALL": "int",
     "SLAB_FULL": "int",
+    "METADATA_TOO_LARGE": "int",
 }
 # The messages the gateway reads or writes by hand, by their Go name (a nested message by its
 # own): constants field<Go name><Field>.
@@ -243,6 +244,7 @@ def flag_defaults() -> dict[str, tuple[Value, str]]:
         # The whole server's bounds (a front end passes its gateway a share of them).
         "max-undelivered-bytes": setting("max_undelivered_bytes"),
         "max-undelivered-bytes-per-connection": setting("max_undelivered_bytes_per_connection"),
+        "max-metadata-bytes": setting("max_metadata_bytes"),
         "max-connection-idle-s": setting("max_connection_idle_s"),
         "max-connection-age-s": setting("max_connection_age_s"),
         "max-concurrent-streams": (

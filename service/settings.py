@@ -343,6 +343,12 @@ class Settings:
         "loaded; off: it is refused with a load error (links within the repository are fine)",
         default="off",
     )
+    max_metadata_bytes: int = _doc(
+        "largest header block (gRPC metadata) of a gRPC call, counted as gRPC does: each "
+        "header's name and value plus 32 bytes; a larger one is refused RESOURCE_EXHAUSTED, "
+        "always (gRPC's own default refuses some calls between 8 and 16 KiB at random)",
+        default=16384,
+    )
     max_connection_idle_s: float = _doc(
         "seconds a client connection may go without any call open before it is closed "
         "(HTTP/2 GOAWAY; on the HTTP/REST port, a connection with no request open), so "
@@ -457,6 +463,8 @@ class Settings:
             ("max_connection_idle_s", self.max_connection_idle_s >= 0, ">= 0"),
             ("http_header_timeout_s", self.http_header_timeout_s >= 0, ">= 0"),
             ("max_json_request_bytes", self.max_json_request_bytes >= 1, ">= 1"),
+            # Below ~1 KiB a plain call's own headers (path, authority, te, ...) do not fit.
+            ("max_metadata_bytes", self.max_metadata_bytes >= 1024, ">= 1024"),
             ("max_json_answer_bytes", self.max_json_answer_bytes >= 1, ">= 1"),
             ("client_shared_memory", self.client_shared_memory in ON_OFF, "on or off"),
             ("grpc_gateway", self.grpc_gateway in CHOICES["grpc_gateway"], "auto, on or off"),

@@ -29,6 +29,9 @@ ANSWERS_BACKLOGGED_BY_CONNECTION = (
     "(--max-undelivered-bytes-per-connection): read the answers, or spread the calls over more "
     "connections"
 )
+# A call's header block over --max-metadata-bytes, in gRPC core's words (which the Python
+# front end's answer has, followed there by each header's size in the order received).
+METADATA_TOO_LARGE = "received metadata size exceeds hard limit ({size} vs. {limit})"
 # A front end's shared memory for tensors (--shared-memory-bytes).
 SLAB_TOO_SMALL = (
     "this request needs {need} bytes of shared memory for its tensors (input, output and any "

@@ -439,3 +439,37 @@ def test_answers_advertise_the_encodings_the_server_takes(
                 assert f"'{encoding}' is disabled" in answer.message, answer
             else:
                 answered_ok(answer, ATTEND)
+
+
+@pytest.mark.parametrize("method", ["Attend", "AttendStream"])
+def test_the_header_block_has_one_bound_refused_alike_and_never_by_chance(
+    plain_server: ServerProcess, method: str
+) -> None:
+    """--max-metadata-bytes (16 KiB): a call whose headers fit is served every time (gRPC
+    core's default refuses between 8 and 16 KiB at random), one whose headers do not is
+    RESOURCE_EXHAUSTED every time, whichever process holds the port."""
+    import grpc
+
+    from service.generated.attention.v1 import attention_pb2_grpc
+
+    request = attend_request(np.ones((1, 4, 512), np.float32))
+    options = [("grpc.max_metadata_size", 1 << 20)]  # the client itself sends anything
+    with grpc.insecure_channel(plain_server.target, options=options) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+
+        def call(pad: int) -> str:
+            metadata = [("x-pad", "a" * pad)]
+            try:
+                if method == "Attend":
+                    stub.Attend(request, metadata=metadata, timeout=30)
+                else:
+                    list(stub.AttendStream(iter([request]), metadata=metadata, timeout=30))
+            except grpc.RpcError as err:
+                refused = "metadata size exceeds" in (err.details() or "")
+                return f"{err.code().name}{' (metadata size)' if refused else ''}"
+            return "OK"
+
+        refused = "RESOURCE_EXHAUSTED (metadata size)"
+        assert {call(15_000) for _ in range(20)} == {"OK"}
+        assert {call(17_000) for _ in range(5)} == {refused}
+        assert {call(40_000) for _ in range(5)} == {refused}

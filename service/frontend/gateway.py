@@ -227,6 +227,7 @@ class Gateway:
             f"--accept-encoding={grpc_options.accepted_encodings(s.grpc_compression)}",
             f"--max-undelivered-bytes={share}",
             f"--max-undelivered-bytes-per-connection={share_connection}",
+            f"--max-metadata-bytes={s.max_metadata_bytes}",
             f"--max-connection-idle-s={s.max_connection_idle_s}",
             f"--max-connection-age-s={s.max_connection_age_s}",
             f"--max-concurrent-streams={grpc_options.MAX_CONCURRENT_STREAMS}",

@@ -42,7 +42,11 @@ from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.observability import tracing
 from service.settings import Settings
-from service.transport.grpc_options import MAX_CONCURRENT_STREAMS, server_options
+from service.transport.grpc_options import (
+    GATEWAY_HEADER_ALLOWANCE,
+    MAX_CONCURRENT_STREAMS,
+    server_options,
+)
 from service.transport.tls import ReloadingCredentials, TlsError, server_tls
 
 log = logging.getLogger(__name__)
@@ -158,6 +162,8 @@ class FrontendServer:
                 share_port=True,
                 max_concurrent_streams=None if self._gateway_on else MAX_CONCURRENT_STREAMS,
                 compression=settings.grpc_compression,
+                max_metadata_bytes=settings.max_metadata_bytes
+                + (GATEWAY_HEADER_ALLOWANCE if self._gateway_on else 0),
             ),
         )
         # Log settings go to every process through the run folder (the worker socket's).

@@ -49,6 +49,11 @@ func answersBackloggedByConnection(held, nbytes, maxBytesPerConnection int64) st
 	return fmt.Sprintf("this connection has %d bytes of answers it has not read yet; this one needs about %d more than its share of %d (--max-undelivered-bytes-per-connection): read the answers, or spread the calls over more connections", held, nbytes, maxBytesPerConnection)
 }
 
+// metadataTooLarge formats status_texts.METADATA_TOO_LARGE.
+func metadataTooLarge(size, limit int) string {
+	return fmt.Sprintf("received metadata size exceeds hard limit (%d vs. %d)", size, limit)
+}
+
 // slabTooSmall formats status_texts.SLAB_TOO_SMALL.
 func slabTooSmall(need, size int) string {
 	return fmt.Sprintf("this request needs %d bytes of shared memory for its tensors (input, output and any weights), more than the front end has (%d, --shared-memory-bytes); send fewer or shorter sequences per request, or raise the setting", need, size)

@@ -274,3 +274,20 @@ func checkCallHeaders(w http.ResponseWriter, r *http.Request) bool {
 	}
 	return false
 }
+
+// headerBlockSize counts a call's headers as gRPC core counts them against its metadata
+// limit: each header's name and value plus 32 bytes, the pseudo-headers included.
+func headerBlockSize(r *http.Request) int {
+	scheme := "http"
+	if r.TLS != nil {
+		scheme = "https"
+	}
+	size := len(":path") + len(r.RequestURI) + len(":authority") + len(r.Host) +
+		len(":method") + len(r.Method) + len(":scheme") + len(scheme) + 4*32
+	for name, values := range r.Header {
+		for _, value := range values {
+			size += len(name) + len(value) + 32
+		}
+	}
+	return size
+}

@@ -44,8 +44,12 @@ type gateway struct {
 	proxy      http.Handler
 	backend    *http.Transport // to the Python front end
 	maxReceive int64
-	busy       atomic.Int64 // fast-path calls being answered; read by returnMemoryWhenIdle
-	calls      atomic.Int64 // calls ever taken, here or by Python
+	// The largest header block of a call, counted as gRPC core counts it; larger ones are
+	// refused here for both paths, so Python's port (given more for the headers the gateway
+	// adds) never decides it.
+	maxMetadata int
+	busy        atomic.Int64 // fast-path calls being answered; read by returnMemoryWhenIdle
+	calls       atomic.Int64 // calls ever taken, here or by Python
 }
 
 // agedAtKey holds when a connection is past its age: --max-connection-age-s spread by
@@ -59,6 +63,11 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// GOAWAY, so clients reconnect (and client-side balancing spreads them again)
 		// while this call and the others in flight finish.
 		w.Header().Set("Connection", "close")
+	}
+	if size := headerBlockSize(r); g.maxMetadata > 0 && size > g.maxMetadata {
+		// gRPC core's check comes first, before any other header's: so here.
+		writeStatus(w, codeResourceExhausted, metadataTooLarge(size, g.maxMetadata))
+		return
 	}
 	if checkCallHeaders(w, r) {
 		return // answered here as gRPC core answers it, and never passed on
@@ -213,7 +222,7 @@ type options struct {
 	maxSeqLen, maxBatchSize, maxReceive             int64
 	clientSharedMemory                              bool
 	maxUndelivered, maxUndeliveredPerConnection     int64
-	maxStreams                                      int
+	maxStreams, maxMetadata                         int
 	streams                                         streamLimits
 	pings                                           pingPolicy
 	keepalive, keepaliveTimeout, deadlineSlack      time.Duration
@@ -243,6 +252,7 @@ func parseOptions() options {
 	flag.Int64Var(&o.maxReceive, "max-receive-bytes", defaultMaxReceiveBytes, "largest request message")
 	flag.Int64Var(&o.maxUndelivered, "max-undelivered-bytes", defaultMaxUndeliveredBytes, "this front end's share")
 	flag.Int64Var(&o.maxUndeliveredPerConnection, "max-undelivered-bytes-per-connection", defaultMaxUndeliveredBytesPerConnection, "")
+	flag.IntVar(&o.maxMetadata, "max-metadata-bytes", defaultMaxMetadataBytes, "largest header block of a call (names, values and 32 bytes each); 0: none")
 	flag.Float64Var(&idleS, "max-connection-idle-s", defaultMaxConnectionIdleS, "")
 	flag.Float64Var(&ageS, "max-connection-age-s", defaultMaxConnectionAgeS, "0: no limit")
 	flag.IntVar(&o.maxStreams, "max-concurrent-streams", defaultMaxConcurrentStreams, "calls at once on one connection")
@@ -295,7 +305,8 @@ func main() {
 
 func run(o options) error {
 	backend := newBackend(o.backend, 1<<20)
-	g := &gateway{proxy: newProxy(backend), backend: backend, maxReceive: o.maxReceive}
+	g := &gateway{proxy: newProxy(backend), backend: backend, maxReceive: o.maxReceive,
+		maxMetadata: o.maxMetadata}
 	restricted, err := loadRestrictions()
 	if err != nil {
 		return err

@@ -46,6 +46,12 @@ ACCEPTED_ENCODINGS = {"identity": ("identity",), "gzip": ("identity", "deflate",
 _ALGORITHM_BITS = {"identity": 1, "deflate": 2, "gzip": 4}
 
 
+# Behind the gateway the header block is bounded there (--max-metadata-bytes, as the client
+# sent it); Python's port takes this much more, for the caller's address and certificate
+# subject the gateway adds.
+GATEWAY_HEADER_ALLOWANCE = 4096
+
+
 def accepted_encodings(compression: str) -> str:
     """grpc-accept-encoding as gRPC core writes it for this --grpc-compression."""
     return ", ".join(ACCEPTED_ENCODINGS[compression])
@@ -95,12 +101,16 @@ def server_options(
     max_connection_idle_s: float = 0.0,
     max_concurrent_streams: int | None = MAX_CONCURRENT_STREAMS,
     compression: str = "identity",
+    max_metadata_bytes: int = 16384,
 ) -> list[tuple[str, Any]]:
     """Options for grpc.aio.server(); message limits come from the largest legal call.
     share_port: front ends of one server share its port (the supervisor checked that no
-    other server holds it); compression: --grpc-compression."""
+    other server holds it); compression: --grpc-compression; max_metadata_bytes: the one
+    bound on a call's header block (soft and hard alike, so no call is refused by chance)."""
     return [
         ("grpc.max_receive_message_length", min(receive_bytes, GRPC_MAX_MESSAGE_BYTES)),
+        ("grpc.max_metadata_size", max_metadata_bytes),
+        ("grpc.absolute_max_metadata_size", max_metadata_bytes),
         ("grpc.max_send_message_length", min(send_bytes, GRPC_MAX_MESSAGE_BYTES)),
         # Compressed requests arrive as they came; the front end inflates them within bounds.
         ("grpc.per_message_decompression", 0),
