@@ -245,6 +245,9 @@ def flag_defaults() -> dict[str, tuple[Value, str]]:
         "max-undelivered-bytes": setting("max_undelivered_bytes"),
         "max-undelivered-bytes-per-connection": setting("max_undelivered_bytes_per_connection"),
         "max-metadata-bytes": setting("max_metadata_bytes"),
+        # logging.go's: a gateway started by hand logs as a server started with no flags.
+        "log-level": setting("log_level"),
+        "log-format": setting("log_format"),
         "max-connection-idle-s": setting("max_connection_idle_s"),
         "max-connection-age-s": setting("max_connection_age_s"),
         "max-concurrent-streams": (

@@ -223,7 +223,12 @@ def literal_flag_defaults(source: str) -> list[str]:
 
 
 def _main_flags() -> dict[str, str]:
-    return {name: default for _, name, default in flag_definitions(_read("main.go"))}
+    """Every hand-written Go file's flags (main.go's, logging.go's) and their defaults."""
+    return {
+        name: default
+        for path in _hand_written_go()
+        for _, name, default in flag_definitions(path.read_text())
+    }
 
 
 def _read(name: str) -> str:
@@ -279,7 +284,7 @@ def test_each_flag_with_a_python_default_takes_its_generated_constant() -> None:
         for flag in go_contract.flag_defaults()
         if flags.get(flag) != go_contract.default_constant(flag)
     }
-    assert not wrong, f"main.go's flags that do not take their default<Flag> constant: {wrong}"
+    assert not wrong, f"the gateway's flags that do not take their default<Flag> constant: {wrong}"
 
 
 def test_the_generated_defaults_are_pythons() -> None:

@@ -16,6 +16,8 @@ const (
 	defaultMaxUndeliveredBytes              = 1073741824       // Settings.max_undelivered_bytes
 	defaultMaxUndeliveredBytesPerConnection = 536870912        // Settings.max_undelivered_bytes_per_connection
 	defaultMaxMetadataBytes                 = 16384            // Settings.max_metadata_bytes
+	defaultLogLevel                         = "INFO"           // Settings.log_level
+	defaultLogFormat                        = "text"           // Settings.log_format
 	defaultMaxConnectionIdleS               = 60.0             // Settings.max_connection_idle_s
 	defaultMaxConnectionAgeS                = 300.0            // Settings.max_connection_age_s
 	defaultMaxConcurrentStreams             = 1024             // grpc_options.MAX_CONCURRENT_STREAMS

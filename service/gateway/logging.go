@@ -35,8 +35,8 @@ const (
 
 var (
 	logProcess      = flag.String("log-process", "gateway", "this process's name in its log lines (gateway-K)")
-	logLevelFlag    = flag.String("log-level", "INFO", "DEBUG, INFO, WARNING, ERROR or OFF")
-	logFormatFlag   = flag.String("log-format", "text", "text or json")
+	logLevelFlag    = flag.String("log-level", defaultLogLevel, "DEBUG, INFO, WARNING, ERROR or OFF")
+	logFormatFlag   = flag.String("log-format", defaultLogFormat, "text or json")
 	logSettingsFile = flag.String("log-settings", "", "the run directory's log settings file, followed for changes")
 	logs            = newLineHandler(os.Stderr, "gateway")
 )
