@@ -42,7 +42,7 @@ DEFAULTS_GO_FILE = GATEWAY / "defaults_gen.go"
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
 # Go spells these initialisms in capitals (RequestID, not RequestId).
 INITIALISMS = {"id": "ID"}
-# The Go type of a template's numbers: the type its callers hold them in.
+# The Go type of a template's placeholders: the type its callers hold them in.
 NUMBER_TYPES = {
     "QUEUE_FULL_BY_COUNT": "uint64",
     "QUEUE_FULL_BY_BYTES": "uint64",
@@ -51,6 +51,7 @@ NUMBER_TYPES = {
     "SLAB_TOO_SMALL": "int",
     "SLAB_FULL": "int",
     "METADATA_TOO_LARGE": "int",
+    "BAD_BINARY_HEADER": "string",
 }
 # The messages the gateway reads or writes by hand, by their Go name (a nested message by its
 # own): constants field<Go name><Field>.
@@ -89,7 +90,8 @@ def _formatter(module: str, name: str, template: str) -> str:
     """A Go function that formats template (integer placeholders) as Python's str.format."""
     fields = PLACEHOLDER.findall(template)
     args = ", ".join(_camel(field) for field in fields)
-    go_format = PLACEHOLDER.sub("%d", template.replace("%", "%%"))
+    verb = "%s" if NUMBER_TYPES[name] == "string" else "%d"
+    go_format = PLACEHOLDER.sub(verb, template.replace("%", "%%"))
     return (
         f"// {_camel(name)} formats {module}.{name}.\n"
         f"func {_camel(name)}({args} {NUMBER_TYPES[name]}) string {{\n"

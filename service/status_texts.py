@@ -1,7 +1,7 @@
 """Status messages the Python front end and the Go gateway both write, word for word. The
 gateway's are generated from this module (scripts/go_contract.py writes
-service/gateway/contract_gen.go), so the two cannot drift; a {placeholder} is a number,
-filled in by str.format here and by a generated Go function there. The queue's refusals live
+service/gateway/contract_gen.go), so the two cannot drift; a {placeholder} is a number (or
+a header's name), filled in by str.format here and by a generated Go function there. The queue's refusals live
 with the status page that decides them (service/ipc/status_page.py).
 """
 
@@ -52,4 +52,7 @@ STREAM_ENDED_WITHOUT_STATUS = "the stream's protocol process ended it without a 
 DEADLINE_EXCEEDED = "Deadline Exceeded"
 BAD_TIMEOUT = "Error parsing 'grpc-timeout' metadata"
 BAD_TE = "Error parsing 'te' metadata"
+# A binary header (a name ending in -bin) whose value is not base64 as gRPC core decodes it
+# (standard alphabet, '=' padding optional, unused bits zero); {name} is the header's name.
+BAD_BINARY_HEADER = "Error parsing '{name}' metadata: illegal base64 encoding"
 TOO_MANY_PINGS = "too_many_pings"  # the debug data of a GOAWAY for pinging too often

@@ -473,3 +473,39 @@ def test_the_header_block_has_one_bound_refused_alike_and_never_by_chance(
         assert {call(15_000) for _ in range(20)} == {"OK"}
         assert {call(17_000) for _ in range(5)} == {refused}
         assert {call(40_000) for _ in range(5)} == {refused}
+
+
+# gRPC core's base64 for binary headers: standard alphabet, '=' padding optional (any
+# number of them), the unused bits of the last character zero.
+BINARY_VALUES = {
+    "YWI": True,
+    "YWI=": True,
+    "YQ": True,
+    "YQ==": True,
+    "YQ=": True,
+    "YWJj==": True,
+    "": True,
+    "+/8": True,
+    "YR": False,
+    "YR==": False,
+    "Y": False,
+    "YW Jj": False,
+    "_-8": False,
+    "!!!": False,
+}
+
+
+def test_a_binary_header_that_is_not_base64_is_internal_on_every_method(
+    plain_server: ServerProcess,
+) -> None:
+    """A -bin header is decoded as gRPC core decodes it, on calls the gateway answers and on
+    those it hands on alike (the gateway used to serve them whatever the value)."""
+    port = plain_server.grpc_port
+    for path, request in UNARY.items():
+        for value, valid in BINARY_VALUES.items():
+            answer = call(port, path, framed(request), headers=[("x-key-bin", value)])
+            if valid:
+                assert answer.code == 0, (path, value, answer)
+            else:
+                expected = "Error parsing 'x-key-bin' metadata: illegal base64 encoding"
+                assert (answer.code, answer.message) == (INTERNAL, expected), (path, value)

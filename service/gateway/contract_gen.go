@@ -63,3 +63,8 @@ func slabTooSmall(need, size int) string {
 func slabFull(used, size, need int) string {
 	return fmt.Sprintf("shared memory full: %d of %d bytes hold tensors of requests in flight, this one needs %d more (--shared-memory-bytes); retry with backoff", used, size, need)
 }
+
+// badBinaryHeader formats status_texts.BAD_BINARY_HEADER.
+func badBinaryHeader(name string) string {
+	return fmt.Sprintf("Error parsing '%s' metadata: illegal base64 encoding", name)
+}

@@ -4,10 +4,12 @@ package main
 // the request headers gRPC core checks (te, grpc-timeout).
 
 import (
+	"encoding/base64"
 	"encoding/binary"
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -254,6 +256,18 @@ var acceptEncoding = "identity"
 //   - a grpc-timeout that is empty or not read by grpcTimeout: INTERNAL; with several, the
 //     last one counts (as in gRPC core and grpc-go), each checked.
 func checkCallHeaders(w http.ResponseWriter, r *http.Request) bool {
+	// Binary headers are decoded as gRPC core parses the header block, before it looks at te.
+	for name, values := range r.Header {
+		if !strings.HasSuffix(name, "-Bin") {
+			continue
+		}
+		for _, value := range values {
+			if !grpcBase64(value) {
+				writeStatus(w, codeInternal, badBinaryHeader(strings.ToLower(name)))
+				return true
+			}
+		}
+	}
 	te := r.Header.Values("Te")
 	if len(te) == 0 {
 		panic(http.ErrAbortHandler) // RST_STREAM INTERNAL_ERROR, as gRPC core resets it
@@ -290,4 +304,11 @@ func headerBlockSize(r *http.Request) int {
 		}
 	}
 	return size
+}
+
+// grpcBase64 says whether gRPC core decodes value as a binary header's: the standard
+// alphabet, '=' padding optional, the unused bits of the last character zero.
+func grpcBase64(value string) bool {
+	_, err := base64.RawStdEncoding.Strict().DecodeString(strings.TrimRight(value, "="))
+	return err == nil
 }
