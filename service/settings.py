@@ -344,9 +344,9 @@ class Settings:
         default="off",
     )
     max_metadata_bytes: int = _doc(
-        "largest header block (gRPC metadata) of a gRPC call, counted as gRPC does: each "
-        "header's name and value plus 32 bytes; a larger one is refused RESOURCE_EXHAUSTED, "
-        "always (gRPC's own default refuses some calls between 8 and 16 KiB at random)",
+        "bound on a gRPC call's header block (its metadata), counted as gRPC does: each "
+        "header's name and value plus 32 bytes; a block of this size or more is refused "
+        "RESOURCE_EXHAUSTED (gRPC's own default refused some between 8 and 16 KiB at random)",
         default=16384,
     )
     max_connection_idle_s: float = _doc(

@@ -148,6 +148,25 @@ def test_a_batch_s_leader_gets_every_tag_and_each_other_tagged_request_the_leade
     assert [r.batch_tags for r in results] == [(), ("a", "b", "c"), (), ("a",), ("a",)]
 
 
+def test_a_request_that_gets_no_answer_never_leads_its_batch() -> None:
+    """A non-finite result gets no compute span: the first tagged request with an answer
+    leads, and the one without is in no one's tags."""
+    runner = RecordingRunner(fail_below=None)
+    x_bad = _x(3)
+    x_bad[0, 0, 0] = np.inf  # inf + 1 stays inf: this request's output is non-finite
+    inputs = [(x_bad, "a"), (_x(3), "b"), (_x(3), "c")]
+
+    async def body(batcher: Batcher):
+        return await asyncio.gather(
+            *(batcher.submit(runner, x, with_weights=False, tag=tag) for x, tag in inputs),
+            return_exceptions=True,
+        )
+
+    results = asyncio.run(_with_batcher(_limits(max_batch_size=3, max_queue_delay_s=30), body))
+    assert isinstance(results[0], Exception)
+    assert [r.batch_tags for r in results[1:]] == [("b", "c"), ("b",)]
+
+
 def test_partial_batch_closes_after_the_delay() -> None:
     runner = RecordingRunner()
 

@@ -509,3 +509,20 @@ def test_a_binary_header_that_is_not_base64_is_internal_on_every_method(
             else:
                 expected = "Error parsing 'x-key-bin' metadata: illegal base64 encoding"
                 assert (answer.code, answer.message) == (INTERNAL, expected), (path, value)
+
+
+def test_repeated_cookie_headers_are_counted_one_by_one(plain_server: ServerProcess) -> None:
+    """Go's HTTP/2 server joins repeated cookie headers into one; the gateway still counts
+    each as gRPC core does, so neither serves a block over the bound (210 cookies of 44
+    bytes: 17,000 bytes by core's count, 9,400 if counted as one header)."""
+    cookies = [("cookie", f"c{i:03d}={'v' * 38}") for i in range(210)]
+    raw = Raw(plain_server.grpc_port)
+    try:
+        # First a call that lets the connection's SETTINGS be acknowledged: gRPC core bounds
+        # a header block only from then on.
+        assert raw.call(SERVER_LIVE, framed(b"")).code == 0
+        answer = raw.call(ATTEND, framed(attend()), headers=cookies)
+    finally:
+        raw.close()
+    assert answer.code == RESOURCE_EXHAUSTED, answer
+    assert answer.message.startswith("received metadata size exceeds hard limit"), answer

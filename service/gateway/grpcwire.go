@@ -290,17 +290,28 @@ func checkCallHeaders(w http.ResponseWriter, r *http.Request) bool {
 }
 
 // headerBlockSize counts a call's headers as gRPC core counts them against its metadata
-// limit: each header's name and value plus 32 bytes, the pseudo-headers included.
+// limit: each header's name and value plus 32 bytes, the pseudo-headers included. Go's server
+// has joined repeated cookie headers with "; ": each crumb is counted as a header of its own,
+// so the count is never below core's.
 func headerBlockSize(r *http.Request) int {
 	scheme := "http"
 	if r.TLS != nil {
 		scheme = "https"
 	}
-	size := len(":path") + len(r.RequestURI) + len(":authority") + len(r.Host) +
-		len(":method") + len(r.Method) + len(":scheme") + len(scheme) + 4*32
+	size := len(":path") + len(r.RequestURI) + len(":method") + len(r.Method) +
+		len(":scheme") + len(scheme) + 3*32
+	if r.Host != "" {
+		size += len(":authority") + len(r.Host) + 32
+	}
 	for name, values := range r.Header {
 		for _, value := range values {
-			size += len(name) + len(value) + 32
+			if name != "Cookie" {
+				size += len(name) + len(value) + 32
+				continue
+			}
+			for _, crumb := range strings.Split(value, "; ") {
+				size += len(name) + len(crumb) + 32
+			}
 		}
 	}
 	return size

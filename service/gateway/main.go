@@ -64,8 +64,9 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// while this call and the others in flight finish.
 		w.Header().Set("Connection", "close")
 	}
-	if size := headerBlockSize(r); g.maxMetadata > 0 && size > g.maxMetadata {
-		// gRPC core's check comes first, before any other header's: so here.
+	if size := headerBlockSize(r); g.maxMetadata > 0 && size >= g.maxMetadata {
+		// gRPC core's check comes first, before any other header's, and refuses a block of
+		// exactly the limit too: so here.
 		writeStatus(w, codeResourceExhausted, metadataTooLarge(size, g.maxMetadata))
 		return
 	}

@@ -155,13 +155,16 @@ def end_request(request: RequestSpan | None, code: str, *, error: bool, **attrib
 
 
 def current_tag() -> Tag | None:
-    """The current request's span ids, to submit with its embeddings; None when off."""
+    """The current request's span ids, to submit with its embeddings; None when off, or
+    when the span is not sampled (it is never exported: no batchmate may link to it)."""
     if _tracer is None:
         return None
     from opentelemetry import trace
 
     ids = trace.get_current_span().get_span_context()
-    return Tag(ids.trace_id, ids.span_id, int(ids.trace_flags)) if ids.is_valid else None
+    if not ids.is_valid or not ids.trace_flags.sampled:
+        return None
+    return Tag(ids.trace_id, ids.span_id, int(ids.trace_flags))
 
 
 class _Finished:

@@ -686,8 +686,15 @@ class Batcher:
             caps.observe(_longest(batch), sequences, computed.cost_s)
         succeeded = []
         batch_id = next(self._batches)
-        tags = tuple(item.tag for item in batch if item.tag is not None)
-        leader = next((item for item in batch if item.tag is not None), None)
+        # Tags go to the requests that get an answer (a compute span): finite, still awaited.
+        tagged = [
+            item
+            for item, finite in zip(batch, computed.finite, strict=True)
+            if item.tag is not None and finite and not item.future.done()
+        ]
+        tags = tuple(item.tag for item in tagged)
+        leader = tagged[0] if tagged else None
+        others = {id(item) for item in tagged[1:]}
         for item, (output, weights), finite in zip(
             batch, computed.parts, computed.finite, strict=True
         ):
@@ -718,7 +725,7 @@ class Batcher:
                         padding=computed.padding,
                         batch_id=batch_id,
                         batch_tags=(
-                            () if item.tag is None else tags if item is leader else tags[:1]
+                            tags if item is leader else tags[:1] if id(item) in others else ()
                         ),
                     )
                 )
