@@ -1,8 +1,8 @@
 """Status messages the Python front end and the Go gateway both write, word for word. The
 gateway's are generated from this module (scripts/go_contract.py writes
 service/gateway/contract_gen.go), so the two cannot drift; a {placeholder} is a number (or
-a header's name), filled in by str.format here and by a generated Go function there. The queue's refusals live
-with the status page that decides them (service/ipc/status_page.py).
+a header's name), filled in by str.format here and by a generated Go function there. The
+queue's refusals live with the status page that decides them (service/ipc/status_page.py).
 """
 
 from __future__ import annotations
