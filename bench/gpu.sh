@@ -45,12 +45,13 @@ fi
 # a wheel over the carry limit comes in NAME.whl.part-NN pieces): installed beside, not into,
 # that Python.
 BUNDLE=${GPU_BUNDLE:-build/gpu-bundle}
-if [[ "$MODE" == check ]] && compgen -G "$BUNDLE/*.whl*" >/dev/null; then
+if [[ "$MODE" == check ]] &&
+    { compgen -G "$BUNDLE/*.whl*" >/dev/null || compgen -G "$BUNDLE/small/*.whl" >/dev/null; }; then
     SITE=${GPU_SITE:-/tmp/gpu-site} WHEELS=$(mktemp -d)
     for part in "$BUNDLE"/*.whl.part-00; do
         [[ -e "$part" ]] && cat "${part%.part-00}".part-* >"$WHEELS/$(basename "${part%.part-00}")"
     done
-    cp "$BUNDLE"/*.whl "$WHEELS"/ 2>/dev/null || true
+    cp "$BUNDLE"/*.whl "$BUNDLE"/small/*.whl "$WHEELS"/ 2>/dev/null || true
     echo "== installing carried wheels into $SITE: $(cd "$WHEELS" && ls | tr '\n' ' ')"
     started=$SECONDS
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -58,8 +59,8 @@ if [[ "$MODE" == check ]] && compgen -G "$BUNDLE/*.whl*" >/dev/null; then
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     echo "== installed in $((SECONDS - started)) s"
 fi
-if [[ "$MODE" == check && -x "$BUNDLE/attention-gateway" ]]; then
-    export ATTENTION_GRPC_GATEWAY_BINARY=$PWD/$BUNDLE/attention-gateway
+if [[ "$MODE" == check && -x "$BUNDLE/small/attention-gateway" ]]; then
+    export ATTENTION_GRPC_GATEWAY_BINARY=$(cd "$BUNDLE/small" && pwd)/attention-gateway
     echo "== gRPC gateway: $ATTENTION_GRPC_GATEWAY_BINARY"
 fi
 if [[ "$MODE" == check ]]; then

@@ -36,12 +36,17 @@ for wheel in "$BUNDLE"/*.whl; do
     fi
 done
 
+# The wheels that need no splitting and the gateway travel as one folder (a device call
+# carries at most 8 paths).
+mkdir -p "$BUNDLE/small"
+mv "$BUNDLE"/*.whl "$BUNDLE/small/"
+
 # The gRPC gateway (Go, static), so the check serves through it as a default install does.
-GO=$(dirname "$PY")/go
+GO=$(cd "$(dirname "$PY")" && pwd)/go
 if [[ -x "$GO" ]]; then
+    out=$(cd "$BUNDLE/small" && pwd)/attention-gateway
     (cd service/gateway && CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off \
-        GOARCH=amd64 "$OLDPWD/$GO" build -trimpath -ldflags='-s -w' \
-        -o "$OLDPWD/$BUNDLE/attention-gateway" .)
+        GOARCH=amd64 "$GO" build -trimpath -ldflags='-s -w' -o "$out" .)
 else
     echo "no Go toolchain beside $PY (make setup installs it): the check will run without" \
         "the gateway, Python serving the gRPC port" >&2
@@ -57,7 +62,6 @@ for part in "${parts[@]::${#parts[@]}-1}"; do
     call=$((call + 1))
     echo "  $call: carry [\"$part\"]  command: ls -l $BUNDLE"
 done
-small=$(find "$BUNDLE" -maxdepth 1 \( -name '*.whl' -o -name attention-gateway \) -printf '"%p", ')
-echo "  $((call + 1)): carry [\"$MODELS\", $small\"$last\"]  command:" \
+echo "  $((call + 1)): carry [\"$MODELS\", \"$BUNDLE/small\", \"$last\"]  command:" \
     "PYTHONUNBUFFERED=1 bash bench/gpu.sh  (timeout_s 540)"
-du -sh "$MODELS" "$BUNDLE"/* | sed 's/^/    /'
+du -sh "$MODELS" "$BUNDLE"/* "$BUNDLE"/small/* | sed 's/^/    /'
