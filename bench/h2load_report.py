@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from bench.h2load import ONE_CALLER
 from bench.report import (
+    BESIDE_FEATURES,
     BESIDE_TRITON,
     GRPC_FLOOR,
     H2LOAD,
@@ -50,6 +52,22 @@ def _many(rows: list[Row], pinned: bool, target: str, name: str, seq: str) -> Ro
         and r["load"] != ONE
     ]
     return measured(found[0]) if found else None
+
+
+def _median_rate(rows: list[Row], pinned: bool, name: str, seq: str) -> float | None:
+    """The median requests/s of a server's many-stream rows at one length over its rounds."""
+    rates = [
+        rate
+        for r in rows
+        if r["group"] == H2LOAD
+        and r.get("pinned") == pinned
+        and r["target"] == "server"
+        and r["name"] == name
+        and r["seq"] == seq
+        and r["load"] != ONE
+        and (rate := _value(measured(r), "requests_per_s")) is not None
+    ]
+    return statistics.median(rates) if rates else None
 
 
 def _value(row: Row | None, key: str) -> float | None:
@@ -155,11 +173,12 @@ def streams(rows: list[Row], pinned: bool, peers: bool) -> list[Row]:
                 ratio(_value(server, "requests_per_s"), _value(measured(floor), "requests_per_s")),
             )
         )
+        # Against the default server measured in the same rounds (else the default's row).
+        base = _median_rate(rows, pinned, BESIDE_FEATURES, seq)
+        if base is None:
+            base = _value(server, "requests_per_s")
         for name, goal in KEPT.items():
-            kept = ratio(
-                _value(_many(rows, pinned, "server", name, seq), "requests_per_s"),
-                _value(server, "requests_per_s"),
-            )
+            kept = ratio(_median_rate(rows, pinned, name, seq), base)
             out.append(
                 entry(
                     f"h2load, {label}, seq {seq}: {name} / default (req/s)",

@@ -25,6 +25,9 @@ ONE_CALLER = "one caller"  # ends the names of the floors' c=1 rows (latencies, 
 TRACING_ON = "tracing on"  # the default server with every request traced and exported
 TRACING_SAMPLED = "tracing on, 1% sampled"  # parentbased_traceidratio 0.01
 RESTRICTED = "inference key checked"  # --restricted-api inference:..., calls carry the key
+# The default server measured in rounds with the features' servers (their ratios' base).
+BESIDE_FEATURES = "server, beside the features"
+FEATURE_ROUNDS = 2  # servers alternated, so the host's drift lands on every one alike
 H2LOAD = "h2load"  # group of the rows measured with h2load (bench/h2load.py)
 BESIDE_TRITON = "server, beside triton"  # our h2load rows measured next to Triton's
 

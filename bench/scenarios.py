@@ -13,6 +13,8 @@ from bench.launcher import REPO_ROOT, UNPINNED, Service, cpu_set
 from bench.otlp_sink import OtlpSink
 from bench.payloads import REST, SHM, family
 from bench.report import (
+    BESIDE_FEATURES,
+    FEATURE_ROUNDS,
     FRONTENDS,
     GROUPING_OFF,
     GROUPING_OFF_FALLBACK,
@@ -194,27 +196,32 @@ BENCH_KEY = ("x-bench-key", "bench-only-key-0123456789")
 
 def fast_path_features(r: Runner, groups: set[str]) -> None:
     """What tracing (1% and every call sampled, spans exported to a sink) and a checked
-    inference key cost the gateway's fast path, measured with h2load beside the default
-    server's rows."""
+    inference key cost the gateway's fast path, measured with h2load in FEATURE_ROUNDS
+    rounds that alternate each feature's server with a default one (the ratios' base):
+    measured one after the other, a drift of the host over minutes was read as a cost."""
     if H2LOAD not in groups or not r.h2load_ready():
         return
     pinning = r.config.pinning
     cpus = cpu_set(pinning.client_cpus) if pinning.client_cpus else None
-    for name, sampler in TRACED.items():
-        with OtlpSink(cpus) as sink:
-            env = {
-                "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-                **sampler,
-            }
-            with r.server(name, ["--tracing", "on"], pinning, env) as service:
-                h2load_rows(r, service, target="server", name=name, streams_only=True)
     header, key = BENCH_KEY
-    flags = ["--restricted-api", f"inference:{header}={key}"]
-    with r.server(RESTRICTED, flags, pinning) as service:
-        h2load_rows(
-            r, service, target="server", name=RESTRICTED, streams_only=True, metadata=(BENCH_KEY,)
-        )
+    with OtlpSink(cpus) as sink:
+        exporting = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint}
+        exporting["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
+        servers: list[tuple[str, list[str], dict[str, str] | None, tuple[tuple[str, str], ...]]]
+        servers = [
+            (BESIDE_FEATURES, [], None, ()),
+            *(
+                (name, ["--tracing", "on"], {**exporting, **sampler}, ())
+                for name, sampler in TRACED.items()
+            ),
+            (RESTRICTED, ["--restricted-api", f"inference:{header}={key}"], None, (BENCH_KEY,)),
+        ]
+        for _ in range(FEATURE_ROUNDS):
+            for name, flags, env, metadata in servers:
+                with r.server(name, flags, pinning, env) as service:
+                    h2load_rows(
+                        r, service, target="server", name=name, streams_only=True, metadata=metadata
+                    )
 
 
 def default_server(r: Runner, groups: set[str]) -> None:

@@ -521,3 +521,26 @@ def test_triton_and_the_server_take_turns_beside_each_other(
         ("server", report.BESIDE_TRITON),
         ("triton", "triton b=32 delay=0us"),
     }
+
+
+def test_a_feature_s_throughput_is_kept_against_the_default_of_its_rounds() -> None:
+    """Each feature's rows and the default server's beside them come in rounds: the ratio is
+    of their medians, not of the feature against the default measured minutes earlier."""
+    many = "c=1 m=64"
+    rows = _h2load_rows()  # the default's own row: 1200 req/s at seq 16
+    for rate_default, rate_sampled, rate_key in (
+        (1600.0, 1500.0, 1550.0),
+        (1400.0, 1340.0, 1420.0),
+    ):
+        rows += [
+            _row("server", report.BESIDE_FEATURES, "16", many, requests_per_s=rate_default),
+            _row("server", report.TRACING_SAMPLED, "16", many, requests_per_s=rate_sampled),
+            _row("server", report.RESTRICTED, "16", many, requests_per_s=rate_key),
+        ]
+    found = {e["name"]: e for e in h2load_report.section(rows, peers=False)}
+    sampled = found["h2load, 64 streams, seq 16: tracing on, 1% sampled / default (req/s)"]
+    assert sampled["value"] == pytest.approx((1500 + 1340) / (1600 + 1400))
+    assert sampled["met"] is True
+    key = found["h2load, 64 streams, seq 16: inference key checked / default (req/s)"]
+    assert key["value"] == pytest.approx((1550 + 1420) / (1600 + 1400))
+    assert found["h2load, 64 streams, seq 16: tracing on / default (req/s)"]["value"] is None
