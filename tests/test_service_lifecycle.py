@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.harness import loopback_server
 from service.client import AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
@@ -157,21 +158,7 @@ def test_broken_models_are_skipped_and_the_rest_served(
 
 def test_empty_repository_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "service",
-            "--model-repository",
-            str(tmp_path),
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "0",
-        ],
+        loopback_server(tmp_path),
         capture_output=True,
         text=True,
         timeout=60,
