@@ -1,15 +1,22 @@
 """What the tests and the benchmarks both need to drive a real server: a free port on
-loopback, and polling for a condition instead of sleeping for it."""
+loopback, the server's command line, polling for a condition instead of sleeping for it, and
+its /metrics read as samples."""
 
 from __future__ import annotations
 
 import socket
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 POLL_S = 0.02
+
+# (sample name, its labels sorted) -> value
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def free_port() -> int:
@@ -50,3 +57,24 @@ def wait_for(
             raise TimeoutError(f"{what}: not reached within {timeout_s:g}s")
         time.sleep(POLL_S)
     return time.monotonic() - started
+
+
+def metric_samples(url: str, timeout_s: float = 30.0) -> Samples:
+    """Every sample /metrics at url exposes now. The timeout is generous: a scrape waits for a
+    core while the worker computes large batches."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric_sum(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples of name whose labels include the given ones."""
+    return sum(
+        value
+        for (sample, sample_labels), value in samples.items()
+        if sample == name and set(labels.items()) <= set(sample_labels)
+    )

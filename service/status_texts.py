@@ -48,7 +48,7 @@ BACKEND_GONE = "this front end's protocol process is restarting; retry"
 STREAM_ENDED_WITHOUT_STATUS = "the stream's protocol process ended it without a status"
 
 # gRPC core's words: the Python front end's server (gRPC core) writes them itself, the gateway
-# as core does (tests/test_grpc_differential.py compares the two).
+# as core does (tests/gateway/test_grpc_differential.py compares the two).
 DEADLINE_EXCEEDED = "Deadline Exceeded"
 BAD_TIMEOUT = "Error parsing 'grpc-timeout' metadata"
 BAD_TE = "Error parsing 'te' metadata"

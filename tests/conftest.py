@@ -9,7 +9,7 @@ import pytest
 
 from export.pipeline import ExportRequest, ExportResult, run_export
 from service.client import AttentionClient
-from tests.server_process import ServerProcess
+from tests.harness.server_process import ServerProcess
 
 # The gRPC port served by the native gateway, then by the Python front end itself: both must
 # answer every call alike. A module opts in with

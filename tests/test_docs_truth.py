@@ -23,8 +23,12 @@ import pytest
 import yaml
 
 from service.client import AttentionClient
-from tests.server_process import ServerProcess
-from tests.test_monitoring import _alert_queries, _autoscaling_queries, _dashboard_queries
+from tests.harness.server_process import ServerProcess
+from tests.observability.test_monitoring import (
+    _alert_queries,
+    _autoscaling_queries,
+    _dashboard_queries,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

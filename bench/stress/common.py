@@ -9,7 +9,6 @@ import math
 import os
 import threading
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +16,9 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cputime import family_cpu_s
-from bench.harness import loopback_server
+from bench.harness import Samples, loopback_server, metric_samples, metric_sum
 from bench.launcher import Pinning, Service, cpu_set
 from bench.stats import percentile
 
@@ -141,23 +139,13 @@ class RssSampler:
         self._thread.join(5)
 
 
-def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+def metrics(url: str) -> Samples:
+    return metric_samples(url, timeout_s=10)
 
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of name whose labels include the given ones."""
-    return sum(
-        value
-        for (sample, sample_labels), value in metrics(url).items()
-        if sample == name and set(labels.items()) <= set(sample_labels)
-    )
+    return metric_sum(metrics(url), name, **labels)
 
 
 async def health_status(stub: health_pb2_grpc.HealthStub, timeout_s: float = 5) -> str:

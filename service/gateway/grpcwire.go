@@ -37,7 +37,7 @@ var codeNames = map[int]string{
 }
 
 // kindCodes map the worker's error kinds (service/ipc/messages.py ERRORS) to status codes,
-// as service/frontend/status.py does (tests/test_gateway.py compares the two).
+// as service/frontend/status.py does (tests/gateway/test_gateway.py compares the two).
 var kindCodes = map[string]int{
 	"InvalidInput": codeInvalidArgument, "NonFiniteOutput": codeInvalidArgument,
 	"ModelLoadFailed": codeInvalidArgument, "ModelNotFound": codeNotFound,

@@ -64,7 +64,7 @@ func TestTextLinesAndLevelsAsPythonNamesThem(t *testing.T) {
 }
 
 // The settings file as Python writes it (tests/golden/log-settings.json, checked byte for
-// byte by tests/test_logs.py), followed when it is replaced.
+// byte by tests/observability/test_logs.py), followed when it is replaced.
 func TestTheSettingsFileIsFollowed(t *testing.T) {
 	golden, err := os.ReadFile(filepath.Join("..", "..", "tests", "golden", "log-settings.json"))
 	if err != nil {

@@ -7,7 +7,7 @@ import (
 )
 
 // The page Python writes (tests/golden/worker-status.page, checked byte for byte by
-// tests/test_status_page.py) reads here as the same fill, and refuses with the same words.
+// tests/ipc/test_status_page.py) reads here as the same fill, and refuses with the same words.
 func TestGoldenStatusPage(t *testing.T) {
 	dir := t.TempDir()
 	golden, err := os.ReadFile(filepath.Join("..", "..", "tests", "golden", "worker-status.page"))

@@ -28,7 +28,7 @@ func golden(t *testing.T, name string) []byte {
 }
 
 // A traced INFER, DONE and span record are the bytes Python packs and reads
-// (tests/test_span_record.py checks the same files).
+// (tests/ipc/test_span_record.py checks the same files).
 func TestGoldenTracedInfer(t *testing.T) {
 	trace := &callTrace{traceID: goldenTrace, spanID: goldenSpan}
 	got := append(inferMessage(41, true, [3]int64{2, 16, 512}, [3]int64{0, 65536, 131072}, 812.5, "mha/1", "<f4"), trace.tag()...)

@@ -14,8 +14,8 @@ from service.memory.budget import TRIM_AFTER_BATCH_BYTES
 from service.worker.batching import batcher as batcher_module
 from service.worker.batching.batcher import Batcher
 from service.worker.batching.protocol import BatchLimits
-from tests.test_batcher_bounds import _depth, _sample, _until
-from tests.test_batching import RecordingRunner, _x
+from tests.worker.test_batcher_bounds import _depth, _sample, _until
+from tests.worker.test_batching import RecordingRunner, _x
 
 
 def _dropped(reason: str) -> float:

@@ -9,7 +9,7 @@ import pytest
 
 from bench.stress import fuzz, vanish
 from bench.stress.common import ServerSpec
-from tests.server_process import ServerProcess
+from tests.harness.server_process import ServerProcess
 
 
 def test_vanished_calls_are_dropped_before_compute_and_leave_nothing(

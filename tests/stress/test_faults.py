@@ -30,8 +30,8 @@ from service.worker.batching.protocol import BatchLimits
 from service.worker.engine.onnx_model import OnnxModel
 from service.worker.engine.registry import ModelRegistry
 from service.worker.engine.repository import discover
-from tests.planes import LocalPlane
-from tests.server_process import ServerProcess
+from tests.harness.planes import LocalPlane
+from tests.harness.server_process import ServerProcess
 
 D = 64
 POISON = 1234.5

@@ -16,7 +16,7 @@ from bench.harness import wait_for
 from service.app import run_dir
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
-from tests.server_process import ServerProcess, child_pids, worker_pid
+from tests.harness.server_process import ServerProcess, child_pids, worker_pid
 
 D = 64
 # Requests park in the queue (a long batch delay), so they are surely in flight at the kill.

@@ -1,0 +1,178 @@
+"""Shutdown exactly as documented: NOT_SERVING first (still serving), then UNAVAILABLE for
+new calls while accepted ones finish, exit within the grace period; a signal during
+start-up stops the server at once, before it ever reports SERVING."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
+from tests.harness.server_process import ServerProcess
+
+D = 64
+FAST = ("--batch-cap-budget-s", "0")
+PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64", *FAST)
+
+
+@pytest.fixture(scope="module")
+def small_only(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("drain-small")
+    shutil.copytree(model_repository / "small" / "2", root / "small" / "2")
+    return root
+
+
+def _request() -> pb.AttendRequest:
+    x = np.ones((4, D), np.float32)
+    return pb.AttendRequest(
+        model="small", embeddings=pb.Tensor(shape=[4, D], dtype=pb.FLOAT32, data=x.tobytes())
+    )
+
+
+def _health(channel: grpc.Channel) -> str:
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=2
+        )
+    except grpc.RpcError as err:
+        return err.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > give_up:
+            raise TimeoutError(what)
+        time.sleep(0.005)
+
+
+def _logged_at(log: str, text: str) -> float:
+    """The wall-clock time of the first log line holding text."""
+    line = next(line for line in log.splitlines() if text in line)
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_drain_goes_not_serving_then_unavailable_and_finishes_what_it_accepted(
+    small_only: Path,
+) -> None:
+    flags = (*PARKED, "--shutdown-not-serving-s", "1.5", "--grace-period-s", "10")
+    server = ServerProcess(small_only, *flags)
+    with server, grpc.insecure_channel(server.target) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        accepted = [stub.Attend.future(_request(), timeout=30) for _ in range(5)]
+        server.wait_metric("attention_queue_depth_requests", 5)
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        _wait_until(lambda: _health(channel) == "NOT_SERVING", "health stayed SERVING")
+        assert time.monotonic() - started < 1.0  # at once, not after the drain
+        late = stub.Attend.future(_request(), timeout=30)  # still accepted while NOT_SERVING
+        server.wait_metric("attention_queue_depth_requests", 6)
+        _wait_until(lambda: "refusing new requests" in server.log, "never refused")
+        assert time.monotonic() - started >= 1.4  # the whole NOT_SERVING period first
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Attend(_request(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        for call in [*accepted, late]:
+            assert call.result().output.shape == [4, D]
+        assert server.process.wait(15) == 0, server.log
+        assert time.monotonic() - started < 10
+
+
+def test_clients_under_load_see_ok_then_unavailable_never_cancelled(small_only: Path) -> None:
+    """Calls keep coming across SIGTERM; each client moves on at its first refusal, as a
+    client with another replica would. Before: calls in the last moment got CANCELLED."""
+    flags = (*FAST, "--shutdown-not-serving-s", "0.5", "--grace-period-s", "5")
+    codes: list[tuple[float, str]] = []
+    server = ServerProcess(small_only, *flags)
+    with server:
+        signalled = threading.Event()
+
+        def client() -> None:
+            with grpc.insecure_channel(server.target) as channel:
+                stub = attention_pb2_grpc.AttentionServiceStub(channel)
+                while True:
+                    try:
+                        stub.Attend(_request(), timeout=10)
+                        codes.append((time.monotonic(), "OK"))
+                    except grpc.RpcError as err:
+                        codes.append((time.monotonic(), err.code().name))
+                        return
+                    if signalled.is_set() and len(codes) > 10_000:
+                        return
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        _wait_until(lambda: len(codes) >= 20, "no answers")
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        signalled.set()
+        for thread in threads:
+            thread.join(30)
+        assert server.process.wait(15) == 0, server.log
+    assert {code for _, code in codes} <= {"OK", "UNAVAILABLE"}, (codes[-8:], started)
+    assert [code for _, code in codes].count("UNAVAILABLE") == 4  # one per client, at the end
+    assert any(code == "OK" and at > started + 0.2 for at, code in codes)  # served meanwhile
+
+
+def test_exit_comes_within_the_grace_period_with_work_left(model_repository: Path) -> None:
+    """More accepted work than the grace period can compute: what is done is answered,
+    the rest gets UNAVAILABLE, and the process is gone when the period ends. Before:
+    --grace-period-s 1 exited after 1.67 s."""
+    flags = (
+        *FAST,
+        "--max-batch-size",
+        "32",
+        "--shutdown-not-serving-s",
+        "0.2",
+        "--grace-period-s",
+        "1",
+    )
+    big = np.ones((32, 512, 512), np.float32)  # the default model at its largest
+    request = pb.AttendRequest(
+        embeddings=pb.Tensor(shape=list(big.shape), dtype=pb.FLOAT32, data=big.tobytes())
+    )
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    server = ServerProcess(model_repository, *flags)
+    with server, grpc.insecure_channel(server.target, options=options) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        accepted = [stub.Attend.future(request, timeout=60) for _ in range(8)]
+        server.wait_metric("attention_queue_depth_requests", 6)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(15) == 0, server.log
+        # From the moment the server handled the signal (its log clock is this wall clock):
+        # the signal waits while the event loop decodes a 32 MiB request.
+        elapsed = time.time() - _logged_at(server.log, "shutdown signal received")
+        codes = [call.code() for call in accepted]
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+    assert grpc.StatusCode.UNAVAILABLE in codes  # there was more work than time
+    assert elapsed <= 1.5, f"exited {elapsed:.2f}s after SIGTERM"  # 1.67 s before the fix
+
+
+def test_sigterm_during_start_up_stops_at_once_without_serving(model_repository: Path) -> None:
+    """Before: the signal was handled only after warm-up, once the server reported SERVING."""
+    budget = ("--batch-cap-budget-s", "0.5")  # per model: a few seconds of warm-up in all
+    server = ServerProcess(model_repository, *budget)
+    try:
+        server.wait_bound()
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(30) == 0, server.log
+        elapsed = time.monotonic() - started
+    finally:
+        server.kill()
+    assert "during start-up" in server.log
+    assert "ready: serving" not in server.log
+    assert elapsed < 1.5, f"exited {elapsed:.2f}s after SIGTERM"

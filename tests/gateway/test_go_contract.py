@@ -1,0 +1,320 @@
+"""The gateway's Go keeps no private copy of the contract: protobuf field numbers, the
+status messages it writes and its flags' defaults come from the generated Go
+(scripts/go_contract.py, from the descriptors Python serves with, service/status_texts.py,
+service/settings.py and the constants the front end passes), never from literals.
+tests/ipc/test_status_page.py checks that the generated Go is current."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from scripts import go_contract
+from service import dataplane, status_texts
+from service.frontend import limits, server
+from service.ipc import status_page
+from service.settings import Settings
+from service.transport import grpc_options
+
+GATEWAY = Path(__file__).resolve().parents[2] / "service" / "gateway"
+# The protowire helpers, and which argument (from 0) is the field number.
+FIELD_ARGUMENT = {
+    "appendTag": 1,
+    "appendBytesField": 1,
+    "appendStringField": 1,
+    "appendNonEmpty": 1,
+    "appendVarintField": 1,
+    "appendPackedInt64s": 1,
+    "appendRefParameters": 1,
+    "nested": 1,
+    "tensor": 1,
+    "bytesField": 0,
+}
+CALL = re.compile(r"\b(" + "|".join(FIELD_ARGUMENT) + r")\(")
+CASE = re.compile(r"^(\t*)case (.*):")
+SWITCH = re.compile(r"^(\t*)switch (.*) \{")
+NUM_COMPARED = re.compile(r"\.num\s*[!=]=\s*\d")
+NUMBER_KEYED_MAP = re.compile(r"map\[int\]\w+\{[^}]*?[{,\s]\d+\s*:", re.DOTALL)
+# A field number's constant belongs in proto_gen.go, generated.
+FIELD_CONSTANT = re.compile(r"^[ \t]*(?:const )?field[A-Z]\w*( \w+)? = \d", re.MULTILINE)
+# flag.XVar(pointer, name, default, usage) and flag.X(name, default, usage).
+FLAG_CALL = re.compile(r"\bflag\.(\w+?)(Var)?\(")
+FLAG_DEFAULT_LITERAL = re.compile(r"^[-+(]*\.?\d|^(true|false)$")
+GO_CONSTANT = re.compile(r"^\t(\w+)\s+= (.+?)(?:\s+//.*)?$", re.MULTILINE)
+# Flags whose numeric or boolean default has no Python counterpart, and why. None today:
+# every such default is generated into defaults_gen.go (scripts/go_contract.py).
+GO_ONLY_DEFAULTS: dict[str, str] = {}
+
+
+def _without_comments(source: str) -> str:
+    """source with its // comments blanked (line numbers kept)."""
+    out, i, quote = [], 0, ""
+    while i < len(source):
+        char = source[i]
+        if quote:
+            if char == "\\" and quote != "`":
+                out.append(source[i : i + 2])
+                i += 2
+                continue
+            quote = "" if char == quote else quote
+        elif char in "\"'`":
+            quote = char
+        elif source.startswith("//", i):
+            end = source.find("\n", i)
+            end = len(source) if end < 0 else end
+            out.append(" " * (end - i))
+            i = end
+            continue
+        out.append(char)
+        i += 1
+    return "".join(out)
+
+
+def _arguments(code: str, start: int) -> list[str]:
+    """The arguments of the call whose "(" is just before start, split at top-level commas."""
+    arguments, depth, quote, begun = [], 0, "", start
+    i = start
+    while i < len(code):
+        char = code[i]
+        if quote:
+            if char == "\\" and quote != "`":
+                i += 1
+            elif char == quote:
+                quote = ""
+        elif char in "\"'`":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}" and depth:
+            depth -= 1
+        elif char in ",)" and not depth:
+            arguments.append(code[begun:i].strip())
+            if char == ")":
+                return arguments
+            begun = i + 1
+        i += 1
+    raise ValueError("unterminated call")
+
+
+def _switch_of(lines: list[str], number: int, indent: str) -> re.Match[str] | None:
+    """The switch (or select) a case line belongs to: gofmt puts both at one indentation."""
+    for above in reversed(lines[:number]):
+        rest = above.removeprefix(indent)
+        if rest != above and rest.strip() and not rest.startswith(("\t", "case ", "default:")):
+            return SWITCH.match(above)
+    return None
+
+
+def _line(code: str, at: int) -> int:
+    return code.count("\n", 0, at) + 1
+
+
+def _literal_cases(lines: list[str]) -> list[tuple[int, str]]:
+    """Cases of a switch on a field number with a number among their labels."""
+    found = []
+    for number, line in enumerate(lines):
+        case = CASE.match(line)
+        switch = case and _switch_of(lines, number, case[1])
+        labels = case[2].split(",") if case else []
+        if switch and switch[2].endswith(".num") and any(lb.strip()[:1].isdigit() for lb in labels):
+            found.append((number + 1, line.strip()))
+    return found
+
+
+def literal_field_numbers(source: str) -> list[str]:
+    """Where source (gofmt'd Go) writes a field number as a literal, by line."""
+    code = _without_comments(source)
+    found = _literal_cases(code.splitlines())
+    found += [(_line(code, m.start()), m[0]) for m in NUM_COMPARED.finditer(code)]
+    for call in CALL.finditer(code):
+        arguments = _arguments(code, call.end())
+        argument = arguments[FIELD_ARGUMENT[call[1]]] if len(arguments) > 1 else ""
+        if argument[:1].isdigit():
+            found.append((_line(code, call.start()), f"{call[1]}(..., {argument}, ...)"))
+    found += [(_line(code, m.start()), m[0].strip()) for m in FIELD_CONSTANT.finditer(code)]
+    found += [
+        (_line(code, m.start()), "a map keyed by numbers") for m in NUMBER_KEYED_MAP.finditer(code)
+    ]
+    return [f"{line}: {what}" for line, what in sorted(found)]
+
+
+def _hand_written_go() -> list[Path]:
+    return [
+        path
+        for path in sorted(GATEWAY.glob("*.go"))
+        if not path.name.endswith("_test.go")
+        and not path.read_text().startswith("// Code generated ")
+    ]
+
+
+def test_no_hand_written_go_has_a_literal_field_number() -> None:
+    found = {
+        path.name: where
+        for path in _hand_written_go()
+        if (where := literal_field_numbers(path.read_text()))
+    }
+    assert not found, f"use the field<Message><Field> constants of proto_gen.go: {found}"
+
+
+def test_no_hand_written_go_spells_out_a_status_message() -> None:
+    """Each message of the catalogue (a string literal starting with its words, up to any
+    number) is in the generated Go alone."""
+    messages = [status_page.QUEUE_FULL_BY_COUNT, status_page.QUEUE_FULL_BY_BYTES]
+    messages += [value for name, value in vars(status_texts).items() if name.isupper()]
+    found = [
+        f"{path.name}: {words!r}"
+        for path in _hand_written_go()
+        for message in messages
+        if '"' + (words := message.split("{")[0][:40]) in _without_comments(path.read_text())
+    ]
+    assert not found, f"use the constants and formatters of contract_gen.go: {found}"
+
+
+def test_the_check_finds_literal_field_numbers() -> None:
+    """The guard above is only as good as this: it finds each form a literal could take."""
+    source = "\n".join(
+        [
+            "func f(msg []byte) {",
+            "\tswitch f.num {",
+            "\tcase fieldA:",
+            "\t\tswitch f.value {",
+            "\t\tcase 1:",  # not a field number: the nearest switch is on a value
+            "\t\t}",
+            "\t// case 4:",
+            "\tcase fieldB, 3:",
+            "\t}",
+            "\tif g.num == 2 {",
+            "\t}",
+            '\tb = appendNonEmpty(make([]byte, 5, 5+len(m)), 1, "a,b(") // appendTag(b, 1, 2)',
+            "\tb = appendTag(b, fieldC, wireBytes)",
+            "\tm.bytesField(6, data) // it's",
+            "\tvar wires = map[int]int{fieldD: wireVarint,",
+            "\t\t4: wireFixed64}",
+            "}",
+            "const fieldTensorShape = 1",
+        ]
+    )
+    found = literal_field_numbers(source)
+    assert [entry.split(":")[0] for entry in found] == ["8", "10", "12", "14", "15", "18"], found
+
+
+def flag_definitions(source: str) -> list[tuple[int, str, str]]:
+    """(line, flag name, default as written) for each flag source (gofmt'd Go) defines."""
+    code = _without_comments(source)
+    found = []
+    for call in FLAG_CALL.finditer(code):
+        if call[1] in ("Parse", "Args", "Arg", "NArg", "NFlag", "Set", "Lookup", "Visit"):
+            continue
+        arguments = _arguments(code, call.end())[1 if call[2] else 0 :]
+        if len(arguments) == 3 and arguments[0].startswith('"'):
+            found.append((_line(code, call.start()), json.loads(arguments[0]), arguments[1]))
+    return found
+
+
+def literal_flag_defaults(source: str) -> list[str]:
+    """Where source defines a flag with a numeric or boolean literal for its default."""
+    return [
+        f"{line}: --{name} {default}"
+        for line, name, default in flag_definitions(source)
+        if FLAG_DEFAULT_LITERAL.match(default) and name not in GO_ONLY_DEFAULTS
+    ]
+
+
+def _main_flags() -> dict[str, str]:
+    """Every hand-written Go file's flags (main.go's, logging.go's) and their defaults."""
+    return {
+        name: default
+        for path in _hand_written_go()
+        for _, name, default in flag_definitions(path.read_text())
+    }
+
+
+def _read(name: str) -> str:
+    return (GATEWAY / name).read_text()
+
+
+def _go_value(literal: str) -> object:
+    """A generated constant's value, as Python reads it."""
+    if literal in ("true", "false"):
+        return literal == "true"
+    return json.loads(literal)
+
+
+def test_no_hand_written_go_has_a_literal_flag_default() -> None:
+    found = {
+        path.name: where
+        for path in _hand_written_go()
+        if (where := literal_flag_defaults(path.read_text()))
+    }
+    assert not found, (
+        "take the default from Python: add the flag to scripts/go_contract.py's "
+        f"flag_defaults and use its default<Flag> constant of defaults_gen.go: {found}"
+    )
+    defined = {
+        name for path in _hand_written_go() for _, name, _ in flag_definitions(path.read_text())
+    }
+    assert GO_ONLY_DEFAULTS.keys() <= defined, "GO_ONLY_DEFAULTS names a flag no longer defined"
+
+
+def test_the_check_finds_literal_flag_defaults() -> None:
+    source = "\n".join(
+        [
+            "func parse() {",
+            '\tflag.IntVar(&o.a, "a", 64<<20, "bytes, as 1<<20")',
+            '\tflag.Float64Var(&b, "b", defaultB, "") // flag.IntVar(&c, "c", 1, "")',
+            '\tflag.BoolVar(&o.d, "d", false, "")',
+            '\tx := flag.Int("e", -1, "a, b")',
+            '\tflag.Float64Var(&f, "f", .5, "")',
+            '\tflag.StringVar(&g, "g", "1", "")',
+            "\tflag.Parse()",
+            "}",
+        ]
+    )
+    assert [name for _, name, _ in flag_definitions(source)] == list("abdefg")
+    found = literal_flag_defaults(source)
+    assert [entry.split(":")[0] for entry in found] == ["2", "4", "5", "6"], found
+
+
+def test_each_flag_with_a_python_default_takes_its_generated_constant() -> None:
+    flags = _main_flags()
+    wrong = {
+        flag: flags.get(flag)
+        for flag in go_contract.flag_defaults()
+        if flags.get(flag) != go_contract.default_constant(flag)
+    }
+    assert not wrong, f"the gateway's flags that do not take their default<Flag> constant: {wrong}"
+
+
+def test_the_generated_defaults_are_pythons() -> None:
+    """Read back from defaults_gen.go through main.go's flags: each flag named as a Settings
+    field defaults to that field's default; the others to the constants the front end
+    passes them (service/frontend/gateway.py)."""
+    constants = {m[1]: _go_value(m[2]) for m in GO_CONSTANT.finditer(_read("defaults_gen.go"))}
+    flags = {name: constants.get(default) for name, default in _main_flags().items()}
+    settings = {f.name.replace("_", "-"): f.default for f in dataclasses.fields(Settings)}
+    # Settings' None (the TLS files: none) is Go's empty string, nothing to generate.
+    unset = {name for name in flags.keys() & settings.keys() if settings[name] is None}
+    assert {name: _main_flags()[name] for name in unset} == dict.fromkeys(unset, '""')
+    expected = {name: settings[name] for name in flags.keys() & settings.keys() - unset}
+    assert len(expected) >= 10, sorted(expected)
+    expected |= {
+        "client-shared-memory": settings["client-shared-memory"] == "on",
+        "listen": f"127.0.0.1:{settings['grpc-port']}",
+        "accept-encoding": grpc_options.accepted_encodings(settings["grpc-compression"]),
+        "max-concurrent-streams": grpc_options.MAX_CONCURRENT_STREAMS,
+        "keepalive-s": grpc_options.KEEPALIVE_TIME_MS / 1000,
+        "keepalive-timeout-s": grpc_options.KEEPALIVE_TIMEOUT_MS / 1000,
+        "min-client-ping-interval-s": grpc_options.MIN_CLIENT_PING_INTERVAL_MS / 1000,
+        "max-ping-strikes": grpc_options.MAX_PING_STRIKES,
+        "deadline-slack-s": dataplane.DEADLINE_SLACK_S,
+        # A front end's least slab (no queue bound), and its receive bound with no model.
+        "slab-bytes": server.slab_bytes(Settings(), 0),
+        "max-receive-bytes": limits.message_limits([], Settings())[0],
+        # The Python front end's own drain, which the gateway's follows.
+        "refuse-linger-s": server.REFUSE_LINGER_S,
+    }
+    assert expected.keys() == go_contract.flag_defaults().keys()
+    found = {name: flags.get(name) for name in expected}
+    assert found == expected

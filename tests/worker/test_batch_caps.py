@@ -1,0 +1,266 @@
+"""Measured batch caps: the decision rule, the measurement loop (on a fake clock), and how
+the batcher and both APIs use and show them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from hypothesis import given
+from hypothesis import strategies as st
+
+from service.client import AttentionClient
+from service.worker.batching.batcher import Batcher
+from service.worker.batching.policy import choose_batch
+from service.worker.batching.protocol import BatchLimits
+from service.worker.engine.caps import (
+    SERVER_BATCH_OVERHEAD_S,
+    BatchCaps,
+    batch_sizes,
+    best_batch_size,
+    length_buckets,
+    measure_caps,
+    time_batch,
+)
+from tests.worker.test_batching import RecordingRunner
+
+
+class FakeDevice:
+    """run(size, length) advances a fake clock by cost(size, length): a deterministic device."""
+
+    def __init__(self, seconds_per_sequence) -> None:
+        self.now = 0.0
+        self.cost = seconds_per_sequence
+        self.calls: list[tuple[int, int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, size: int, length: int) -> None:
+        self.calls.append((size, length))
+        self.now += size * self.cost(size, length)
+
+
+def cpu_like(size: int, length: int) -> float:
+    """Short sequences like big batches; long ones lose per sequence as batches grow."""
+    base = 1e-5 * length
+    return base * (1 - 0.03 * np.log2(size)) if length <= 32 else base * (1 + 0.1 * np.log2(size))
+
+
+def gpu_like(size: int, length: int) -> float:
+    return 1e-4 / size
+
+
+def test_buckets_and_sizes_end_at_the_limits() -> None:
+    assert length_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert length_buckets(100) == [16, 32, 64, 100]
+    assert length_buckets(8) == [8]
+    assert batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert batch_sizes(1) == [1]
+
+
+def test_best_size_prefers_the_larger_of_near_ties() -> None:
+    assert best_batch_size({1: 1.00, 2: 1.01, 4: 1.04, 8: 1.20}) == 4
+    assert best_batch_size({1: 3.0, 2: 2.0, 4: 1.0}) == 4
+    assert best_batch_size({1: 1.0, 2: 1.5}) == 1
+
+
+def test_cpu_like_device_gets_big_batches_short_and_small_batches_long() -> None:
+    device = FakeDevice(cpu_like)
+    caps = measure_caps(
+        device.run, max_batch_size=32, max_seq_len=512, budget_s=1e9, clock=device.clock
+    )
+    assert caps.cap_for(16) == 32
+    assert caps.cap_for(32) == 32
+    assert caps.cap_for(128) == 1
+    assert caps.cap_for(512) == 1
+    # Long buckets stop growing once two sizes in a row are clearly worse (+30 %, +40 %).
+    assert max(size for size, length in device.calls if length == 512) == 16
+
+
+def test_gpu_like_device_fills_every_bucket() -> None:
+    device = FakeDevice(gpu_like)
+    caps = measure_caps(
+        device.run, max_batch_size=64, max_seq_len=512, budget_s=1e9, clock=device.clock
+    )
+    assert caps.caps == ((512, 64),)
+
+
+def test_a_spent_budget_never_caps_what_it_did_not_measure() -> None:
+    """With no time to see costs rise, no bucket is capped: batching stays as without caps."""
+    device = FakeDevice(cpu_like)
+    caps = measure_caps(
+        device.run, max_batch_size=32, max_seq_len=512, budget_s=0.0, clock=device.clock
+    )
+    assert {length for _, length in device.calls} == {16}  # only the first timing ran
+    assert caps.caps == ((512, 32),)
+
+
+def test_an_interrupted_bucket_keeps_the_shorter_bucket_cap() -> None:
+    """The budget ends just after seq 16 was measured (cap 4): seq 32 gets one timing, at
+    batch size 1, which alone proves nothing, so it and every longer bucket keep cap 4."""
+
+    def cost(size: int, length: int) -> float:
+        return 1e-3 * {1: 1.0, 2: 0.8, 4: 0.6, 8: 1.0, 16: 1.2, 32: 1.5}[size]
+
+    first_bucket = FakeDevice(cost)
+    measure_caps(
+        first_bucket.run, max_batch_size=32, max_seq_len=16, budget_s=1e9, clock=first_bucket.clock
+    )
+    device = FakeDevice(cost)
+    caps = measure_caps(
+        device.run,
+        max_batch_size=32,
+        max_seq_len=512,
+        budget_s=first_bucket.now + 1e-9,
+        clock=device.clock,
+    )
+    assert {(size, length) for size, length in device.calls if length > 16} == {(1, 32)}
+    assert caps.caps == ((512, 4),)
+
+
+def test_caps_never_grow_with_length() -> None:
+    """A noisy device that seems to favour big batches only at seq 128 gets no such cap."""
+
+    def bumpy(size: int, length: int) -> float:
+        if length == 128:
+            return 1e-3 / size
+        return 1e-3 * (1 + 0.5 * np.log2(size))
+
+    device = FakeDevice(bumpy)
+    caps = measure_caps(
+        device.run, max_batch_size=32, max_seq_len=512, budget_s=1e9, clock=device.clock
+    )
+    assert caps.caps == ((512, 1),)
+
+
+def test_timing_takes_the_best_of_repeated_runs() -> None:
+    noisy = iter([5.0, 1.0, 1.0, 1.0] + [1.0] * 100)
+    device = FakeDevice(lambda size, length: next(noisy) * 1e-3)
+    assert time_batch(device.run, 1, 16, device.clock) == pytest.approx(1e-3)
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=8), st.integers(1, 2048))
+def test_cap_for_covers_every_length(sizes: list[int], longest: int) -> None:
+    lengths = [16 * 2**i for i in range(len(sizes))]
+    caps = BatchCaps(tuple(zip(lengths, sizes, strict=True))).merged()
+    pairs = zip(lengths, sizes, strict=True)
+    expected = next((size for length, size in pairs if longest <= length), sizes[-1])
+    assert caps.cap_for(longest) == expected
+
+
+def test_caps_refuse_nonsense() -> None:
+    with pytest.raises(ValueError, match="ascending"):
+        BatchCaps(((64, 1), (16, 4)))
+    with pytest.raises(ValueError, match=">= 1"):
+        BatchCaps(((16, 0),))
+
+
+def test_choose_batch_obeys_the_cap_of_the_batch_longest_length() -> None:
+    caps = BatchCaps(((16, 4), (512, 1)))
+    # Short requests fill to 4; a long one never joins them (it would make the cap 1).
+    chosen = choose_batch(
+        [1] * 6, [8, 8, 100, 8, 8, 8], max_sequences=32, max_padding=1.0, cap_for=caps.cap_for
+    )
+    assert chosen == [0, 1, 3, 4]
+    # The oldest always runs, alone when its length allows no company.
+    assert choose_batch(
+        [1, 1], [100, 100], max_sequences=32, max_padding=1.0, cap_for=caps.cap_for
+    ) == [0]
+    # A request larger than the cap still runs whole.
+    assert choose_batch(
+        [8, 1], [100, 100], max_sequences=32, max_padding=1.0, cap_for=caps.cap_for
+    ) == [0]
+
+
+def test_batcher_splits_long_sequences_into_capped_batches() -> None:
+    runner = RecordingRunner(batch_caps=BatchCaps(((16, 4), (512, 1))))
+
+    async def body() -> None:
+        batcher = Batcher(BatchLimits(max_batch_size=32, max_queue_delay_s=30, max_queue_size=100))
+        await batcher.start()
+        try:
+            short = [
+                batcher.submit(runner, np.ones((1, 8, 2), np.float32), with_weights=False)
+                for _ in range(4)
+            ]
+            long = [
+                batcher.submit(runner, np.ones((1, 100, 2), np.float32), with_weights=False)
+                for _ in range(3)
+            ]
+            # Full (capped) batches close without waiting out the 30 s delay.
+            results = await asyncio.wait_for(asyncio.gather(*short, *long), timeout=20)
+        finally:
+            await batcher.stop()
+        assert [r.batch_size for r in results] == [4, 4, 4, 4, 1, 1, 1]
+
+    asyncio.run(body())
+    assert sorted(runner.batches) == [(1, 100, 2)] * 3 + [(4, 8, 2)]
+
+
+def test_both_apis_show_the_measured_caps(server) -> None:
+    with AttentionClient(server.target) as client:
+        info = client.get_model("mha")
+    caps = [(cap.max_sequence_length, cap.max_batch_size) for cap in info.versions[0].batch_caps]
+    assert caps, "GetModel lists the caps"
+    assert caps[-1][0] == info.max_sequence_length  # the last cap covers every legal length
+    assert all(1 <= size <= info.max_batch_size for _, size in caps)
+    assert [length for length, _ in caps] == sorted({length for length, _ in caps})
+    assert "mha/1 batch caps (measured)" in server.log
+
+    v2 = triton.InferenceServerClient(server.target)
+    try:
+        config = v2.get_model_config("mha", as_json=True)["config"]
+    finally:
+        v2.close()
+    shown = config["parameters"]["batch_caps"]["string_value"]
+    assert shown == ",".join(f"{length}:{size}" for length, size in caps)
+    preferred = config["dynamic_batching"]["preferred_batch_size"]
+    assert sorted(preferred) == sorted({size for _, size in caps})
+
+
+def test_a_burst_that_slows_one_pass_does_not_decide_the_cap() -> None:
+    """Every run of sizes 2..32 is 60 % slower during the first pass (something else held the
+    core): with one pass, growth stopped after sizes 2 and 4 and seq 16 was capped at 1, and
+    with it every longer length."""
+    state = {"second_pass": False, "seen_larger": False}
+
+    def cost(size: int, length: int) -> float:
+        if size == 1 and state["seen_larger"]:
+            state["second_pass"] = True
+        state["seen_larger"] |= size > 1
+        slowed = size > 1 and not state["second_pass"]
+        return 1e-3 * (1 - 0.03 * np.log2(size)) * (1.6 if slowed else 1.0)
+
+    device = FakeDevice(cost)
+    caps = measure_caps(
+        device.run, max_batch_size=32, max_seq_len=16, budget_s=1e9, clock=device.clock
+    )
+    assert caps.cap_for(16) == 32
+
+
+def test_the_servers_per_batch_work_breaks_near_ties_towards_larger_batches() -> None:
+    """Compute alone makes batch 1 the cheapest per sequence (by 12 %, beyond a tie); with the
+    server's fixed work per batch counted, 2 sequences share it and batch 2 wins."""
+
+    def cost(size: int, length: int) -> float:
+        return 1e-3 * {1: 1.0, 2: 1.12, 4: 1.5, 8: 1.9, 16: 2.4, 32: 3.0}[size]
+
+    alone = FakeDevice(cost)
+    caps = measure_caps(
+        alone.run, max_batch_size=32, max_seq_len=128, budget_s=1e9, clock=alone.clock
+    )
+    assert caps.cap_for(128) == 1
+    device = FakeDevice(cost)
+    caps = measure_caps(
+        device.run,
+        max_batch_size=32,
+        max_seq_len=128,
+        budget_s=1e9,
+        clock=device.clock,
+        batch_overhead_s=SERVER_BATCH_OVERHEAD_S,
+    )
+    assert caps.cap_for(128) == 2
