@@ -186,8 +186,36 @@ func (s *served) resolve(name, version string) *modelInfo {
 	return versions[v]
 }
 
-// finite reports whether every value of raw (little-endian, of size 2 or 4) is finite.
+// finite reports whether every value of raw (little-endian, of size 2 or 4) is finite: none
+// has every exponent bit set. Eight bytes at a time: adding one to a lane's exponent field
+// carries into the lane's top bit only when the field is all ones, and never into the next
+// lane. (Profiled at seq 128, 64 streams: a value at a time, this was 12% of the gateway's
+// CPU.)
 func finite(raw []byte, size int64) bool {
+	exponent, one, top := uint64(0x7f8000007f800000), uint64(0x0080000000800000), uint64(0x8000000080000000)
+	if size == 2 {
+		exponent, one, top = 0x7c007c007c007c00, 0x0400040004000400, 0x8000800080008000
+	}
+	var seen uint64
+	i := 0
+	for ; i+32 <= len(raw); i += 32 {
+		a := binary.LittleEndian.Uint64(raw[i:])
+		b := binary.LittleEndian.Uint64(raw[i+8:])
+		c := binary.LittleEndian.Uint64(raw[i+16:])
+		d := binary.LittleEndian.Uint64(raw[i+24:])
+		seen |= (a&exponent + one) | (b&exponent + one) | (c&exponent + one) | (d&exponent + one)
+	}
+	for ; i+8 <= len(raw); i += 8 {
+		seen |= binary.LittleEndian.Uint64(raw[i:])&exponent + one
+	}
+	if seen&top != 0 {
+		return false
+	}
+	return finiteTail(raw[i:], size)
+}
+
+// finiteTail is finite for the last few bytes (fewer than eight), a value at a time.
+func finiteTail(raw []byte, size int64) bool {
 	if size == 4 {
 		for i := 0; i+4 <= len(raw); i += 4 {
 			if binary.LittleEndian.Uint32(raw[i:])&0x7f800000 == 0x7f800000 {

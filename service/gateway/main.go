@@ -299,7 +299,13 @@ func main() {
 	}
 	o := parseOptions()
 	startLogging()
-	if err := run(o); err != nil {
+	stopProfile, err := profileCPU()
+	if err != nil {
+		fatal(err)
+	}
+	err = run(o)
+	stopProfile()
+	if err != nil {
 		fatal(err)
 	}
 }
