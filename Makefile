@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.installed
 
-.PHONY: setup gateway export serve test lint docs config-doc proto bench bench-peers demo clean
+.PHONY: setup gateway export serve test lint docs config-doc proto golden bench bench-peers demo clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,13 @@ $(BIN)/attention-gateway: $(wildcard service/gateway/*.go) service/gateway/go.mo
 proto: setup
 	$(BIN)/python proto/generate.py
 	$(BIN)/python -m scripts.go_contract
+	$(BIN)/python -m scripts.golden_grpc
+
+# tests/golden/grpc/: gRPC frames and refusals' trailers as the Python front end writes them,
+# which the gateway's Go tests and tests/gateway/test_golden_frames.py compare byte for byte
+# (the latter fails when the files are not what scripts/golden_grpc.py writes now).
+golden: setup
+	$(BIN)/python -m scripts.golden_grpc
 
 export: setup
 	$(BIN)/python -m export --name mha --embed-dim 512 --num-heads 8 --out $(MODELS) --if-missing

@@ -65,14 +65,22 @@ def model_info(name: str, versions: list[ServedModel], limits: InputLimits) -> p
     )
 
 
-def _stream_error(
+def stream_error(
     request: pb.AttendRequest, code: grpc.StatusCode, message: str
 ) -> pb.AttendStreamResponse:
+    """One stream message's error: its request_id, and the code and message the unary call
+    would have ended with."""
     # getattr: a message that did not parse (handlers.Undecodable) has no request_id.
     return pb.AttendStreamResponse(
         request_id=getattr(request, "request_id", ""),
         error=pb.StreamError(code=code.value[0], message=message),
     )
+
+
+def stream_answer(request: pb.AttendRequest, answer: WireMessage) -> WireMessage:
+    """The AttendStreamResponse holding an answer: the request's id, then the answer."""
+    envelope = pb.AttendStreamResponse(request_id=request.request_id)
+    return WireMessage.of(envelope).add_message(STREAM_RESPONSE, answer)
 
 
 class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
@@ -96,7 +104,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         self._stream_calls = StreamCalls(
             api=STREAM_API,
             answer=self._stream_answer,
-            failure=_stream_error,
+            failure=stream_error,
             model_label=self.model_label,
             request_id=self.request_id,
             closer=streams,
@@ -155,11 +163,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     async def _stream_answer(
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:
-        envelope = pb.AttendStreamResponse(request_id=request.request_id)
-        answer = WireMessage.of(envelope).add_message(
-            STREAM_RESPONSE, await self._attend(request, context)
-        )
-        return await settled(answer)
+        return await settled(stream_answer(request, await self._attend(request, context)))
 
     async def _attend(
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
@@ -193,7 +197,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         )
         try:
             # Encoded now: the answer's arrays may live in shared memory, freed by release().
-            return await joined(self._response(request, model, result, refs))
+            return await joined(encode_response(request, model, result, refs))
         finally:
             result.release()
 
@@ -210,41 +214,6 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
                 else None
             )
         return refs
-
-    def _response(
-        self,
-        request: pb.AttendRequest,
-        model: ServedModel,
-        result: Result,
-        refs: dict[str, RegionRef | None],
-    ) -> WireMessage:
-        header = pb.AttendResponse(
-            model=model.spec.name,
-            model_version=str(model.spec.version),
-            request_id=request.request_id,
-            timing=pb.ServerTiming(
-                queue_us=round(result.queue_s * 1e6),
-                compute_us=round(result.compute_s * 1e6),
-                batch_size=result.batch_size,
-            ),
-        )
-        one = len(request.embeddings.shape) == 2  # [seq, d] in, [seq, d] out
-        output = result.output[0] if one else result.output
-        dtype = _sent_dtype(request)
-        response = WireMessage.of(header).add_message(
-            RESPONSE_OUTPUT, _tensor(output, dtype, refs["output_region"])
-        )
-        if result.attention_weights is not None:
-            weights = result.attention_weights
-            response.add_message(
-                RESPONSE_WEIGHTS,
-                _tensor(
-                    weights[0] if one else weights,
-                    np.dtype("float32"),
-                    refs["attention_weights_region"],
-                ),
-            )
-        return response
 
     @rpc(API)
     async def GetModel(
@@ -263,6 +232,42 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
                 for name in self._registry.names()
             ]
         )
+
+
+def encode_response(
+    request: pb.AttendRequest,
+    model: ServedModel,
+    result: Result,
+    refs: dict[str, RegionRef | None],
+) -> WireMessage:
+    """The AttendResponse: the tensors (their bytes copied once), then the other fields, in
+    field-number order as protobuf writes the whole message and as the Go gateway writes it."""
+    header = pb.AttendResponse(
+        model=model.spec.name,
+        model_version=str(model.spec.version),
+        request_id=request.request_id,
+        timing=pb.ServerTiming(
+            queue_us=round(result.queue_s * 1e6),
+            compute_us=round(result.compute_s * 1e6),
+            batch_size=result.batch_size,
+        ),
+    )
+    one = len(request.embeddings.shape) == 2  # [seq, d] in, [seq, d] out
+    output = result.output[0] if one else result.output
+    response = WireMessage().add_message(
+        RESPONSE_OUTPUT, _tensor(output, _sent_dtype(request), refs["output_region"])
+    )
+    if result.attention_weights is not None:
+        weights = result.attention_weights
+        response.add_message(
+            RESPONSE_WEIGHTS,
+            _tensor(
+                weights[0] if one else weights,
+                np.dtype("float32"),
+                refs["attention_weights_region"],
+            ),
+        )
+    return response.add_serialized(header.SerializeToString())
 
 
 def _sent_dtype(request: pb.AttendRequest) -> np.dtype:

@@ -217,7 +217,9 @@ def encode_response(
     refs: dict[str, RegionRef] | None = None,
 ) -> WireMessage:
     """The ModelInferResponse, serialized with each output's bytes copied once into the
-    message; one the worker wrote into the client's shared-memory region has none here."""
+    message; one the worker wrote into the client's shared-memory region has none here. The
+    fields come in field-number order (model, id, outputs, their bytes), as protobuf writes
+    the whole message and as the Go gateway writes it."""
     arrays: list[np.ndarray] = []
     described: list[tuple[str, str, tuple[int, ...]]] = []
     for name in names:
@@ -225,10 +227,11 @@ def encode_response(
         assert array is not None, "weights were computed because they were requested"
         arrays.append(array)
         described.append((name, V2_NAME_OF[np.dtype(array.dtype)], array.shape))
-    header = _header(model.spec.name, model.spec.version, tuple(described))
-    response = WireMessage([_with_regions(header, refs) if refs else header])
+    head, outputs = _header(model.spec.name, model.spec.version, tuple(described))
+    response = WireMessage([head])
     if request.id:
         response.add_bytes(RESPONSE_ID, request.id.encode())
+    response.add_serialized(_with_regions(outputs, refs) if refs else outputs)
     for name, array in zip(names, arrays, strict=True):
         in_region = refs is not None and name in refs
         # raw_output_contents pair with outputs by position: empty for one in a region.
@@ -239,22 +242,24 @@ def encode_response(
 @functools.lru_cache(maxsize=4096)
 def _header(
     name: str, version: int, outputs: tuple[tuple[str, str, tuple[int, ...]], ...]
-) -> bytes:
-    """The response's fields but its id and tensor bytes, serialized once per model, outputs
-    and shapes (fields may come in any order: the id follows as a field of its own)."""
-    header = v2.ModelInferResponse(model_name=name, model_version=str(version))
+) -> tuple[bytes, bytes]:
+    """The response's fields before its id (model name and version) and after it (the
+    outputs' descriptions), serialized once per model, outputs and shapes."""
+    head = v2.ModelInferResponse(model_name=name, model_version=str(version))
+    described = v2.ModelInferResponse()
     for output, datatype, shape in outputs:
-        header.outputs.add(name=output, datatype=datatype, shape=list(shape))
-    return header.SerializeToString()
+        described.outputs.add(name=output, datatype=datatype, shape=list(shape))
+    return head.SerializeToString(), described.SerializeToString()
 
 
-def _with_regions(header: bytes, refs: dict[str, RegionRef]) -> bytes:
-    """The header with each output that went into client shared memory naming its region
-    in its parameters."""
-    message = v2.ModelInferResponse.FromString(header)
+def _with_regions(outputs: bytes, refs: dict[str, RegionRef]) -> bytes:
+    """The outputs' descriptions with each output that went into client shared memory naming
+    its region in its parameters, in the order of their names (protobuf's deterministic
+    order for a map, which the Go gateway writes too)."""
+    message = v2.ModelInferResponse.FromString(outputs)
     for tensor in message.outputs:
         ref = refs.get(tensor.name)
         if ref is not None:
             for key, value in shm_tensors.response_parameters(ref).items():
                 tensor.parameters[key].CopyFrom(value)
-    return message.SerializeToString()
+    return message.SerializeToString(deterministic=True)

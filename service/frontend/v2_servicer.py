@@ -59,7 +59,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self._stream_calls = StreamCalls(
             api=STREAM_API,
             answer=self._stream_answer,
-            failure=_stream_error,
+            failure=stream_error,
             model_label=self.model_label,
             request_id=self.request_id,
             closer=streams,
@@ -200,10 +200,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _stream_answer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:
-        answer = WireMessage().add_message(
-            STREAM_INFER_RESPONSE, await self._infer(request, context)
-        )
-        return await settled(answer)
+        return await settled(stream_answer(await self._infer(request, context)))
 
     async def _infer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -221,7 +218,12 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             inferred.result.release()
 
 
-def _stream_error(
+def stream_answer(answer: WireMessage) -> WireMessage:
+    """The ModelStreamInferResponse holding an answer."""
+    return WireMessage().add_message(STREAM_INFER_RESPONSE, answer)
+
+
+def stream_error(
     request: v2.ModelInferRequest, code: grpc.StatusCode, message: str
 ) -> v2.ModelStreamInferResponse:
     """Triton's stream error: a message (no status code field), and the request's id and

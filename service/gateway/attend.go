@@ -106,20 +106,11 @@ func (req *inferRequest) parseTensor(msg []byte) bool {
 	return err == nil && plain
 }
 
-// attendResponse is the AttendResponse, fields as the Python front end writes them, its
-// tensors' bytes referenced in shared memory.
+// attendResponse is the AttendResponse, its tensors' bytes referenced in shared memory: the
+// tensors, then the other fields, in field-number order as protobuf writes the whole message
+// (and as the Python front end writes it: tests/golden/grpc/).
 func attendResponse(req *inferRequest, p *plan, answers answerTensors, a answer) [][]byte {
 	m := newMessage()
-	m.built = appendStringField(m.built, fieldAttendResponseModel, p.model.Name)
-	m.built = appendStringField(m.built, fieldAttendResponseModelVersion, strconv.FormatInt(p.model.Version, 10))
-	if req.id != "" {
-		m.built = appendStringField(m.built, fieldAttendResponseRequestID, req.id)
-	}
-	var timing []byte
-	timing = appendVarintField(timing, fieldServerTimingQueueUs, uint64(int64(math.RoundToEven(a.queueS*1e6))))
-	timing = appendVarintField(timing, fieldServerTimingComputeUs, uint64(int64(math.RoundToEven(a.computeS*1e6))))
-	timing = appendVarintField(timing, fieldServerTimingBatchSize, uint64(a.batch))
-	m.built = appendBytesField(m.built, fieldAttendResponseTiming, timing)
 	n, seq, d := p.shape[0], p.shape[1], p.shape[2]
 	outShape, wShape := []int64{n, seq, d}, []int64{n, p.model.NumHeads, seq, seq}
 	if req.flat {
@@ -133,6 +124,14 @@ func attendResponse(req *inferRequest, p *plan, answers answerTensors, a answer)
 	if p.weights {
 		tensor(m, fieldAttendResponseAttentionWeights, wShape, dataTypeFloat32, answers.weights)
 	}
+	m.built = appendStringField(m.built, fieldAttendResponseModel, p.model.Name)
+	m.built = appendStringField(m.built, fieldAttendResponseModelVersion, strconv.FormatInt(p.model.Version, 10))
+	m.built = appendNonEmpty(m.built, fieldAttendResponseRequestID, req.id)
+	var timing []byte
+	timing = appendVarintField(timing, fieldServerTimingQueueUs, uint64(int64(math.RoundToEven(a.queueS*1e6))))
+	timing = appendVarintField(timing, fieldServerTimingComputeUs, uint64(int64(math.RoundToEven(a.computeS*1e6))))
+	timing = appendVarintField(timing, fieldServerTimingBatchSize, uint64(a.batch))
+	m.built = appendBytesField(m.built, fieldAttendResponseTiming, timing)
 	return m.finish()
 }
 

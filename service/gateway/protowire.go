@@ -111,8 +111,12 @@ func appendStringField(b []byte, num int, value string) []byte {
 	return append(b, value...)
 }
 
-// appendPackedInt64s writes a packed repeated int64 field (as protoc does for proto3).
+// appendPackedInt64s writes a packed repeated int64 field (as protoc does for proto3): none
+// when empty, as protobuf leaves an empty repeated field out.
 func appendPackedInt64s(b []byte, num int, values []int64) []byte {
+	if len(values) == 0 {
+		return b
+	}
 	size := 0
 	for _, v := range values {
 		size += varintSize(uint64(v))

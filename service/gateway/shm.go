@@ -216,12 +216,14 @@ func appendRefParameters(b []byte, num int, r *shmRef) []byte {
 		e = appendBytesField(e, fieldParametersEntryValue, value)
 		b = appendBytesField(b, num, e)
 	}
-	entry(paramRegion, appendStringField(nil, fieldInferParameterStringParam, r.region))
 	// A oneof's choice is written even when zero.
 	int64Param := func(v int64) []byte {
 		return appendVarint(appendTag(nil, fieldInferParameterInt64Param, wireVarint), uint64(v))
 	}
-	entry(paramOffset, int64Param(r.offset))
+	// In the order of their names, as protobuf writes a map deterministically (and as the
+	// Python front end writes these).
 	entry(paramByteSize, int64Param(r.byteSize))
+	entry(paramOffset, int64Param(r.offset))
+	entry(paramRegion, appendStringField(nil, fieldInferParameterStringParam, r.region))
 	return b
 }

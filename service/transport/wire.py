@@ -5,8 +5,10 @@ the bytes themselves: the value is copied into the message, then the encoder gro
 buffer for every call. Here the small fields are serialized by protobuf as usual and the
 tensor bytes are appended as hand-framed length-delimited fields, gathered by a single join
 straight from the numpy array. Protobuf's wire format defines concatenated serializations
-as the serialization of their merge, and fields may come in any order, so every client
-parses exactly the message the generated code would have produced.
+as the serialization of their merge, so every client parses exactly the message the
+generated code would have produced. The parts are put together in field-number order, as
+protobuf writes a whole message: the bytes are protobuf's own, the ones the Go gateway
+writes too (tests/golden/grpc/ holds them for both).
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ class WireMessage:
     def add_message(self, field_number: int, message: WireMessage) -> WireMessage:
         """Append a message field whose value is already chunked."""
         return self._add(field_number, message.chunks, message.nbytes)
+
+    def add_serialized(self, fields: bytes) -> WireMessage:
+        """Append fields protobuf serialized (for protobuf's own bytes, numbered above the
+        fields already here)."""
+        self.chunks.append(fields)
+        self.nbytes += len(fields)
+        return self
 
     def _add(self, field_number: int, chunks: Sequence[Chunk], nbytes: int) -> WireMessage:
         head = _key(field_number) + _varint(nbytes)
