@@ -38,6 +38,7 @@ from service.errors import QueueFull, ServingError, ShuttingDown
 from service.frontend import handlers, v2_codec
 from service.frontend.delivery import AnswerBudget
 from service.frontend.restricted import Key, Restrictions
+from service.frontend.rpc import internal_error
 from service.frontend.status import code_for
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2
@@ -98,6 +99,7 @@ ATTEND = "attention.v1.AttendRequest"
 V2_MODEL = {"model_name": "mha", "model_version": "1"}
 ATTEND_MODEL = {"model": "mha", "model_version": "1"}
 QUEUE_FULL = "queue-full-by-count"
+ODD_ID = "a\nb 'c' \\d\u00a0e\u200bé🙂" + "x" * 60
 
 REQUESTS: dict[str, dict[str, Any]] = {
     "v2-infer-request": {
@@ -105,6 +107,16 @@ REQUESTS: dict[str, dict[str, Any]] = {
         "fields": {
             **V2_MODEL,
             "id": "req-7",
+            "inputs": [_input([1, 2, 4])],
+            "raw_input_contents": [values(8)],
+        },
+    },
+    # A request id shown escaped and cut short in an error message.
+    "v2-infer-request-odd-id": {
+        "message": V2,
+        "fields": {
+            **V2_MODEL,
+            "id": ODD_ID,
             "inputs": [_input([1, 2, 4])],
             "raw_input_contents": [values(8)],
         },
@@ -364,6 +376,17 @@ def _from_worker(case: Case) -> Status:
     return _error(error)
 
 
+def _unexpected(case: Case) -> Status:
+    """An error of the worker's that no status maps: the front end's answer to an unexpected
+    error, which names the request id (and logs what went wrong)."""
+    error = messages.rebuild_error(case.args["kind"], case.args["message"])
+    assert not isinstance(error, ServingError), "an error the front end maps to a status"
+    described = REQUESTS[case.request or ""]
+    request = build(described["message"], described["fields"])
+    assert isinstance(request, v2.ModelInferRequest)
+    return grpc.StatusCode.INTERNAL, internal_error(request.id)[1]
+
+
 def _denied(case: Case) -> Status:
     a = case.args
     restrictions = Restrictions({a["group"]: Key(a["header"], "the-key")})
@@ -428,6 +451,15 @@ REFUSALS: dict[str, Case] = {
         _from_worker,
         {"kind": "RegionNotFound", "message": "shared-memory region 'réglon 50%' was unregistered"},
         "v2-infer-request-region",
+    ),
+    "worker-internal": Case(
+        "both", _unexpected, {"kind": "Internal", "message": "the worker failed this request"}
+    ),
+    "worker-internal-odd-id": Case(
+        "both",
+        _unexpected,
+        {"kind": "Internal", "message": "the worker failed this request"},
+        "v2-infer-request-odd-id",
     ),
     "deadline-exceeded": Case(
         "both", _words(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED")

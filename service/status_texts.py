@@ -1,8 +1,9 @@
 """Status messages the Python front end and the Go gateway both write, word for word. The
 gateway's are generated from this module (scripts/go_contract.py writes
 service/gateway/contract_gen.go), so the two cannot drift; a {placeholder} is a number (or
-a header's name), filled in by str.format here and by a generated Go function there. The
-queue's refusals live with the status page that decides them (service/ipc/status_page.py).
+a header's name, or a request id as service/text.py shows it), filled in by str.format here
+and by a generated Go function there. The queue's refusals live with the status page that
+decides them (service/ipc/status_page.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ SLAB_FULL = (
     "shared memory full: {used} of {size} bytes hold tensors of requests in flight, this one "
     "needs {need} more (--shared-memory-bytes); retry with backoff"
 )
+
+# An unexpected error (the worker's included): what went wrong is in the server's log, under
+# the request id named here (the request's own, shown; or a new one), never in the answer.
+INTERNAL_ERROR = "internal error; request_id={request_id} is in the server log"
 
 # Written by the gateway alone: its own front end's protocol process is away.
 BACKEND_GONE = "this front end's protocol process is restarting; retry"

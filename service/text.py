@@ -9,6 +9,7 @@ before it reaches either.
 from __future__ import annotations
 
 SHOWN_CHARS = 64  # enough for any real name or id; the rest is counted, not echoed
+SHOWN_MORE = "... ({more} more characters)"  # after a text cut short
 
 
 def _escape(char: str) -> str:
@@ -21,7 +22,7 @@ def shown(text: str, limit: int = SHOWN_CHARS) -> str:
     """text quoted, with non-printable characters escaped and cut after limit characters."""
     head = "".join(_escape(char) for char in text[:limit])
     more = len(text) - limit
-    return f"'{head}'" + (f"... ({more} more characters)" if more > 0 else "")
+    return f"'{head}'" + (SHOWN_MORE.format(more=more) if more > 0 else "")
 
 
 SHOWN_DIMS = 6

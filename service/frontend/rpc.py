@@ -19,6 +19,7 @@ from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Rese
 from service.frontend.handlers import Undecodable
 from service.frontend.status import SERVER_FAULTS, code_for
 from service.observability import logs, metrics, tracing
+from service.status_texts import INTERNAL_ERROR
 from service.text import shown
 from service.transport.wire import WireMessage
 
@@ -54,6 +55,13 @@ SERVICE_OF_API = {
 }
 
 STREAM_METHOD_OF_API = {"attention_stream": "AttendStream", "v2_stream": "ModelStreamInfer"}
+
+
+def internal_error(request_id: str) -> tuple[str, str]:
+    """An unexpected error's request id as it is logged (the request's, shown, or a new one)
+    and the status message that names it (the gateway words the worker's alike)."""
+    logged = shown(request_id or uuid.uuid4().hex[:12])
+    return logged, INTERNAL_ERROR.format(request_id=logged)
 
 
 def start_span(api: str, method: str, context: grpc.aio.ServicerContext) -> Any:
@@ -145,13 +153,12 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
                 raise
             except Exception:
-                request_id = shown(self.request_id(request) or uuid.uuid4().hex[:12])
+                request_id, details = internal_error(self.request_id(request))
                 code = grpc.StatusCode.INTERNAL
                 log.exception(
                     "internal error in %s/%s request_id=%s", api, handler.__name__, request_id
                 )
                 tally.count(code)
-                details = f"internal error; request_id={request_id} is in the server log"
                 await _end_with(context, code, details, holds_answer)
             finally:
                 end_span(span, code)

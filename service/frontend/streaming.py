@@ -17,7 +17,6 @@ import asyncio
 import functools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -29,11 +28,16 @@ from service.errors import AnswersBacklogged, ServingError
 from service.frontend import caller
 from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Reservation
 from service.frontend.handlers import Undecodable
-from service.frontend.rpc import STREAM_METHOD_OF_API, end_span, serialized, start_span
+from service.frontend.rpc import (
+    STREAM_METHOD_OF_API,
+    end_span,
+    internal_error,
+    serialized,
+    start_span,
+)
 from service.frontend.status import code_for
 from service.observability import logs, metrics
 from service.status_texts import STREAM_CLOSED
-from service.text import shown
 
 log = logging.getLogger(__name__)
 
@@ -292,11 +296,9 @@ class _Stream(Generic[Request, Response]):
             raise
         except Exception:
             code = grpc.StatusCode.INTERNAL
-            request_id = shown(calls.request_id(request) or uuid.uuid4().hex[:12])
+            request_id, details = internal_error(calls.request_id(request))
             log.exception("internal error in %s request_id=%s", calls.api, request_id)
-            answer = calls.failure(
-                request, code, f"internal error; request_id={request_id} is in the server log"
-            )
+            answer = calls.failure(request, code, details)
         else:
             answer = serialized(answer)  # inside the request's measured time
         finally:

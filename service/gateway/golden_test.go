@@ -18,6 +18,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -611,8 +612,10 @@ var goldenRefusals = map[string][]refusal{
 	"worker-restarting": {refuseCall(func(_ *testing.T, fp *fastPath, _ *link, _ *http.Request, _ goldenTrailer) {
 		fp.worker.link = nil
 	}, nil)},
-	"worker-gone":      {fromWorker},
-	"region-not-found": {fromWorker},
+	"worker-gone":            {fromWorker},
+	"region-not-found":       {fromWorker},
+	"worker-internal":        {fromWorker},
+	"worker-internal-odd-id": {fromWorker},
 	"deadline-exceeded": {
 		refuseCall(func(_ *testing.T, _ *fastPath, _ *link, r *http.Request, _ goldenTrailer) {
 			r.Header.Set("Grpc-Timeout", "1n") // never answered: the deadline passes first
@@ -674,5 +677,16 @@ func TestGoldenRefusalsOfPythonAreOfCallsHandedToIt(t *testing.T) {
 		if _, _, ok := g.readUnary(bytes.NewReader(body)); ok {
 			t.Errorf("%s: read as a unary call's one message", name)
 		}
+	}
+}
+
+// A call with no request id is named by a new one, as Python's uuid4().hex[:12].
+func TestAnInternalFailureWithoutARequestIDNamesANewOne(t *testing.T) {
+	first := internalFailure(&inferRequest{api: "v2"}, "the worker failed this request")
+	second := internalFailure(&inferRequest{api: "v2"}, "the worker failed this request")
+	// internalError's words around a quoted id of 12 lower-case hex digits.
+	pattern := regexp.MustCompile("^" + strings.Replace(regexp.QuoteMeta(internalError("ID")), "ID", "'[0-9a-f]{12}'", 1) + "$")
+	if !pattern.MatchString(first) || first == second {
+		t.Fatalf("%q, then %q", first, second)
 	}
 }

@@ -545,7 +545,10 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	}
 	if a.kind != "" {
 		l.slab.release(regions)
-		return failed(codeOfKind(a.kind), a.message)
+		if code := codeOfKind(a.kind); code != codeInternal {
+			return failed(code, a.message)
+		}
+		return failed(codeInternal, internalFailure(req, a.message)) // the worker's words stay in the logs
 	}
 	answers := answerTensors{out: l.slab.span(at[1], p.outBytes), weights: l.slab.span(at[2], p.wBytes)}
 	var response [][]byte
