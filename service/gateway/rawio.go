@@ -15,6 +15,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"syscall"
 	"unsafe"
 )
@@ -88,9 +89,43 @@ func (r rawIO) write(p []byte) (int, error) {
 
 // rawTCPConn is an accepted connection whose Read and Write are raw calls; everything else
 // (deadlines, close, addresses) is the TCP connection's own.
+//
+// Reads go through a read-ahead buffer: net/http's HTTP/2 framer reads each frame's 9-byte
+// header and then its payload, two system calls a frame (strace, one caller at seq 16: 8
+// reads a call), where one read takes everything that has arrived. The buffer is pooled and
+// held only while it has unread bytes, so an idle connection holds none.
 type rawTCPConn struct {
 	*net.TCPConn
-	io rawIO
+	io    rawIO
+	held  *[]byte // the pooled buffer that ahead is part of; nil when drained
+	ahead []byte  // read from the socket, not yet by the caller
+}
+
+// readAheadBytes: a read this large or larger goes straight into the caller's buffer.
+const readAheadBytes = 64 << 10
+
+var readAheadBuffers = sync.Pool{New: func() any { b := make([]byte, readAheadBytes); return &b }}
+
+func (c *rawTCPConn) Read(p []byte) (int, error) {
+	if len(c.ahead) == 0 {
+		if len(p) >= readAheadBytes {
+			return c.io.read(p)
+		}
+		held := readAheadBuffers.Get().(*[]byte)
+		n, err := c.io.read(*held)
+		if n == 0 {
+			readAheadBuffers.Put(held)
+			return 0, err
+		}
+		c.held, c.ahead = held, (*held)[:n]
+	}
+	n := copy(p, c.ahead)
+	c.ahead = c.ahead[n:]
+	if len(c.ahead) == 0 {
+		readAheadBuffers.Put(c.held)
+		c.held, c.ahead = nil, nil
+	}
+	return n, nil
 }
 
 func newRawTCPConn(conn net.Conn) net.Conn {
@@ -105,5 +140,4 @@ func newRawTCPConn(conn net.Conn) net.Conn {
 	return &rawTCPConn{TCPConn: tcp, io: raw}
 }
 
-func (c *rawTCPConn) Read(p []byte) (int, error)  { return c.io.read(p) }
 func (c *rawTCPConn) Write(p []byte) (int, error) { return c.io.write(p) }
