@@ -21,6 +21,9 @@ from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from tests.harness.server_process import ServerProcess
 
+# The gateway drains in code of its own (not serving, refusing, waiting for its calls): both ways.
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
+
 D = 64
 FAST = ("--batch-cap-budget-s", "0")
 PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64", *FAST)

@@ -38,6 +38,7 @@ def _stub(server: ServerProcess) -> tuple[grpc.Channel, attention_pb2_grpc.Atten
     return channel, attention_pb2_grpc.AttentionServiceStub(channel)
 
 
+@pytest.mark.usefixtures("grpc_gateway")  # refusals, deadlines, cancels: each path's own
 def test_full_queue_rejects_at_once_and_drain_finishes_the_rest(model_repository: Path) -> None:
     with ServerProcess(model_repository, *PARKED, "--max-queue-size", "3") as server:
         channel, stub = _stub(server)
@@ -55,6 +56,7 @@ def test_full_queue_rejects_at_once_and_drain_finishes_the_rest(model_repository
         channel.close()
 
 
+@pytest.mark.usefixtures("grpc_gateway")  # refusals, deadlines, cancels: each path's own
 def test_expired_and_cancelled_requests_are_never_computed(model_repository: Path) -> None:
     with ServerProcess(model_repository, *PARKED) as server:
         channel, stub = _stub(server)
@@ -72,6 +74,7 @@ def test_expired_and_cancelled_requests_are_never_computed(model_repository: Pat
         channel.close()
 
 
+@pytest.mark.usefixtures("grpc_gateway")  # refusals, deadlines, cancels: each path's own
 def test_deadline_that_passes_in_the_queue_is_dropped_by_the_server(model_repository: Path) -> None:
     """A deadline shorter than the queue delay: the server itself drops it before compute."""
     flags = ("--max-queue-delay-ms", "400", "--max-batch-size", "64")
@@ -87,6 +90,7 @@ def test_deadline_that_passes_in_the_queue_is_dropped_by_the_server(model_reposi
         channel.close()
 
 
+@pytest.mark.usefixtures("grpc_gateway")  # refusals, deadlines, cancels: each path's own
 def test_sigterm_under_load_finishes_accepted_requests_and_exits_zero(
     model_repository: Path,
 ) -> None:

@@ -21,7 +21,10 @@ from service.errors import CompressedTooLarge, InvalidInput, ServingError
 from service.frontend import compression
 from service.frontend.compression import RefusalLog, RefusedMessage, Unpacker, encoding_of
 from tests.harness.h2_raw import RawGrpc, peak_rss_bytes, reset_peak_rss
-from tests.harness.server_process import ServerProcess, child_pids, rss_bytes
+from tests.harness.server_process import ServerProcess, behind_gateway, child_pids, rss_bytes
+
+# The gateway drains (and hands compressed calls on) in code of its own: both ways.
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
 
 ATTEND = "/attention.v1.AttentionService/Attend"
 RECEIVE_LIMIT = 32 * 512 * 512 * 4 + (1 << 20)  # max batch x max seq x d x 4 + envelope
@@ -88,14 +91,16 @@ def test_refusals_are_logged_once_per_address_per_minute(
 
 
 @pytest.fixture(scope="module")
-def identity_server(mha_repository: Path) -> Iterator[ServerProcess]:
+def identity_server(grpc_gateway: str, mha_repository: Path) -> Iterator[ServerProcess]:
     with ServerProcess(mha_repository) as server:
+        assert behind_gateway(server) == (grpc_gateway == "on"), server.log
         yield server
 
 
 @pytest.fixture(scope="module")
-def gzip_server(mha_repository: Path) -> Iterator[ServerProcess]:
+def gzip_server(grpc_gateway: str, mha_repository: Path) -> Iterator[ServerProcess]:
     with ServerProcess(mha_repository, "--grpc-compression", "gzip") as server:
+        assert behind_gateway(server) == (grpc_gateway == "on"), server.log
         yield server
 
 
