@@ -28,7 +28,8 @@ import numpy as np
 
 from bench import cputime
 from service.app import run_dir
-from service.ipc import channel, messages
+from service.ipc import channel
+from service.ipc.records import Done, Fail, Hello, InferRequest, Models
 from service.ipc.slab import Slab
 from service.worker_socket import socket_path
 
@@ -56,17 +57,19 @@ class StandIn:
         self._ids = iter(range(1, 1 << 62))
 
     @classmethod
-    async def connect(cls, path: Path) -> tuple[StandIn, dict[str, Any]]:
+    async def connect(cls, path: Path) -> tuple[StandIn, Models]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(str(path))
         credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
         worker_pid = PEERCRED.unpack(credentials)[0]  # who listens: the worker
         slab = Slab.create(SLAB_BYTES, "worker-alone")
-        channel.send_hello(sock, {"name": "worker-alone", "pid": os.getpid()}, [slab.fd])
+        channel.send_hello(sock, Hello(name="worker-alone", pid=os.getpid()), [slab.fd])
         sock.setblocking(False)
         reader, writer = await asyncio.open_unix_connection(sock=sock)
         stand_in = cls(channel.Reader(reader), channel.Writer(writer), slab, worker_pid)
         welcome = (await stand_in._reader.read())[0]
+        if not isinstance(welcome, Models):
+            raise SystemExit(f"the worker's first message was {welcome!r}, not its models")
         return stand_in, welcome
 
     async def burst(self, model: str, size: int, seq: int, embed_dim: int) -> None:
@@ -77,25 +80,23 @@ class StandIn:
             request_id = next(self._ids)
             waiting.add(request_id)
             self._writer.send(
-                {
-                    "t": messages.INFER,
-                    "id": request_id,
-                    "model": model,
-                    "w": False,
-                    "shape": [1, seq, embed_dim],
-                    "dtype": "<f4",
-                    "in": 2 * i * nbytes,
-                    "out": (2 * i + 1) * nbytes,
-                    "deadline": time.monotonic() + 60,
-                    "tag": None,
-                }
+                InferRequest(
+                    request_id=request_id,
+                    model_key=model,
+                    with_weights=False,
+                    shape=(1, seq, embed_dim),
+                    dtype="<f4",
+                    deadline=time.monotonic() + 60,
+                    input_offset=2 * i * nbytes,
+                    output_offset=(2 * i + 1) * nbytes,
+                )
             )
         while waiting:
             for message in await self._reader.read():
-                if message.get("t") == messages.FAIL:
-                    raise SystemExit(f"the worker failed a request: {message.get('msg')}")
-                if message.get("t") == messages.DONE:
-                    waiting.discard(message["id"])
+                if isinstance(message, Fail):
+                    raise SystemExit(f"the worker failed a request: {message.error.message}")
+                if isinstance(message, Done):
+                    waiting.discard(message.request_id)
 
     def fill(self, size: int, seq: int, embed_dim: int) -> None:
         values = np.random.default_rng(0).standard_normal((1, seq, embed_dim), np.float32)
@@ -106,8 +107,8 @@ class StandIn:
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     stand_in, welcome = await StandIn.connect(worker_socket(args.supervisor_pid))
-    served = welcome["models"][0]
-    model, embed_dim = served["key"], int(served["embed_dim"])
+    served = welcome.models[0]
+    model, embed_dim = served.key, served.spec.embed_dim
     if 2 * args.burst * args.seq * embed_dim * 4 > SLAB_BYTES:
         raise SystemExit("--burst x --seq does not fit the stand-in's slab")
     stand_in.fill(args.burst, args.seq, embed_dim)

@@ -15,6 +15,7 @@ import grpc
 
 from service.frontend.status import SERVER_FAULTS
 from service.ipc import span_record
+from service.ipc.records import Done
 from service.observability import tracing
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,19 @@ def gateway_call(record: span_record.SpanRecord) -> tracing.GatewayCall:
         code=code.name,
         error=code in SERVER_FAULTS,
         attributes=attributes,
-        batch=record.done,
+        batch=None if record.done is None else _batch(record.done),
+    )
+
+
+def _batch(done: Done) -> tracing.Batch:
+    return tracing.Batch(
+        queue_s=done.queue_s,
+        compute_s=done.compute_s,
+        started_at=done.started_at,
+        batch_size=done.batch_size,
+        padding=done.padding,
+        batch_id=done.batch_id,
+        tags=tracing.tags_from_numbers(done.tags),
     )
 
 

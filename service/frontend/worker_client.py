@@ -2,9 +2,9 @@
 
 A request's tensor is copied once, from the received message into this front end's slab;
 the worker batches from there and writes the answer back into the slab, from which the
-servicer encodes the response. Only small JSON control messages cross the socket. When the
-worker goes away, every call in flight fails at once with UNAVAILABLE and the client keeps
-reconnecting (the supervisor restarts the worker).
+servicer encodes the response. Only small control messages (service/ipc/records.py) cross
+the socket. When the worker goes away, every call in flight fails at once with UNAVAILABLE
+and the client keeps reconnecting (the supervisor restarts the worker).
 """
 
 from __future__ import annotations
@@ -24,9 +24,23 @@ from typing import Any
 import numpy as np
 
 from service.catalog import ModelRegistry, ServedModel
-from service.dataplane import IndexEntry, RegionRef, RegionTensor, Result, Targets, VersionStats
+from service.dataplane import IndexEntry, RegionTensor, Result, Targets, VersionStats
 from service.errors import QueueFull, ShuttingDown
 from service.ipc import channel, messages
+from service.ipc.records import (
+    Call,
+    Cancel,
+    ClientTensor,
+    Done,
+    Fail,
+    Hello,
+    InferRequest,
+    Message,
+    Models,
+    Reply,
+    Sync,
+    Synced,
+)
 from service.ipc.slab import Region, RegionAllocator, Slab
 from service.ipc.status_page import StatusView, page_path
 from service.memory.budget import release_free_memory
@@ -93,35 +107,49 @@ class _Link:
         self.high_water = 0
 
 
-def _infer_message(
+def _infer_request(
+    request_id: int,
     model: ServedModel,
     embeddings: np.ndarray | RegionTensor,
+    *,
     with_weights: bool,
+    deadline: float | None,
+    tag: object,
     targets: Targets,
     at: dict[str, int],
-) -> channel.Message:
-    """An INFER without its id, deadline and tag: the tensors by slab offset (at) or, for
-    those in a client's region, by reference."""
-    message: channel.Message = {
-        "t": messages.INFER,
-        "model": model.key,
-        "w": with_weights,
-        "shape": list(embeddings.shape),
-        "dtype": model.spec.dtype.str,
-        **at,
-    }
+) -> InferRequest:
+    """The tensors by slab offset (at) or, for those in a client's region, by reference."""
+    request = InferRequest(
+        request_id=request_id,
+        model_key=model.key,
+        with_weights=with_weights,
+        shape=embeddings.shape,
+        dtype=model.spec.dtype.str,
+        deadline=deadline,
+        input_offset=at.get("in"),
+        output_offset=at.get("out"),
+        weights_offset=at.get("wout"),
+        tag=tracing.tag_numbers(tag),
+    )
     if isinstance(embeddings, RegionTensor):
         # As the client wrote it: the worker checks and casts it once read.
-        message["iref"] = [*_ref_json(embeddings.ref), embeddings.dtype.str]
-    for key, name in (("oref", "output"), ("wref", "attention_weights")):
-        target = targets.get(name)
-        if target is not None and (name == "output" or with_weights):
-            message[key] = [*_ref_json(target.ref), target.dtype.str]
-    return message
+        request.input_ref = ClientTensor(embeddings.ref, embeddings.dtype.str)
+    if targets:
+        output, weights = targets.get("output"), targets.get("attention_weights")
+        if output is not None:
+            request.output_ref = ClientTensor(output.ref, output.dtype.str)
+        if weights is not None and with_weights:
+            request.weights_ref = ClientTensor(weights.ref, weights.dtype.str)
+    return request
 
 
-def _ref_json(ref: RegionRef) -> list[Any]:
-    return [ref.region, ref.offset, ref.byte_size, ref.where]
+def _refusal(answer: Done | Fail | Reply) -> Exception:
+    """The error the worker's answer stands for (a Fail, or a Reply with an error); one
+    that answers the wrong kind of call is the worker's fault."""
+    error = answer.error if isinstance(answer, Fail | Reply) else None
+    if error is None:
+        return messages.WorkerError(f"the worker answered with an unexpected {answer!r}")
+    return messages.rebuild_error(error.kind, error.message)
 
 
 def _placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -137,7 +165,7 @@ IDLE_TRIM_AFTER_S = 0.5  # ...once the slab has stayed empty this long
 
 @dataclass(eq=False)
 class _Call:
-    future: asyncio.Future[channel.Message]
+    future: asyncio.Future[Done | Fail | Reply]
     regions: list[Region] = field(default_factory=list)
     abandoned: bool = False  # the caller went away; free the regions on the final answer
 
@@ -226,7 +254,7 @@ class WorkerClient:
             raise
         try:
             sock.setblocking(True)
-            channel.send_hello(sock, {"name": self._name, "pid": os.getpid()}, [slab.fd])
+            channel.send_hello(sock, Hello(name=self._name, pid=os.getpid()), [slab.fd])
             sock.setblocking(False)
             reader, writer = await asyncio.open_unix_connection(sock=sock)
         except BaseException:
@@ -262,28 +290,28 @@ class WorkerClient:
             self.worker_ready = False
             self._on_change()
 
-    def _dispatch(self, link: _Link, message: channel.Message) -> None:
-        kind = message["t"]
-        if kind in (messages.DONE, messages.FAIL, messages.REPLY):
-            call = link.calls.pop(int(message["id"]), None)
+    def _dispatch(self, link: _Link, message: Message) -> None:
+        if isinstance(message, Done | Fail | Reply):
+            # Requests and control calls draw their ids from one counter.
+            call_id = message.call_id if isinstance(message, Reply) else message.request_id
+            call = link.calls.pop(call_id, None)
             if call is None:
                 return
             if call.abandoned:
                 link.free(call.regions)
             elif not call.future.done():
                 call.future.set_result(message)
-        elif kind in (messages.WELCOME, messages.MODELS):
+        elif isinstance(message, Models):
             link.welcomed = True
             self._apply_snapshot(message)
-        elif kind == messages.SYNC:
-            link.writer.send({"t": messages.SYNCED, "id": message["id"]})
+        elif isinstance(message, Sync):
+            link.writer.send(Synced(message.sync_id))
         else:
-            raise ValueError(f"unknown message type {kind!r}")
+            raise ValueError(f"a front end is not sent {type(message).__name__} messages")
 
-    def _apply_snapshot(self, message: channel.Message) -> None:
-        views = [messages.model_from_json(data) for data in message["models"]]
-        self._models = ModelRegistry(views, str(message["default_model"]))
-        self.worker_ready = bool(message["ready"])
+    def _apply_snapshot(self, message: Models) -> None:
+        self._models = ModelRegistry(list(message.models), message.default_model)
+        self.worker_ready = message.ready
         self._welcomed.set()
         self._on_change()
 
@@ -334,11 +362,19 @@ class WorkerClient:
         at = {key: region.offset for key, region in zip(wanted, regions, strict=True)}
         if isinstance(embeddings, np.ndarray):
             np.copyto(link.slab.array(at["in"], embeddings.shape, embeddings.dtype), embeddings)
-        message = _infer_message(model, embeddings, with_weights, targets, at)
-        message.update(deadline=deadline, tag=tracing.tag_to_json(tag))
-        request_id = message["id"] = next(self._ids)
+        request_id = next(self._ids)
+        request = _infer_request(
+            request_id,
+            model,
+            embeddings,
+            with_weights=with_weights,
+            deadline=deadline,
+            tag=tag,
+            targets=targets,
+            at=at,
+        )
         link.calls[request_id] = call
-        link.writer.send(message)
+        link.writer.send(request)
         self._enter()
         try:
             answer = await call.future
@@ -353,9 +389,9 @@ class WorkerClient:
             raise
         finally:
             self._leave()
-        if answer["t"] == messages.FAIL:
+        if not isinstance(answer, Done):
             link.free(regions)
-            raise messages.rebuild_error(answer["kind"], answer["msg"])
+            raise _refusal(answer)
         # The worker answered in the model's dtype; an answer in a client's region is not
         # here at all: its array stands for the shape and dtype written (no memory).
         output = (
@@ -381,13 +417,13 @@ class WorkerClient:
         return Result(
             output,
             weights,
-            float(answer["q"]),
-            float(answer["c"]),
-            int(answer["b"]),
-            started_at=float(answer["s"]),
-            padding=float(answer["p"]),
-            batch_id=int(answer["i"]),
-            batch_tags=tracing.tags_from_json(answer["tags"]),
+            answer.queue_s,
+            answer.compute_s,
+            answer.batch_size,
+            started_at=answer.started_at,
+            padding=answer.padding,
+            batch_id=answer.batch_id,
+            batch_tags=tracing.tags_from_numbers(answer.tags),
             release=release,
         )
 
@@ -398,7 +434,7 @@ class WorkerClient:
             return  # the slab went with the connection
         if request_id in link.calls:
             call.abandoned = True
-            link.writer.send({"t": messages.CANCEL, "id": request_id})
+            link.writer.send(Cancel(request_id))
         else:
             link.free(call.regions)  # answered just as it was cancelled
 
@@ -435,15 +471,15 @@ class WorkerClient:
         call = _Call(asyncio.get_running_loop().create_future())
         call_id = next(self._ids)
         link.calls[call_id] = call
-        link.writer.send({"t": messages.CALL, "id": call_id, "op": op, "args": args})
+        link.writer.send(Call(call_id, op, args))
         try:
             answer = await call.future
         except asyncio.CancelledError:
             link.calls.pop(call_id, None)
             raise
-        if "kind" in answer:
-            raise messages.rebuild_error(answer["kind"], answer["msg"])
-        return answer["ok"]
+        if not isinstance(answer, Reply) or answer.error is not None:
+            raise _refusal(answer)
+        return answer.result
 
     async def flush(self) -> None:
         """This front end is draining: ask the worker to stop waiting for batches to fill."""

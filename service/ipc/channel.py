@@ -1,47 +1,36 @@
-"""Control messages between a front end and the worker: small JSON objects, each framed by
-its length, over a Unix socket; the slab's descriptor goes with the first one (SCM_RIGHTS).
+"""Control messages between a front end and the worker, each framed by its length, over a
+Unix socket; the slab's descriptor goes with the first one (SCM_RIGHTS).
 
-JSON because messages are a handful of numbers and names (tensors never travel here), it
-needs no schema compiler, and a malformed message fails to decode instead of running code
-as a pickle could. The two messages of every request (INFER, DONE) travel in a fixed binary
-layout instead (service/ipc/packed.py), which decodes to the same dict.
+Each message is a record (records.py); codec.py writes it as JSON, or, for the two messages
+of every request (INFER, DONE), in a fixed binary layout (packed.py). JSON because messages
+are a handful of numbers and names (tensors never travel here), it needs no schema compiler,
+and a malformed message fails to decode instead of running code as a pickle could.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import resource
 import socket
 import struct
-from typing import Any
 
-from service.ipc import packed
+from service.ipc import codec
+from service.ipc.records import Hello, Message
 
 HEADER = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 16 << 20  # a model snapshot or statistics reply; far above any real one
 HELLO_TIMEOUT_S = 10.0
-
-Message = dict[str, Any]
 
 
 class ChannelClosed(ConnectionError):
     """The other process closed its end (it exited or was killed)."""
 
 
-def encode(message: Message) -> bytes:
-    body = packed.pack(message) or json.dumps(message, separators=(",", ":")).encode()
+def encode(message: Message | Hello) -> bytes:
+    """The message framed: its length, then its body."""
+    body = codec.encode(message)
     return HEADER.pack(len(body)) + body
-
-
-def decode(body: bytes | bytearray) -> Message:
-    if packed.is_packed(body):
-        return packed.unpack(body)
-    message = json.loads(body)
-    if not isinstance(message, dict):
-        raise ValueError(f"a control message is a JSON object, got {type(message).__name__}")
-    return message
 
 
 READ_CHUNK_BYTES = 1 << 16
@@ -77,7 +66,7 @@ class Framer:
             if end > len(buffer):
                 break
             try:
-                messages.append(decode(buffer[start + HEADER.size : end]))
+                messages.append(codec.decode(buffer[start + HEADER.size : end]))
             except ValueError:
                 if not messages:
                     raise
@@ -138,12 +127,12 @@ class Writer:
         self._writer.close()
 
 
-def send_hello(sock: socket.socket, message: Message, fds: list[int]) -> None:
+def send_hello(sock: socket.socket, message: Hello, fds: list[int]) -> None:
     """The first message, with descriptors, on a blocking socket."""
     socket.send_fds(sock, [encode(message)], fds)
 
 
-def receive_hello(sock: socket.socket) -> tuple[Message, list[int]]:
+def receive_hello(sock: socket.socket) -> tuple[Hello, list[int]]:
     """The first message and its descriptors, on a blocking socket (timeout set by caller).
     On any error the descriptors that did arrive are closed."""
     data, fds, flags, _ = socket.recv_fds(sock, 1 << 16, 4)
@@ -160,7 +149,7 @@ def receive_hello(sock: socket.socket) -> tuple[Message, list[int]]:
         (length,) = HEADER.unpack(data[: HEADER.size])
         if len(data) != HEADER.size + length:
             raise ValueError(f"hello message of {len(data)} bytes, header says {length}")
-        return decode(data[HEADER.size :]), list(fds)
+        return codec.decode_hello(data[HEADER.size :]), list(fds)
     except BaseException:
         for fd in fds:
             os.close(fd)

@@ -1,5 +1,6 @@
-"""The control messages' contents: model snapshots, statistics, index rows and errors as
-plain JSON values, and back. Both ends build and read messages only through here."""
+"""What the control messages carry besides plain numbers: the errors that cross between the
+processes (by name), and model snapshots, statistics and index rows as JSON values and back.
+The messages themselves are records (records.py), turned into bytes by codec.py."""
 
 from __future__ import annotations
 
@@ -10,14 +11,10 @@ import numpy as np
 from service import errors
 from service.catalog import BatchCaps, ModelSpec, ModelView, ServedModel
 from service.dataplane import Duration, IndexEntry, VersionStats
+from service.ipc.records import ErrorText
 
-# Message types.
-INFER, CANCEL, CALL = "infer", "cancel", "call"  # front end -> worker
-DONE, FAIL, REPLY, MODELS, WELCOME = "done", "fail", "reply", "models", "welcome"
-# The worker asks (SYNC) and the front end answers (SYNCED): once the answer is in, every
-# request the front end sent before it read the latest served set has arrived too.
-SYNC, SYNCED = "sync", "synced"
-CANCELLED = "Cancelled"  # FAIL kind of a request the front end cancelled
+CANCELLED = "Cancelled"  # the kind of a Fail for a request the front end cancelled
+INTERNAL = "Internal"  # the kind of an error no front end rebuilds: INTERNAL for the client
 
 # Errors a client may see the message of, by name; anything else arrives as INTERNAL.
 ERRORS: dict[str, type[errors.ServingError]] = {
@@ -48,7 +45,14 @@ def error_kind(error: BaseException) -> str:
     for kind in type(error).__mro__:
         if kind.__name__ in ERRORS:
             return kind.__name__
-    return "Internal"
+    return INTERNAL
+
+
+def error_text(error: BaseException, internal: str) -> ErrorText:
+    """What a front end is told of error: its kind and message, or for an unexpected one
+    (logged in the worker) only internal."""
+    kind = error_kind(error)
+    return ErrorText(kind, str(error) if kind != INTERNAL else internal)
 
 
 def rebuild_error(kind: str, message: str) -> Exception:

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass
 
 from service.ipc import packed
+from service.ipc.records import Done
 
 VERSION = 1
 LENGTH = struct.Struct("<I")
@@ -37,14 +38,14 @@ class SpanRecord:
     method: str
     model: str
     trace_state: str
-    done: dict[str, object] | None
+    done: Done | None  # the worker's answer, when it computed the call
 
 
 def pack(record: SpanRecord) -> bytes:
     """The framed record, as the gateway writes it (tests use it)."""
     method, model = record.method.encode(), record.model.encode()
     state = record.trace_state.encode()
-    done = b"" if record.done is None else packed.pack(dict(record.done)) or b""
+    done = b"" if record.done is None else packed.pack_done(record.done) or b""
     head = _HEAD.pack(
         VERSION,
         record.trace_id.to_bytes(16, "big"),
@@ -109,7 +110,7 @@ def unpack(body: bytes | bytearray | memoryview) -> SpanRecord:
             method.decode(),
             model.decode(),
             _header_text(state),
-            packed.unpack(done) if done else None,
+            packed.unpack_done(done) if done else None,
         )
     except UnicodeDecodeError as err:
         raise ValueError(f"malformed span record: {err}") from err

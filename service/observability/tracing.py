@@ -234,6 +234,19 @@ def gateway_sampler() -> str:
 
 
 @dataclass(frozen=True)
+class Batch:
+    """How the worker computed a call (its DONE): the times of its queue and compute spans."""
+
+    queue_s: float
+    compute_s: float
+    started_at: float  # the batch's start, time.monotonic()
+    batch_size: int
+    padding: float
+    batch_id: int
+    tags: tuple[Tag, ...]  # the spans its compute span links to
+
+
+@dataclass(frozen=True)
 class GatewayCall:
     """A call the gateway answered and sampled: what its spans are made of."""
 
@@ -248,7 +261,7 @@ class GatewayCall:
     code: str  # gRPC status name
     error: bool  # a server-side failure
     attributes: Mapping[str, Any]
-    batch: Mapping[str, Any] | None  # the worker's DONE, when it computed the call
+    batch: Batch | None  # when the worker computed the call
 
 
 def record_gateway_call(call: GatewayCall) -> None:
@@ -281,18 +294,15 @@ def record_gateway_call(call: GatewayCall) -> None:
         request = {
             key: call.attributes[key] for key in REQUEST_ATTRIBUTES if key in call.attributes
         }
-        queue_s, started_at, compute_s = done["q"], done["s"], done["c"]
+        queue_s, started_at, compute_s = done.queue_s, done.started_at, done.compute_s
         started = _epoch_ns(started_at)
         batch = {
             **request,
-            "attention.batch_size": done["b"],
-            "attention.batch_padding_ratio": done["p"],
-            "attention.batch_id": done["i"],
+            "attention.batch_size": done.batch_size,
+            "attention.batch_padding_ratio": done.padding,
+            "attention.batch_id": done.batch_id,
         }
-        links = [  # straight from the DONE's rows: the batch's leader has them all, others one
-            trace.Link(trace.SpanContext(row[0], row[1], True, trace.TraceFlags(row[2])))
-            for row in done["tags"]
-        ]
+        links = _links(done.tags)  # the batch's leader has them all, others one
         for name, start_ns, end_ns, attributes, more in (
             ("queue", _epoch_ns(started_at - queue_s), started, request, {}),
             ("compute", started, started + round(compute_s * 1e9), batch, {"links": links}),
@@ -388,11 +398,11 @@ def record_batch(
     compute.end(end_time=started + round(compute_s * 1e9))
 
 
-def tag_to_json(tag: object) -> list[int] | None:
-    """A Tag as the worker's control messages carry it (plain numbers), or None."""
-    return [tag.trace_id, tag.span_id, tag.trace_flags] if isinstance(tag, Tag) else None
+def tag_numbers(tag: object) -> tuple[int, int, int] | None:
+    """A Tag as the worker's control messages carry it (trace id, span id, flags), or None."""
+    return (tag.trace_id, tag.span_id, tag.trace_flags) if isinstance(tag, Tag) else None
 
 
-def tags_from_json(rows: list[list[int]]) -> tuple[Tag, ...]:
+def tags_from_numbers(rows: Iterable[tuple[int, int, int]]) -> tuple[Tag, ...]:
     """The tags of a batch's requests, back from the worker (all front ends' requests)."""
-    return tuple(Tag(int(r[0]), int(r[1]), int(r[2])) for r in rows if isinstance(r, list))
+    return tuple(Tag(*row) for row in rows)

@@ -18,9 +18,23 @@ from typing import Any, cast
 
 import numpy as np
 
-from service.dataplane import RegionRef
 from service.errors import InvalidInput, ServingError, ShuttingDown
 from service.ipc import channel, messages
+from service.ipc.records import (
+    Call,
+    Cancel,
+    ClientTensor,
+    Done,
+    ErrorText,
+    Fail,
+    InferRequest,
+    Message,
+    Reply,
+    Sync,
+    Synced,
+    ToFrontend,
+    TraceTag,
+)
 from service.ipc.slab import Slab
 from service.values import check_finite, in_model_dtype
 from service.worker.batching.batcher import Batcher, Result, Target
@@ -33,7 +47,8 @@ SYNC_TIMEOUT_S = 5.0
 # its INFER (tens of microseconds); a larger one on the reader thread, the loop free meanwhile.
 INLINE_READ_BYTES = 256 << 10
 
-Call = Callable[[str, dict[str, Any]], Awaitable[Any]]
+# Answers a front end's control call: its op and arguments -> a JSON value.
+ControlCall = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 
 class FrontendLink:
@@ -46,7 +61,7 @@ class FrontendLink:
         *,
         resolve: Callable[[str], OnnxModel],
         batcher: Batcher,
-        call: Call,
+        call: ControlCall,
         regions: ClientRegions | None = None,
         region_reader: Executor | None = None,
     ) -> None:
@@ -65,7 +80,7 @@ class FrontendLink:
         self._syncs: dict[int, asyncio.Future[None]] = {}
         self._sync_ids = itertools.count(1)
 
-    def send(self, message: channel.Message) -> None:
+    def send(self, message: ToFrontend) -> None:
         if self._writer is not None:
             self._writer.send(message)
 
@@ -80,7 +95,7 @@ class FrontendLink:
         one that does not answer in time, counts as synced."""
         sync_id = next(self._sync_ids)
         waiter = self._syncs[sync_id] = asyncio.get_running_loop().create_future()
-        self.send({"t": messages.SYNC, "id": sync_id})
+        self.send(Sync(sync_id))
         try:
             await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError:
@@ -108,7 +123,7 @@ class FrontendLink:
     def _connected(self, transport: asyncio.WriteTransport) -> None:
         self._writer = channel.Writer(transport)
 
-    def _received(self, received: list[channel.Message]) -> None:
+    def _received(self, received: list[Message]) -> None:
         for message in received:
             self._dispatch(message)
 
@@ -121,49 +136,48 @@ class FrontendLink:
             log.info("front end %s disconnected", self.name)
         self._closed.set_result(None)
 
-    def _dispatch(self, message: channel.Message) -> None:
-        kind = message.get("t")
-        if kind == messages.INFER:
+    def _dispatch(self, message: Message) -> None:
+        if isinstance(message, InferRequest):
             self._submit(message)
-        elif kind == messages.CANCEL:
-            self._withdraw(int(message["id"]))
-        elif kind == messages.CALL:
+        elif isinstance(message, Cancel):
+            self._withdraw(message.request_id)
+        elif isinstance(message, Call):
             self._start(self._control(message))
-        elif kind == messages.SYNCED:
-            waiter = self._syncs.pop(int(message["id"]), None)
+        elif isinstance(message, Synced):
+            waiter = self._syncs.pop(message.sync_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
         else:
-            raise ValueError(f"unknown message type {kind!r}")
+            raise ValueError(f"the worker is not sent {type(message).__name__} messages")
 
     def _start(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _submit(self, message: channel.Message) -> None:
+    def _submit(self, message: InferRequest) -> None:
         """Queue one request now, in the turn that read it: a CANCEL read in the same turn
         then finds it (and drops it before it is computed). The batch writes the
         answer straight into the front end's regions (or the client's); the DONE that
         follows tells it so. An input in a client's region is read first: a small one here,
         a large one on the reader thread (it would hold this loop, and every front end's
         requests, for milliseconds); a CANCEL meanwhile drops that once read."""
-        request_id = int(message["id"])
+        request_id = message.request_id
         read: Callable[[bool], np.ndarray] | None = None  # a large input, read on the thread
         try:
-            model = self._resolve(str(message["model"]))
-            dtype = np.dtype(message["dtype"])
-            shape = tuple(int(size) for size in message["shape"])
+            model = self._resolve(message.model_key)
+            dtype = np.dtype(message.dtype)
+            shape = message.shape
             if len(shape) != 3:
                 raise ValueError(f"shape {shape} is not [n, seq, d]")
-            if message.get("iref") is not None:
-                reader, nbytes = self._client_input(message["iref"], shape, model)
+            if message.input_ref is not None:
+                reader, nbytes = self._client_input(message.input_ref, shape, model)
                 if nbytes <= INLINE_READ_BYTES:
                     embeddings = reader(True)
                 else:
                     read = reader
             else:
-                embeddings = self._slab.array(int(message["in"]), shape, dtype)
+                embeddings = self._slab.array(_offset(message.input_offset, "input"), shape, dtype)
         except ServingError as err:
             self._fail(request_id, err)
             return
@@ -183,7 +197,7 @@ class FrontendLink:
     def _read(
         self,
         request_id: int,
-        message: channel.Message,
+        message: InferRequest,
         model: OnnxModel,
         reading: asyncio.Future[np.ndarray],
     ) -> None:
@@ -203,18 +217,27 @@ class FrontendLink:
         self._fail(request_id, error)
 
     def _queue(
-        self, request_id: int, message: channel.Message, model: OnnxModel, embeddings: np.ndarray
+        self, request_id: int, message: InferRequest, model: OnnxModel, embeddings: np.ndarray
     ) -> None:
         """Enqueue with the answer's targets: the front end's slab, or a client's region."""
         writers: list[RegionWriter] = []
         n, seq, _ = shape = embeddings.shape
-        dtype = np.dtype(message["dtype"])
-        with_weights = bool(message["w"])
+        dtype = np.dtype(message.dtype)
+        with_weights = message.with_weights
         weights_shape = (n, model.spec.num_heads, seq, seq)
         try:
-            output = self._target(message, ("oref", "out"), shape, dtype, writers)
+            output = self._target(
+                message.output_ref, message.output_offset, "output", shape, dtype, writers
+            )
             weights = (
-                self._target(message, ("wref", "wout"), weights_shape, np.dtype("f4"), writers)
+                self._target(
+                    message.weights_ref,
+                    message.weights_offset,
+                    "weights",
+                    weights_shape,
+                    np.dtype("f4"),
+                    writers,
+                )
                 if with_weights
                 else None
             )
@@ -222,8 +245,8 @@ class FrontendLink:
                 model,
                 embeddings,
                 with_weights=with_weights,
-                deadline=message.get("deadline"),
-                tag=message.get("tag"),
+                deadline=message.deadline,
+                tag=message.tag,
                 into=(output, weights),
             )
         except (ServingError, KeyError, TypeError, ValueError) as err:  # queue full, ...
@@ -239,18 +262,18 @@ class FrontendLink:
 
     def _target(
         self,
-        message: channel.Message,
-        keys: tuple[str, str],
+        ref: ClientTensor | None,
+        offset: int | None,
+        name: str,
         shape: tuple[int, ...],
         dtype: np.dtype[Any],
         writers: list[RegionWriter],
     ) -> Target:
-        """Where one answer goes: the client's region its reference names (keys[0]), else
-        the front end's slab at the offset it reserved (keys[1])."""
-        ref_key, offset_key = keys
-        if message.get(ref_key) is not None:
-            return self._writer_for(message[ref_key], shape, writers)
-        return self._slab.array(int(message[offset_key]), shape, dtype)
+        """Where one answer goes: the client's region its reference names, else the front
+        end's slab at the offset it reserved."""
+        if ref is not None:
+            return self._writer_for(ref, shape, writers)
+        return self._slab.array(_offset(offset, name), shape, dtype)
 
     def _regions(self) -> ClientRegions:
         if self._client_regions is None:
@@ -258,14 +281,14 @@ class FrontendLink:
         return self._client_regions
 
     def _client_input(
-        self, ref: list[Any], shape: tuple[int, ...], model: OnnxModel
+        self, tensor: ClientTensor, shape: tuple[int, ...], model: OnnxModel
     ) -> tuple[Callable[[bool], np.ndarray], int]:
         """Check an input's reference now; what reads it (one copy), checks its values and
         casts it to the model's dtype (called with on_loop: on this loop, or on a thread),
         and its size. The region is held until it is read (an unregister meanwhile cannot
         close its descriptor under the read)."""
-        region_ref = _region_ref(ref)
-        dtype = np.dtype(ref[4])  # as the client wrote it
+        region_ref = tensor.ref
+        dtype = np.dtype(tensor.dtype)  # as the client wrote it
         region = self._regions().checked(region_ref)
         need = math.prod(shape) * dtype.itemsize
         if region_ref.byte_size != need:
@@ -291,11 +314,11 @@ class FrontendLink:
         return read, need
 
     def _writer_for(
-        self, ref: list[Any], shape: tuple[int, ...], writers: list[RegionWriter]
+        self, tensor: ClientTensor, shape: tuple[int, ...], writers: list[RegionWriter]
     ) -> RegionWriter:
         """A writer of one answer of shape into a client's region, checked against the
         region's bounds and the answer's size now, before compute."""
-        region_ref, dtype = _region_ref(ref), np.dtype(ref[4])
+        region_ref, dtype = tensor.ref, np.dtype(tensor.dtype)
         region = self._regions().checked(region_ref)
         need = math.prod(shape) * dtype.itemsize
         if need > region_ref.byte_size:
@@ -347,46 +370,36 @@ class FrontendLink:
             return
         result = submitted.result()
         self.send(
-            {
-                "t": messages.DONE,
-                "id": request_id,
-                "q": result.queue_s,
-                "c": result.compute_s,
-                "b": result.batch_size,
-                "s": result.started_at,
-                "p": result.padding,
-                "i": result.batch_id,
-                "tags": list(result.batch_tags),
-            }
+            Done(
+                request_id=request_id,
+                queue_s=result.queue_s,
+                compute_s=result.compute_s,
+                batch_size=result.batch_size,
+                started_at=result.started_at,
+                padding=result.padding,
+                batch_id=result.batch_id,
+                # The tags came in with this worker's INFERs, every one a TraceTag.
+                tags=cast(tuple[TraceTag, ...], result.batch_tags),
+            )
         )
 
     def _send_cancelled(self, request_id: int) -> None:
-        self.send(
-            {
-                "t": messages.FAIL,
-                "id": request_id,
-                "kind": messages.CANCELLED,
-                "msg": "cancelled by the front end",
-            }
-        )
+        cancelled = ErrorText(messages.CANCELLED, "cancelled by the front end")
+        self.send(Fail(request_id, cancelled))
 
     def _fail(self, request_id: int, error: BaseException) -> None:
-        kind = messages.error_kind(error)
-        text = str(error) if kind != "Internal" else "the worker failed this request"
-        self.send({"t": messages.FAIL, "id": request_id, "kind": kind, "msg": text})
+        self.send(Fail(request_id, messages.error_text(error, "the worker failed this request")))
 
-    async def _control(self, message: channel.Message) -> None:
-        call_id = int(message["id"])
+    async def _control(self, message: Call) -> None:
         try:
-            result = await self._call(str(message["op"]), dict(message.get("args") or {}))
+            result = await self._call(message.op, message.args)
         except Exception as err:
             if not isinstance(err, ServingError):
-                log.exception("control call %s from front end %s failed", message["op"], self.name)
-            kind = messages.error_kind(err)
-            text = str(err) if kind != "Internal" else "the worker failed this call"
-            self.send({"t": messages.REPLY, "id": call_id, "kind": kind, "msg": text})
+                log.exception("control call %s from front end %s failed", message.op, self.name)
+            error = messages.error_text(err, "the worker failed this call")
+            self.send(Reply(message.call_id, error=error))
             return
-        self.send({"t": messages.REPLY, "id": call_id, "ok": result})
+        self.send(Reply(message.call_id, result=result))
 
 
 class _Incoming(asyncio.Protocol):
@@ -426,9 +439,11 @@ class _Incoming(asyncio.Protocol):
         self._link._lost(exc)
 
 
-def _region_ref(ref: list[Any]) -> RegionRef:
-    """A reference as INFER carries it: [region, offset, byte_size, where, ...]."""
-    return RegionRef(str(ref[0]), int(ref[1]), int(ref[2]), str(ref[3]))
+def _offset(offset: int | None, name: str) -> int:
+    """Where in the slab a tensor sent without a region reference is: the INFER says."""
+    if offset is None:
+        raise ValueError(f"the request names neither a region nor a slab offset for its {name}")
+    return offset
 
 
 class LinkListener:
@@ -479,7 +494,7 @@ class LinkListener:
             slab = Slab.attach(fds[0])
             connection.settimeout(None)
             connection.setblocking(False)
-            link = self._make_link(str(hello.get("name", "?")), slab)
+            link = self._make_link(hello.name, slab)
             await asyncio.get_running_loop().create_unix_connection(link.protocol, sock=connection)
         except (OSError, ValueError) as err:
             log.warning("a front end's handshake failed: %s", err)

@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from service.catalog import BatchCaps
+from service.catalog import BatchCaps, ModelView
 from service.errors import ModelNotFound, NotSupported, ShuttingDown
 from service.ipc import messages
+from service.ipc.records import Models, Welcome
 from service.ipc.slab import Slab
 from service.ipc.status_page import StatusPage, page_path
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
@@ -236,7 +237,7 @@ class WorkerServer:
     async def _serve_link(self, link: FrontendLink) -> None:
         self._links.add(link)
         self._all_gone.clear()
-        link.send({"t": messages.WELCOME, **self._snapshot()})
+        link.send(self._snapshot(Welcome))
         log.info("front end %s connected", link.name)
         try:
             await link.serve()
@@ -245,17 +246,15 @@ class WorkerServer:
             if not self._links:
                 self._all_gone.set()
 
-    def _snapshot(self) -> dict[str, Any]:
-        return {
-            "models": [messages.model_to_json(m) for m in self.registry.all()],
-            "ready": self.ready,
-            "default_model": self.registry.default_model,
-        }
+    def _snapshot(self, kind: type[Models] = Models) -> Models:
+        """The served set as front ends see it: a Welcome first on a link, then Models."""
+        views = tuple(ModelView.of(model) for model in self.registry.all())
+        return kind(views, ready=self.ready, default_model=self.registry.default_model)
 
     def _changed(self) -> None:
         """The served set (or readiness) changed: metrics, then every front end."""
         self._report_served(served_rows(self.registry.all(), ready=self.ready))
-        snapshot = {"t": messages.MODELS, **self._snapshot()}
+        snapshot = self._snapshot()
         for link in self._links:
             link.send(snapshot)
 

@@ -17,6 +17,7 @@ import pytest
 
 from service.frontend.worker_client import WorkerClient
 from service.ipc import channel
+from service.ipc.records import Hello
 from service.ipc.slab import Slab
 
 
@@ -30,10 +31,10 @@ def test_a_hello_and_its_slab_descriptor_arrive_together() -> None:
     slab_dtype = np.dtype("<u4")
     slab.array(0, (4,), slab_dtype)[:] = [1, 2, 3, 4]
     with sender, receiver:
-        channel.send_hello(sender, {"name": "frontend-9", "pid": os.getpid()}, [slab.fd])
+        channel.send_hello(sender, Hello(name="frontend-9", pid=os.getpid()), [slab.fd])
         hello, fds = channel.receive_hello(receiver)
     attached = Slab.attach(fds[0])
-    assert hello == {"name": "frontend-9", "pid": os.getpid()}
+    assert hello == Hello(name="frontend-9", pid=os.getpid())
     assert list(attached.array(0, (4,), slab_dtype)) == [1, 2, 3, 4]
     attached.close()
     slab.close()
@@ -57,10 +58,11 @@ def test_a_hello_whose_descriptor_the_kernel_dropped_names_the_open_file_limit()
         """
         import os, resource, socket
         from service.ipc import channel
+        from service.ipc.records import Hello
         from service.ipc.slab import Slab
         sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         slab = Slab.create(1 << 16, "attention-test")
-        channel.send_hello(sender, {"name": "frontend-0"}, [slab.fd])
+        channel.send_hello(sender, Hello(name="frontend-0", pid=os.getpid()), [slab.fd])
         lowest_free = os.open(os.devnull, os.O_RDONLY)  # the number the next one would get
         os.close(lowest_free)
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -1,22 +1,17 @@
-"""The records of sampled calls the gateway sends its front end, and the traced INFER and
-DONE: byte for byte the files in tests/golden/, which the Go gateway's tests
-(service/gateway/tracing_test.go) write and read the same."""
+"""The records of sampled calls the gateway sends its front end: byte for byte the file in
+tests/golden/, which the Go gateway's tests (service/gateway/tracing_test.go) write and read
+the same (the traced INFER and DONE: test_codec.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from service.frontend.gateway_spans import SpanSink, gateway_call
-from service.ipc import packed, span_record
-from tests.ipc import test_channel as channel_messages
+from service.ipc import span_record
+from service.observability import tracing
+from tests.ipc.test_codec import DONE_TRACED, GOLDEN, SPAN_ID, TRACE_ID
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-TRACE_ID, SPAN_ID, CALLER = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x1122334455667788, 0xF067AA0BA902B7
-# The untraced messages of the channel's tests, traced.
-INFER = {**channel_messages.INFER, "tag": [TRACE_ID, SPAN_ID, 1]}
-DONE = {**channel_messages.DONE, "tags": [[TRACE_ID, SPAN_ID, 1], [1, 2**64 - 1, 0]]}
+CALLER = 0xF067AA0BA902B7
 RECORD = span_record.SpanRecord(
     trace_id=TRACE_ID,
     span_id=SPAN_ID,
@@ -31,17 +26,8 @@ RECORD = span_record.SpanRecord(
     method="inference.GRPCInferenceService/ModelInfer",
     model="mha",
     trace_state="congo=t61rcWkgMzE",
-    done=DONE,
+    done=DONE_TRACED,
 )
-
-
-@pytest.mark.parametrize(
-    ("name", "message"), [("infer-traced.msg", INFER), ("done-traced.msg", DONE)]
-)
-def test_traced_messages_are_packed_as_the_golden_files(name: str, message: dict) -> None:
-    body = packed.pack(message)
-    assert body == (GOLDEN / name).read_bytes()
-    assert packed.unpack(body) == message
 
 
 def test_the_golden_record_reads_back_as_written() -> None:
@@ -75,6 +61,15 @@ def test_a_record_gives_the_spans_the_attributes_of_the_python_path() -> None:
         "attention.sequences": 2,
         "attention.sequence_length": 16,
     }
+    assert call.batch == tracing.Batch(
+        queue_s=0.002,
+        compute_s=0.0005,
+        started_at=811.25,
+        batch_size=6,
+        padding=0.125,
+        batch_id=9,
+        tags=(tracing.Tag(TRACE_ID, SPAN_ID, 1), tracing.Tag(1, 2**64 - 1, 0)),
+    )
     failed = gateway_call(span_record.SpanRecord(**{**RECORD.__dict__, "code": 13, "done": None}))
     assert (failed.code, failed.error, failed.batch) == ("INTERNAL", True, None)
 
