@@ -53,6 +53,8 @@ NUMBER_TYPES = {
     "SLAB_FULL": "int",
     "METADATA_TOO_LARGE": "int",
     "BAD_BINARY_HEADER": "string",
+    "BAD_METADATA": "string",
+    "ILLEGAL_HEADER_KEY": "string",
     "INTERNAL_ERROR": "string",
     "SHOWN_MORE": "int",
 }

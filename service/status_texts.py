@@ -57,6 +57,11 @@ STREAM_ENDED_WITHOUT_STATUS = "the stream's protocol process ended it without a 
 DEADLINE_EXCEEDED = "Deadline Exceeded"
 BAD_TIMEOUT = "Error parsing 'grpc-timeout' metadata"
 BAD_TE = "Error parsing 'te' metadata"
+# Any other header core parses into a typed value (grpc-encoding, grpc-status, ...) with a
+# value it cannot parse; {name} is the header's name.
+BAD_METADATA = "Error parsing '{name}' metadata"
+# A header name with a character gRPC's metadata keys do not have (0-9 a-z _ - .).
+ILLEGAL_HEADER_KEY = "Illegal header key: {name}"
 # A binary header (a name ending in -bin) whose value is not base64 as gRPC core decodes it
 # (standard alphabet, '=' padding optional, unused bits zero); {name} is the header's name.
 BAD_BINARY_HEADER = "Error parsing '{name}' metadata: illegal base64 encoding"

@@ -70,6 +70,16 @@ func internalError(requestID string) string {
 	return fmt.Sprintf("internal error; request_id=%s is in the server log", requestID)
 }
 
+// badMetadata formats status_texts.BAD_METADATA.
+func badMetadata(name string) string {
+	return fmt.Sprintf("Error parsing '%s' metadata", name)
+}
+
+// illegalHeaderKey formats status_texts.ILLEGAL_HEADER_KEY.
+func illegalHeaderKey(name string) string {
+	return fmt.Sprintf("Illegal header key: %s", name)
+}
+
 // badBinaryHeader formats status_texts.BAD_BINARY_HEADER.
 func badBinaryHeader(name string) string {
 	return fmt.Sprintf("Error parsing '%s' metadata: illegal base64 encoding", name)

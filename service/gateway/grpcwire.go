@@ -196,9 +196,10 @@ func flush(w http.ResponseWriter) error { return http.NewResponseController(w).F
 // end's server, timeout_encoding.cc), so that both paths take and refuse the same values:
 // spaces around the number and the unit, any number of digits (the spec says at most 8;
 // past 1,000,000,000 units core stops reading and sets no deadline), then one unit of
-// HMSmun. It returns the timeout, whether there is one, and whether the value is well
-// formed; "" is read as no header at all (checkCallHeaders refuses an empty one). A
-// timeout past what a time.Duration holds (292 years) means none.
+// HMSmun, rounded up to whole milliseconds as core keeps time. It returns the timeout,
+// whether there is one, and whether the value is well formed; "" is read as no header at
+// all (checkCallHeaders refuses an empty one). A timeout past what a time.Duration holds
+// (292 years) means none.
 func grpcTimeout(value string) (timeout time.Duration, set, valid bool) {
 	if value == "" {
 		return 0, false, true
@@ -219,17 +220,21 @@ func grpcTimeout(value string) (timeout time.Duration, set, valid bool) {
 	if i == len(value) {
 		return 0, false, false
 	}
-	units := map[byte]time.Duration{'H': time.Hour, 'M': time.Minute, 'S': time.Second,
-		'm': time.Millisecond, 'u': time.Microsecond, 'n': time.Nanosecond}
-	unit, ok := units[value[i]]
+	unit, ok := timeoutUnits[value[i]]
 	if !ok || skipSpaces(value, i+1) != len(value) {
 		return 0, false, false
 	}
 	if amount > math.MaxInt64/int64(unit) {
 		return 0, false, true
 	}
-	return time.Duration(amount) * unit, true, true
+	// Core keeps time in whole milliseconds, rounding a timeout up: "1n" is 1 ms there (a
+	// call that a gRPC client sent with a tiny timeout is read, not refused at once).
+	timeout = (time.Duration(amount)*unit + time.Millisecond - 1).Truncate(time.Millisecond)
+	return timeout, true, true
 }
+
+var timeoutUnits = map[byte]time.Duration{'H': time.Hour, 'M': time.Minute, 'S': time.Second,
+	'm': time.Millisecond, 'u': time.Microsecond, 'n': time.Nanosecond}
 
 func skipSpaces(value string, i int) int {
 	for i < len(value) && value[i] == ' ' {
@@ -243,50 +248,170 @@ func skipSpaces(value string, i int) int {
 // answers advertise.
 var acceptEncoding = "identity"
 
-// checkCallHeaders answers a call whose te or grpc-timeout headers gRPC core would refuse,
-// as core refuses it, and reports whether it did; a call it lets through carries at most
-// one grpc-timeout. Such a header is never passed on: core's header decoder fails on it
-// without taking it into its header table, and every later call on the connection then
-// failed the same way. What core does, and so the Python front end without the gateway:
-//   - no te header (gRPC requires "te: trailers", to detect proxies that drop trailers):
-//     the stream is reset (RST_STREAM INTERNAL_ERROR);
-//   - a te other than "trailers": INTERNAL. Only an empty one reaches this handler: net/http
-//     answers any other value HTTP 400 first (RFC 9113 8.2.2: the request is malformed),
-//     which gRPC clients read as INTERNAL too;
-//   - a grpc-timeout that is empty or not read by grpcTimeout: INTERNAL; with several, the
-//     last one counts (as in gRPC core and grpc-go), each checked.
+// checkCallHeaders answers a call with a request header gRPC core would refuse, as core
+// refuses it, and reports whether it did; a call it lets through carries at most one
+// grpc-timeout. Such a header is never passed on: core's header decoder fails on some of
+// them without taking them into its header table, and every later call on the connection
+// then failed the same way. What core does, and so the Python front end without the gateway:
+//   - a name with a character gRPC's metadata keys do not have (0-9 a-z _ - .), though
+//     HTTP/2 allows it: INTERNAL, "Illegal header key: <name>";
+//   - a header it parses into a typed value (te, grpc-timeout, grpc-encoding, ...: coreParsed)
+//     with a value it cannot parse, or a binary one (-bin) that is not base64: INTERNAL,
+//     "Error parsing '<name>' metadata". A te other than "trailers" never gets here:
+//     net/http answers it HTTP 400 (RFC 9113 8.2.2: the request is malformed), which gRPC
+//     clients read as INTERNAL too; an empty one does;
+//   - core names the first such header of the block; net/http hands the headers over without
+//     their order, so with several the gateway names an illegal key first, then a header of
+//     coreParsed in its order, then a binary one, each kind by name (docs/architecture.md,
+//     "Where it differs");
+//   - then, with every header parsed, no te header (gRPC requires "te: trailers", to detect
+//     proxies that drop trailers): the stream is reset (RST_STREAM INTERNAL_ERROR);
+//   - of several grpc-timeout headers the last counts (as in gRPC core and grpc-go).
 func checkCallHeaders(w http.ResponseWriter, r *http.Request) bool {
-	// Binary headers are decoded as gRPC core parses the header block, before it looks at te.
-	for name, values := range r.Header {
-		if !strings.HasSuffix(name, "-Bin") {
-			continue
-		}
-		for _, value := range values {
-			if !grpcBase64(value) {
-				writeStatus(w, codeInternal, badBinaryHeader(strings.ToLower(name)))
-				return true
-			}
-		}
-	}
-	te := r.Header.Values("Te")
-	if len(te) == 0 {
-		panic(http.ErrAbortHandler) // RST_STREAM INTERNAL_ERROR, as gRPC core resets it
-	}
-	if te[0] != "trailers" {
-		writeStatus(w, codeInternal, badTe)
+	if message := headerRefusal(r.Header); message != "" {
+		writeStatus(w, codeInternal, message)
 		return true
 	}
-	timeouts := r.Header.Values("Grpc-Timeout")
-	for _, value := range timeouts {
-		if _, _, valid := grpcTimeout(value); !valid || value == "" {
-			writeStatus(w, codeInternal, badTimeout)
-			return true
-		}
+	if len(r.Header.Values("Te")) == 0 {
+		panic(http.ErrAbortHandler) // RST_STREAM INTERNAL_ERROR, as gRPC core resets it
 	}
-	if len(timeouts) > 1 {
+	if timeouts := r.Header.Values("Grpc-Timeout"); len(timeouts) > 1 {
 		r.Header["Grpc-Timeout"] = timeouts[len(timeouts)-1:]
 	}
 	return false
+}
+
+// coreParsed are the request headers gRPC core parses into typed values (its metadata
+// traits, src/core/call/metadata_batch.h), each with whether core takes a value; every
+// value of a header given more than once is parsed. Binary headers are checked apart.
+var coreParsed = []struct {
+	name  string // lower case, as on the wire
+	valid func(value string) bool
+}{
+	{"te", func(v string) bool { return v == "trailers" }},
+	{"grpc-timeout", func(v string) bool { _, _, valid := grpcTimeout(v); return valid && v != "" }},
+	{"grpc-encoding", compressionAlgorithm},
+	{"grpc-internal-encoding-request", compressionAlgorithm},
+	{"grpc-status", func(v string) bool {
+		n, ok := simpleAtoi(v, true)
+		return ok && n >= 0 && n < math.MaxInt32 // GRPC_STATUS__DO_NOT_USE and past it: refused
+	}},
+	{"grpc-previous-rpc-attempts", func(v string) bool {
+		n, ok := simpleAtoi(v, false)
+		return ok && n <= math.MaxUint32
+	}},
+	{"grpc-retry-pushback-ms", func(v string) bool { _, ok := simpleAtoi(v, true); return ok }},
+	{"grpclb_client_stats", func(string) bool { return false }}, // core's own, never a client's
+}
+
+// coreParsedAt is each coreParsed header's place, by its name as net/http keys it.
+var coreParsedAt = map[string]int{}
+
+func init() {
+	for i, h := range coreParsed {
+		coreParsedAt[http.CanonicalHeaderKey(h.name)] = i
+	}
+}
+
+// headerRefusal is core's status message refusing the call over its headers; "" when core
+// takes them. One pass over the headers; names are lowered only to be named.
+func headerRefusal(header http.Header) string {
+	illegal, binary, parsed := "", "", len(coreParsed)
+	for name, values := range header {
+		switch {
+		case !legalKey(name):
+			illegal = first(illegal, strings.ToLower(name))
+		case len(name) > 4 && strings.EqualFold(name[len(name)-4:], "-bin"):
+			if !binaryValuesValid(name, values) {
+				binary = first(binary, strings.ToLower(name))
+			}
+		default:
+			if at, known := coreParsedAt[name]; known && at < parsed && !allValid(coreParsed[at].valid, values) {
+				parsed = at
+			}
+		}
+	}
+	switch {
+	case illegal != "":
+		return illegalHeaderKey(illegal)
+	case parsed < len(coreParsed):
+		return badMetadata(coreParsed[parsed].name)
+	case binary == "lb-cost-bin" && binaryValuesValid("", header.Values(binary)):
+		return badMetadata(binary) // base64, too short for the cost it holds
+	case binary != "":
+		return badBinaryHeader(binary)
+	}
+	return ""
+}
+
+// first is the first of two names in order ("": none yet).
+func first(name, other string) string {
+	if name == "" || other < name {
+		return other
+	}
+	return name
+}
+
+func allValid(valid func(string) bool, values []string) bool {
+	for _, value := range values {
+		if !valid(value) {
+			return false
+		}
+	}
+	return true
+}
+
+// binaryValuesValid is whether core decodes every value of a binary header, and takes it
+// (name: the header's, any case): lb-cost-bin holds a cost, a float64, then a name.
+func binaryValuesValid(name string, values []string) bool {
+	for _, value := range values {
+		if !grpcBase64(value) {
+			return false
+		}
+		unpadded := len(strings.TrimRight(value, "="))
+		if base64.RawStdEncoding.DecodedLen(unpadded) < 8 && strings.EqualFold(name, "lb-cost-bin") {
+			return false
+		}
+	}
+	return true
+}
+
+// legalKey is whether a header name (in any case) has only the characters of gRPC's
+// metadata keys: 0-9 a-z _ - .
+func legalKey(name string) bool {
+	for i := 0; i < len(name); i++ {
+		c := name[i] | 0x20 // lower case for letters; the others are checked as they are
+		letter := c >= 'a' && c <= 'z'
+		if !letter && !(name[i] >= '0' && name[i] <= '9') && name[i] != '_' && name[i] != '-' && name[i] != '.' {
+			return false
+		}
+	}
+	return true
+}
+
+// compressionAlgorithm is whether core knows an encoding's name (ParseCompressionAlgorithm).
+func compressionAlgorithm(name string) bool {
+	return name == "identity" || name == "deflate" || name == "gzip"
+}
+
+// simpleAtoi reads an integer as absl::SimpleAtoi, core's parser for integer headers, reads
+// it into an int64 (signed) or uint64: ASCII whitespace around it, one optional sign, decimal
+// digits; false past the type's range, and for any sign but '+' on an unsigned one.
+func simpleAtoi(value string, signed bool) (int64, bool) {
+	value = strings.Trim(value, " \t\n\v\f\r")
+	digits := strings.TrimLeft(value, "+-")
+	if len(value)-len(digits) > 1 || digits == "" || strings.Trim(digits, "0123456789") != "" {
+		return 0, false
+	}
+	if signed {
+		n, err := strconv.ParseInt(value, 10, 64)
+		return n, err == nil
+	}
+	if strings.HasPrefix(value, "-") {
+		return 0, false
+	}
+	n, err := strconv.ParseUint(digits, 10, 64)
+	return int64(min(n, math.MaxInt64)), err == nil
 }
 
 // headerBlockSize counts a call's headers as gRPC core counts them against its metadata

@@ -73,9 +73,11 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if checkCallHeaders(w, r) {
 		return // answered here as gRPC core answers it, and never passed on
 	}
+	// Of several grpc-encoding headers gRPC core takes the last (each one checked above).
+	encoding := lastValue(r.Header, "Grpc-Encoding")
 	plainCall := g.fast != nil && r.Method == http.MethodPost &&
 		strings.HasPrefix(r.Header.Get("Content-Type"), "application/grpc") &&
-		(r.Header.Get("Grpc-Encoding") == "" || r.Header.Get("Grpc-Encoding") == "identity")
+		(encoding == "" || encoding == "identity")
 	// RequestURI is the :path as sent: a query or percent-encoding is not this method.
 	if method := streamMethods[r.RequestURI]; plainCall && method != nil && g.fast.accepting.Load() {
 		if g.restricted.admit(w, r) {
@@ -123,6 +125,15 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w = held
 	}
 	g.proxy.ServeHTTP(w, r)
+}
+
+// lastValue is the last of a header's values ("" when it has none).
+func lastValue(header http.Header, name string) string {
+	values := header.Values(name)
+	if len(values) == 0 {
+		return ""
+	}
+	return values[len(values)-1]
 }
 
 // heldAnswer counts a proxied answer's bytes from when Python's front end handed them here

@@ -18,7 +18,8 @@ import (
 func TestGrpcTimeoutIsReadAsGrpcCoreReadsIt(t *testing.T) {
 	// Each value as gRPC core took or refused it (probed against grpcio 1.81).
 	for value, want := range map[string]time.Duration{
-		"5S": 5 * time.Second, "100m": 100 * time.Millisecond, "7u": 7 * time.Microsecond,
+		"5S": 5 * time.Second, "100m": 100 * time.Millisecond, "7u": time.Millisecond,
+		"1n": time.Millisecond, "1000001n": 2 * time.Millisecond, "0n": 0,
 		" 1S": time.Second, "1 S": time.Second, "1S ": time.Second, "00000001S": time.Second,
 		"0000000000001S": time.Second, "123456789S": 123456789 * time.Second,
 		"1000000000n": time.Second, "0S": 0,
@@ -168,5 +169,110 @@ func TestAUnaryBodyThatDoesNotEndIsNotTakenAsAWholeCall(t *testing.T) {
 	}
 	if _, got, ok := g.readUnary(&trickle{chunks: [][]byte{whole}}); !ok || string(got) != "abc" {
 		t.Fatalf("a message, then the end of the body: ok=%v %q", ok, got)
+	}
+}
+
+func TestHeadersGrpcCoreParsesAreCheckedAsItParsesThem(t *testing.T) {
+	// Each value as gRPC core (grpcio 1.81) took or refused it, alone on a call.
+	cases := []struct {
+		name, value string
+		refused     bool
+	}{
+		{"grpc-encoding", "identity", false}, {"grpc-encoding", "gzip", false},
+		{"grpc-encoding", "bogus", true}, {"grpc-encoding", "", true},
+		{"grpc-encoding", "Identity", true}, {"grpc-encoding", "identity ", true},
+		{"grpc-encoding", "stream/gzip", true},
+		{"grpc-internal-encoding-request", "gzip", false},
+		{"grpc-internal-encoding-request", "", true},
+		{"grpc-status", "16", false}, {"grpc-status", "2147483646", false},
+		{"grpc-status", "+5", false}, {"grpc-status", "\t5", false}, {"grpc-status", " 3 ", false},
+		{"grpc-status", "x", true}, {"grpc-status", "-1", true}, {"grpc-status", "2147483647", true},
+		{"grpc-previous-rpc-attempts", "4294967295", false},
+		{"grpc-previous-rpc-attempts", " 1", false}, {"grpc-previous-rpc-attempts", "+1", false},
+		{"grpc-previous-rpc-attempts", "-1", true}, {"grpc-previous-rpc-attempts", "-0", true},
+		{"grpc-previous-rpc-attempts", "4294967296", true},
+		{"grpc-previous-rpc-attempts", "0x1", true}, {"grpc-previous-rpc-attempts", "1_0", true},
+		{"grpc-previous-rpc-attempts", "", true},
+		{"grpc-retry-pushback-ms", "-5", false},
+		{"grpc-retry-pushback-ms", "-9223372036854775808", false},
+		{"grpc-retry-pushback-ms", "9223372036854775808", true},
+		{"grpc-retry-pushback-ms", "--1", true}, {"grpc-retry-pushback-ms", "+-1", true},
+		{"grpclb_client_stats", "x", true},
+		{"lb-cost-bin", "MTIzNDU2Nzg=", false}, {"lb-cost-bin", "MTIzNDU2Nw==", true},
+		{"lb-token", "x", false}, {"grpc-accept-encoding", "bogus", false},
+		{"grpc-tags-bin", "AAA", false}, {"user-agent", "", false},
+	}
+	for _, c := range cases {
+		header := http.Header{"Te": {"trailers"}}
+		header.Add(c.name, c.value)
+		answered, w, _, _ := callWith(header)
+		want := ""
+		if c.refused {
+			want = "Error parsing '" + c.name + "' metadata"
+		}
+		if got := w.Header().Get("Grpc-Message"); answered != c.refused || got != want {
+			t.Errorf("%s: %q answered %v %q, want %q", c.name, c.value, answered, got, want)
+		}
+	}
+	// Every value of a header given twice is parsed (the last one is the value).
+	header := http.Header{"Te": {"trailers"}, "Grpc-Encoding": {"identity", "bogus"}}
+	if answered, _, _, _ := callWith(header); !answered {
+		t.Error("a second grpc-encoding core refuses was taken")
+	}
+}
+
+func TestHeaderNamesGrpcDoesNotAllowAreRefused(t *testing.T) {
+	// HTTP/2 allows any token character in a name; gRPC's metadata keys only 0-9 a-z _ - .
+	for _, name := range []string{"x~a", "x!a", "x|a", "x'a", "x*a", "x+a", "x^a", "x`a", "x%a",
+		"x&a", "x$a", "x#a", "x~a-bin"} {
+		header := http.Header{"Te": {"trailers"}}
+		header.Add(name, "b")
+		answered, w, _, _ := callWith(header)
+		if got := w.Header().Get("Grpc-Message"); !answered || got != grpcMessage("Illegal header key: "+name) {
+			t.Errorf("%s: answered %v %q", name, answered, got)
+		}
+	}
+	for _, name := range []string{"x_a", "x.a", "x-0"} {
+		header := http.Header{"Te": {"trailers"}}
+		header.Add(name, "b")
+		if answered, _, _, _ := callWith(header); answered {
+			t.Errorf("%s refused", name)
+		}
+	}
+}
+
+func TestAHeaderCoreRefusesComesBeforeAMissingTe(t *testing.T) {
+	// Core resets a call without te once the whole header block is parsed: a header it
+	// refuses is answered first.
+	for name, value := range map[string]string{"Grpc-Timeout": "1.5S", "Grpc-Encoding": "bogus",
+		"X-Key-Bin": "YR"} {
+		answered, w, _, reset := callWith(http.Header{name: {value}})
+		if !answered || reset || w.Header().Get("Grpc-Status") != "13" {
+			t.Errorf("%s without te: answered %v reset %v, want INTERNAL", name, answered, reset)
+		}
+	}
+}
+
+func TestOfSeveralRefusedHeadersTheSameOneIsNamedEveryTime(t *testing.T) {
+	// net/http hands the headers over without their order: the gateway names an illegal key,
+	// then the first of coreParsed's order, then a binary header, each kind by name; never
+	// one by chance.
+	header := http.Header{"Te": {""}, "X|b": {"1"}, "X~a": {"1"}}
+	for i := 0; i < 20; i++ {
+		if _, w, _, _ := callWith(header.Clone()); w.Header().Get("Grpc-Message") != "Illegal header key: x|b" {
+			t.Fatalf("named %q, want x|b", w.Header().Get("Grpc-Message"))
+		}
+	}
+	header = http.Header{"Te": {""}, "Grpc-Timeout": {"x"}, "X-B-Bin": {"YR"}, "X-A-Bin": {"Y"}}
+	for i := 0; i < 20; i++ {
+		if _, w, _, _ := callWith(header.Clone()); w.Header().Get("Grpc-Message") != badTe {
+			t.Fatalf("named %q, want te's", w.Header().Get("Grpc-Message"))
+		}
+	}
+	header = http.Header{"Te": {"trailers"}, "X-B-Bin": {"YR"}, "X-C-Bin": {"!"}, "X-A-Bin": {"Y"}}
+	for i := 0; i < 20; i++ {
+		if _, w, _, _ := callWith(header.Clone()); w.Header().Get("Grpc-Message") != badBinaryHeader("x-a-bin") {
+			t.Fatalf("named %q, want x-a-bin's", w.Header().Get("Grpc-Message"))
+		}
 	}
 }

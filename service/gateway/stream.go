@@ -275,7 +275,9 @@ func (s *stream) read(body io.Reader) {
 			taken = s.forward(bytes.NewReader(buffer))
 			recycle(buffer)
 		}
-		if !taken {
+		if !taken || prefix[0] > 1 {
+			// A flag neither 0 nor 1 is a framing error to gRPC core, which reads nothing
+			// of the stream after it (and answers the message itself as it happens to).
 			return
 		}
 	}
