@@ -475,6 +475,10 @@ REFUSALS: dict[str, Case] = {
     "bad-binary-header": Case(
         "gateway", _words(INTERNAL, "BAD_BINARY_HEADER"), {"name": "x-trace-bin"}
     ),
+    "bad-metadata": Case(
+        "gateway", _words(INTERNAL, "BAD_METADATA"), {"name": "grpc-previous-rpc-attempts"}
+    ),
+    "illegal-header-key": Case("gateway", _words(INTERNAL, "ILLEGAL_HEADER_KEY"), {"name": "x~a"}),
     "bad-te": Case("gateway", _words(INTERNAL, "BAD_TE"), {"value": ""}),
     "bad-timeout": Case("gateway", _words(INTERNAL, "BAD_TIMEOUT"), {"value": "1x"}),
     "backend-gone": Case("gateway", _words(UNAVAILABLE, "BACKEND_GONE")),

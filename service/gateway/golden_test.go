@@ -628,6 +628,8 @@ var goldenRefusals = map[string][]refusal{
 	"permission-denied-wrong-key":   {permissionDenied},
 	"metadata-too-large":            {metadataOverTheLimit},
 	"bad-binary-header":             {headerCheck(func(*http.Request, string) {})},
+	"bad-metadata":                  {headerCheck(func(*http.Request, string) {})},
+	"illegal-header-key":            {headerCheck(func(*http.Request, string) {})},
 	"bad-te":                        {headerCheck(func(r *http.Request, value string) { r.Header["Te"] = []string{value} })},
 	"bad-timeout": {headerCheck(func(r *http.Request, value string) {
 		r.Header.Set("Grpc-Timeout", value)
