@@ -13,6 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.harness.server_process import ServerProcess
 
+# The gateway binds the address itself when it serves the port: both ways.
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
+
 
 def _ipv6_loopback() -> bool:
     try:

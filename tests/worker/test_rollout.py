@@ -24,6 +24,9 @@ from service.generated.inference import grpc_service_pb2_grpc
 from tests.harness.reference import attend_alone, layer_for
 from tests.harness.server_process import ServerProcess, rss_bytes, worker_pid
 
+# The gateway resolves versions from the served set the worker sends it: both ways.
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
+
 NAME, D, H = "roll", 64, 4
 SEEDS = {1: 0, 2: 7}  # version -> the seed of its weights
 CALLERS = 32
