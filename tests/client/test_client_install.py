@@ -38,10 +38,11 @@ def _run(*args: str | Path, cwd: Path, timeout_s: float) -> str:
     return done.stdout
 
 
-@pytest.mark.timeout(420)
-def test_the_client_extra_installs_and_works_without_the_server(
-    tmp_path: Path, server: ServerProcess
-) -> None:
+@pytest.fixture(scope="module")
+def client_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Python of a fresh virtualenv with the client extra installed from a copy of the
+    sources (not editable), checked to hold the client alone; installed once a module."""
+    tmp_path = tmp_path_factory.mktemp("client-install")
     source = tmp_path / "src"
     source.mkdir()
     for name in SOURCES:
@@ -67,10 +68,9 @@ def test_the_client_extra_installs_and_works_without_the_server(
         cwd=source,
         timeout_s=300,
     )
-    installed_s = time.monotonic() - started
+    print(f"client-only virtualenv and install: {time.monotonic() - started:.1f}s")
     elsewhere = tmp_path / "elsewhere"  # not the source tree: only the installed package counts
     elsewhere.mkdir()
-
     assert "client-only install ok" in _run(python, "-c", CHECK, cwd=elsewhere, timeout_s=60)
     assert "usage: python -m service.client" in _run(
         python, "-m", "service.client", "--help", cwd=elsewhere, timeout_s=60
@@ -78,8 +78,15 @@ def test_the_client_extra_installs_and_works_without_the_server(
     assert "usage: python -m service.healthcheck" in _run(
         python, "-m", "service.healthcheck", "--help", cwd=elsewhere, timeout_s=60
     )
+    return python
+
+
+@pytest.mark.timeout(420)
+def test_the_client_extra_installs_and_works_without_the_server(
+    client_python: Path, tmp_path: Path, server: ServerProcess
+) -> None:
     answer = _run(
-        python,
+        client_python,
         "-m",
         "service.client",
         "--target",
@@ -87,8 +94,7 @@ def test_the_client_extra_installs_and_works_without_the_server(
         "--seq",
         "4",
         "--weights",
-        cwd=elsewhere,
+        cwd=tmp_path,
         timeout_s=60,
     )
     assert "attention_weights [" in answer, answer
-    print(f"client-only virtualenv and install: {installed_s:.1f}s")
