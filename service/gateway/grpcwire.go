@@ -321,7 +321,7 @@ func headerRefusal(header http.Header) string {
 		switch {
 		case !legalKey(name):
 			illegal = first(illegal, strings.ToLower(name))
-		case len(name) > 4 && strings.EqualFold(name[len(name)-4:], "-bin"):
+		case len(name) >= 4 && strings.EqualFold(name[len(name)-4:], "-bin"):
 			if !binaryValuesValid(name, values) {
 				binary = first(binary, strings.ToLower(name))
 			}

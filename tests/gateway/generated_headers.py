@@ -47,6 +47,7 @@ REFUSED_HEADERS = [
     ("grpclb_client_stats", "x"),
     ("lb-cost-bin", "YWJj"),  # base64, but shorter than the cost (a double) core reads
     *(("x-key-bin", value) for value in ["YR", "Y", "!!", "YW Jj", "_-8"]),
+    ("-bin", "!!"),  # a binary header with an empty name before its suffix
     # HTTP/2 allows these characters in a name, gRPC's metadata keys do not.
     *((f"x{c}key", "v") for c in "~!|'*+^`%&$#"),
     ("te", ""),

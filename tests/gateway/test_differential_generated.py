@@ -22,7 +22,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2pb
-from tests.gateway.generated_headers import call_headers
+from tests.gateway.generated_headers import REFUSED_HEADERS, SPECIAL_HEADERS, call_headers
 from tests.gateway.generated_requests import (
     MAX_BATCH,
     MAX_SEQ,
@@ -219,3 +219,66 @@ def test_a_stream_is_answered_alike_with_and_without_the_gateway(
 ) -> None:
     calls = st.tuples(call_headers(), st.lists(messages(STREAMS[path]()), min_size=1, max_size=5))
     run(examples, calls, lambda headers, sent: differ(servers, path, headers, sent))
+
+
+# -- every listed header, and repeated fields, sent for certain ------------------------------
+# Hypothesis draws a few of the listed headers per run; these are each sent once, on a plain
+# call, so a gateway that served one of them (or refused one core takes) cannot pass by luck.
+
+
+def _plain_infer(**fields: str) -> bytes:
+    x = np.random.default_rng(3).standard_normal((1, 3, 512), dtype=np.float32)
+    request = v2pb.ModelInferRequest(model_name="mha", **fields)
+    request.inputs.add(name="embeddings", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.tobytes())
+    return request.SerializeToString()
+
+
+def _plain_attend(**fields: str) -> bytes:
+    x = np.random.default_rng(3).standard_normal((3, 512), dtype=np.float32)
+    request = pb.AttendRequest(**fields)
+    request.embeddings.shape.extend(x.shape)
+    request.embeddings.data = x.tobytes()
+    return request.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "header", [*SPECIAL_HEADERS, *REFUSED_HEADERS], ids=lambda h: f"{h[0]}={h[1]!r}"
+)
+def test_every_listed_header_is_answered_alike(
+    servers: tuple[ServerProcess, ServerProcess], header: tuple[str, str]
+) -> None:
+    name, value = header
+    headers = Headers(value, ()) if name == "te" else Headers("trailers", (header,))
+    differ(servers, MODEL_INFER, headers, [Message(_plain_infer())])
+
+
+# A scalar field given twice: protobuf keeps the last (the model's name and version decide
+# which model answers; the id comes back in the answer).
+REPEATED_FIELDS = {
+    "v2 id": (
+        MODEL_INFER,
+        _plain_infer(id="first") + v2pb.ModelInferRequest(id="second").SerializeToString(),
+    ),
+    "v2 model name": (
+        MODEL_INFER,
+        v2pb.ModelInferRequest(model_name="nope").SerializeToString() + _plain_infer(),
+    ),
+    "v2 model name, last wrong": (
+        MODEL_INFER,
+        _plain_infer() + v2pb.ModelInferRequest(model_name="nope").SerializeToString(),
+    ),
+    "attend request id": (
+        ATTEND,
+        _plain_attend(request_id="first")
+        + pb.AttendRequest(request_id="second").SerializeToString(),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REPEATED_FIELDS))
+def test_a_field_given_twice_is_read_as_protobuf_reads_it(
+    servers: tuple[ServerProcess, ServerProcess], case: str
+) -> None:
+    path, body = REPEATED_FIELDS[case]
+    differ(servers, path, Headers("trailers", ()), [Message(body)])
