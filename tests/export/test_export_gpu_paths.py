@@ -129,6 +129,7 @@ def test_fused_graph_equals_torch_with_every_padding(small_export: ExportResult,
     np.testing.assert_allclose(got[real], unfused[real], atol=1e-5, rtol=0)
 
 
+@pytest.mark.heavy  # more variants of the fused export the tests above cover (~17 s)
 def test_fused_causal_and_float16_exports_verify(tmp_path) -> None:
     causal = run_export(
         ExportRequest(name="c", embed_dim=16, num_heads=2, causal=True, out=tmp_path)

@@ -145,6 +145,7 @@ def test_causal_export_masks_the_future(tmp_path: Path) -> None:
     assert not np.allclose(a[:, 8:], b[:, 8:])
 
 
+@pytest.mark.heavy  # two full exports compared (~20 s); the export itself runs by default
 def test_export_is_deterministic_and_never_overwrites(tmp_path: Path) -> None:
     first = run_export(ExportRequest(name="m", embed_dim=16, num_heads=2, out=tmp_path))
     second = run_export(ExportRequest(name="m", embed_dim=16, num_heads=2, out=tmp_path))
@@ -188,6 +189,7 @@ def test_failed_verification_writes_nothing(tmp_path: Path, monkeypatch) -> None
     assert list((tmp_path / "m").iterdir()) == []
 
 
+@pytest.mark.heavy  # the CLI over the export the default run covers (~15 s)
 def test_cli_reports_what_it_wrote(tmp_path: Path) -> None:
     args = [
         sys.executable,

@@ -107,6 +107,7 @@ def test_non_finite_bert_weight_is_refused_by_name(tmp_path: Path, tiny) -> None
     )
 
 
+@pytest.mark.heavy  # the CLI over the mapping the tests above check (~11 s)
 def test_cli_exports_a_bert_layer(tmp_path: Path, tiny) -> None:
     folder, _ = tiny
     done = subprocess.run(
