@@ -10,7 +10,10 @@ the Python that defines it.
 - service/gateway/defaults_gen.go: the defaults of its flags that Python has a value for, from
   service/settings.py's Settings defaults and the constants of
   service/transport/grpc_options.py, service/dataplane.py and service/frontend/ (the front
-  end passes every flag; the defaults serve a gateway started by hand).
+  end passes every flag; the defaults serve a gateway started by hand);
+- service/gateway/wire_gen.go: the control messages' words, layouts and sizes, the worker's
+  error kinds and their status codes, gRPC's codes, the metrics' label names and api values
+  (scripts/go_wire_contract.py says from where).
 
     python -m scripts.go_contract            # regenerate in place (make proto runs it)
     python -m scripts.go_contract --check    # exit 1 when a Go file is stale
@@ -27,6 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from scripts import go_wire_contract
 from service import dataplane, status_texts
 from service.frontend import gateway, limits, server
 from service.generated.attention.v1 import attention_pb2
@@ -40,6 +44,7 @@ GATEWAY = Path(__file__).resolve().parent.parent / "service" / "gateway"
 GO_FILE = GATEWAY / "contract_gen.go"
 PROTO_GO_FILE = GATEWAY / "proto_gen.go"
 DEFAULTS_GO_FILE = GATEWAY / "defaults_gen.go"
+WIRE_GO_FILE = GATEWAY / "wire_gen.go"
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
 # Go spells these initialisms in capitals (RequestID, not RequestId).
 INITIALISMS = {"id": "ID"}
@@ -326,15 +331,21 @@ def _stale(path: Path, text: str) -> bool:
     return not path.exists() or path.read_text() != text
 
 
+def generated() -> dict[Path, str]:
+    """Every generated Go file, with the text it should hold."""
+    return {
+        GO_FILE: render(),
+        PROTO_GO_FILE: render_proto(),
+        DEFAULTS_GO_FILE: render_defaults(),
+        WIRE_GO_FILE: go_wire_contract.render(),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail when a Go file is stale")
     args = parser.parse_args(argv)
-    files = {
-        GO_FILE: render(),
-        PROTO_GO_FILE: render_proto(),
-        DEFAULTS_GO_FILE: render_defaults(),
-    }
+    files = generated()
     if args.check:
         stale = [path for path, text in files.items() if _stale(path, text)]
         for path in stale:

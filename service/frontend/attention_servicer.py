@@ -24,15 +24,14 @@ from service.frontend.streaming import (
 from service.frontend.validation import InputLimits, answer_estimate
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from service.observability.metrics import Api
 from service.settings import Settings
 from service.transport.codec import decode_tensor, encode_tensor_wire, tensor_layout, wire_dtype
 from service.transport.wire import WireMessage, joined, settled
 
-API = "attention"
 RESPONSE_OUTPUT = pb.AttendResponse.DESCRIPTOR.fields_by_name["output"].number
 RESPONSE_WEIGHTS = pb.AttendResponse.DESCRIPTOR.fields_by_name["attention_weights"].number
 STREAM_RESPONSE = pb.AttendStreamResponse.DESCRIPTOR.fields_by_name["response"].number
-STREAM_API = "attention_stream"
 REGION_FIELDS = ("embeddings_region", "output_region", "attention_weights_region")
 # The setting's default (a dataclass field's default is its class attribute), for a server
 # that does not pass the setting in.
@@ -102,7 +101,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         self._max_stream_inflight = max_stream_inflight_requests
         self._max_stream_pending_bytes = max_stream_pending_bytes
         self._stream_calls = StreamCalls(
-            api=STREAM_API,
+            api=Api.ATTENTION_STREAM,
             answer=self._stream_answer,
             failure=stream_error,
             model_label=self.model_label,
@@ -143,7 +142,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     def request_id(self, request: Any) -> str:
         return getattr(request, "request_id", "")
 
-    @rpc(API, holds_answer=True)
+    @rpc(Api.ATTENTION, holds_answer=True)
     async def Attend(
         self, request: pb.AttendRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:
@@ -215,14 +214,14 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             )
         return refs
 
-    @rpc(API)
+    @rpc(Api.ATTENTION)
     async def GetModel(
         self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         name = self._registry.resolve(request.model, "").spec.name
         return model_info(name, self._registry.versions(name), self._limits)
 
-    @rpc(API)
+    @rpc(Api.ATTENTION)
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:

@@ -19,6 +19,7 @@ from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Rese
 from service.frontend.handlers import Undecodable
 from service.frontend.status import SERVER_FAULTS, code_for
 from service.observability import logs, metrics, tracing
+from service.observability.metrics import Api
 from service.status_texts import INTERNAL_ERROR
 from service.text import shown
 from service.transport.wire import WireMessage
@@ -48,13 +49,13 @@ class HoldsAnswers(Labeled, Protocol):
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 # Span names as OpenTelemetry's gRPC conventions write them: package.Service/Method.
 SERVICE_OF_API = {
-    "attention": "attention.v1.AttentionService",
-    "attention_stream": "attention.v1.AttentionService",
-    "v2": "inference.GRPCInferenceService",
-    "v2_stream": "inference.GRPCInferenceService",
+    Api.ATTENTION: "attention.v1.AttentionService",
+    Api.ATTENTION_STREAM: "attention.v1.AttentionService",
+    Api.V2: "inference.GRPCInferenceService",
+    Api.V2_STREAM: "inference.GRPCInferenceService",
 }
 
-STREAM_METHOD_OF_API = {"attention_stream": "AttendStream", "v2_stream": "ModelStreamInfer"}
+STREAM_METHOD_OF_API = {Api.ATTENTION_STREAM: "AttendStream", Api.V2_STREAM: "ModelStreamInfer"}
 
 
 def internal_error(request_id: str) -> tuple[str, str]:

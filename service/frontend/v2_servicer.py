@@ -22,17 +22,16 @@ from service.frontend.v2_codec import encode_response
 from service.frontend.v2_plane import V2Plane
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
+from service.observability.metrics import Api
 from service.settings import Settings
 from service.text import shown
 from service.transport.wire import WireMessage, joined, settled
 
 log = logging.getLogger(__name__)
 
-API = "v2"
 STREAM_INFER_RESPONSE = v2.ModelStreamInferResponse.DESCRIPTOR.fields_by_name[
     "infer_response"
 ].number
-STREAM_API = "v2_stream"
 # Requests whose name field names a shared-memory region, not a model.
 REGION_REQUESTS = (
     v2.SystemSharedMemoryStatusRequest,
@@ -57,7 +56,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self._settings = settings
         self._limits = self.plane.limits
         self._stream_calls = StreamCalls(
-            api=STREAM_API,
+            api=Api.V2_STREAM,
             answer=self._stream_answer,
             failure=stream_error,
             model_label=self.model_label,
@@ -85,55 +84,55 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     def request_id(self, request: Any) -> str:
         return getattr(request, "id", "")
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def ServerLive(
         self, request: v2.ServerLiveRequest, context: grpc.aio.ServicerContext
     ) -> v2.ServerLiveResponse:
         return v2.ServerLiveResponse(live=True)
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def ServerReady(
         self, request: v2.ServerReadyRequest, context: grpc.aio.ServicerContext
     ) -> v2.ServerReadyResponse:
         return v2.ServerReadyResponse(ready=self.plane.is_ready())
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def ModelReady(
         self, request: v2.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelReadyResponse:
         return v2.ModelReadyResponse(ready=self.plane.model_ready(request.name, request.version))
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def ServerMetadata(
         self, request: v2.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> v2.ServerMetadataResponse:
         return self.plane.server_metadata()
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def ModelMetadata(
         self, request: v2.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelMetadataResponse:
         return self.plane.model_metadata(request.name, request.version)
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def ModelConfig(
         self, request: v2.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelConfigResponse:
         return self.plane.model_config(request.name, request.version)
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def ModelStatistics(
         self, request: v2.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> v2.ModelStatisticsResponse:
         return await self.plane.statistics(request.name, request.version)
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def RepositoryIndex(
         self, request: v2.RepositoryIndexRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryIndexResponse:
         return await self.plane.repository_index(request.repository_name, ready=request.ready)
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def RepositoryModelLoad(
         self, request: v2.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelLoadResponse:
@@ -141,7 +140,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         await self.plane.load(request.repository_name, request.model_name, request.parameters)
         return v2.RepositoryModelLoadResponse()
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def RepositoryModelUnload(
         self, request: v2.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelUnloadResponse:
@@ -150,20 +149,20 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return v2.RepositoryModelUnloadResponse()
 
     # The system shared-memory extension: the shared-memory group of --restricted-api.
-    @rpc(API)
+    @rpc(Api.V2)
     async def SystemSharedMemoryStatus(
         self, request: v2.SystemSharedMemoryStatusRequest, context: grpc.aio.ServicerContext
     ) -> v2.SystemSharedMemoryStatusResponse:
         return await self.plane.shm_status(request.name)
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def SystemSharedMemoryRegister(
         self, request: v2.SystemSharedMemoryRegisterRequest, context: grpc.aio.ServicerContext
     ) -> v2.SystemSharedMemoryRegisterResponse:
         await self.plane.shm_register(request.name, request.key, request.offset, request.byte_size)
         return v2.SystemSharedMemoryRegisterResponse()
 
-    @rpc(API)
+    @rpc(Api.V2)
     async def SystemSharedMemoryUnregister(
         self, request: v2.SystemSharedMemoryUnregisterRequest, context: grpc.aio.ServicerContext
     ) -> v2.SystemSharedMemoryUnregisterResponse:
@@ -171,7 +170,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return v2.SystemSharedMemoryUnregisterResponse()
 
     # The logging extension: the logging group of --restricted-api.
-    @rpc(API)
+    @rpc(Api.V2)
     async def LogSettings(
         self, request: v2.LogSettingsRequest, context: grpc.aio.ServicerContext
     ) -> v2.LogSettingsResponse:
@@ -180,7 +179,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             return log_settings.to_proto(self.plane.log_settings())
         return log_settings.to_proto(self.plane.update_log_settings(changes, caller(context)))
 
-    @rpc(API, holds_answer=True)
+    @rpc(Api.V2, holds_answer=True)
     async def ModelInfer(
         self, request: v2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> WireMessage:

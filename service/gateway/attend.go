@@ -28,7 +28,7 @@ var regionOutputs = map[int]string{
 
 // parseAttend reads an AttendRequest into the plan's terms; nil when it is not plain.
 func parseAttend(msg []byte) *inferRequest {
-	req := &inferRequest{api: "attention", datatype: "FP32"}
+	req := &inferRequest{api: apiAttention, datatype: "FP32"}
 	plain, embeddings := true, 0
 	err := eachField(msg, func(f field) error {
 		switch f.num {

@@ -13,41 +13,8 @@ import (
 	"time"
 )
 
-// gRPC status codes used here, and their names as the metrics label them.
-const (
-	codeOK                 = 0
-	codeCancelled          = 1
-	codeInvalidArgument    = 3
-	codeDeadlineExceeded   = 4
-	codeNotFound           = 5
-	codeAlreadyExists      = 6
-	codeResourceExhausted  = 8
-	codeFailedPrecondition = 9
-	codeUnimplemented      = 12
-	codeInternal           = 13
-	codeUnavailable        = 14
-)
-
-var codeNames = map[int]string{
-	codeOK: "OK", codeCancelled: "CANCELLED", codeInvalidArgument: "INVALID_ARGUMENT",
-	codeDeadlineExceeded: "DEADLINE_EXCEEDED", codeNotFound: "NOT_FOUND",
-	codeAlreadyExists: "ALREADY_EXISTS", codeFailedPrecondition: "FAILED_PRECONDITION",
-	codeResourceExhausted: "RESOURCE_EXHAUSTED", codeUnimplemented: "UNIMPLEMENTED",
-	codeInternal: "INTERNAL", codeUnavailable: "UNAVAILABLE",
-}
-
-// kindCodes map the worker's error kinds (service/ipc/messages.py ERRORS) to status codes,
-// as service/frontend/status.py does (tests/gateway/test_gateway.py compares the two).
-var kindCodes = map[string]int{
-	"InvalidInput": codeInvalidArgument, "NonFiniteOutput": codeInvalidArgument,
-	"ModelLoadFailed": codeInvalidArgument, "ModelNotFound": codeNotFound,
-	"QueueFull": codeResourceExhausted, "DeadlineExpired": codeDeadlineExceeded,
-	"ShuttingDown": codeUnavailable, "NotSupported": codeUnimplemented,
-	"ModelControlDisabled": codeFailedPrecondition, "RegionNotFound": codeNotFound,
-	"RegionExists": codeAlreadyExists, "RegionsExhausted": codeResourceExhausted,
-}
-
-// codeOfKind is the status of a worker's error kind; INTERNAL for one not known.
+// codeOfKind is the status of a worker's error kind (kindCodes, generated from
+// service/frontend/status.py's mapping); INTERNAL for one not known.
 func codeOfKind(kind string) int {
 	if code, known := kindCodes[kind]; known {
 		return code

@@ -28,7 +28,7 @@ const (
 
 // inferRequest is a plain call of either API in the same terms.
 type inferRequest struct {
-	api                         string // the metrics' label: "v2" or "attention"
+	api                         string // the metrics' label: apiV2 or apiAttention
 	modelName, modelVersion, id string
 	datatype                    string // V2's name: FP32 or FP16
 	shape                       []int64
@@ -44,7 +44,7 @@ type inferRequest struct {
 // parseInfer reads a ModelInferRequest; nil when it is not plain (the Python front end
 // then decides what it is).
 func parseInfer(msg []byte) *inferRequest {
-	req := &inferRequest{api: "v2"}
+	req := &inferRequest{api: apiV2}
 	inputs, raws := 0, 0
 	plain := true
 	err := eachField(msg, func(f field) error {
@@ -552,7 +552,7 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	}
 	answers := answerTensors{out: l.slab.span(at[1], p.outBytes), weights: l.slab.span(at[2], p.wBytes)}
 	var response [][]byte
-	if req.api == "attention" {
+	if req.api == apiAttention {
 		response = attendResponse(req, p, answers, a)
 	} else {
 		response = v2Response(req, p, answers)
@@ -573,8 +573,9 @@ func (fp *fastPath) abandon(l *link, id uint64, call *pending, code int) outcome
 	}
 	l.mu.Unlock()
 	if waiting {
-		body := []byte(`{"t":"cancel","id":` + strconv.FormatUint(id, 10) + `}`)
-		l.send(body)
+		// As Python writes it, without a map to marshal.
+		prefix := `{"` + keyType + `":"` + messageCancel + `","` + keyID + `":`
+		l.send(append(strconv.AppendUint([]byte(prefix), id, 10), '}'))
 	} else {
 		<-call.done // answered just as it was given up
 		l.slab.release(call.regions)

@@ -140,8 +140,8 @@ func key(family, sample string, labels map[string]string, help string) string {
 	return string(encoded)
 }
 
-// finished counts one RPC of model on api (v2, attention) with its status code and server
-// time.
+// finished counts one RPC of model on api (apiV2, apiAttention, ...) with its status code
+// and server time.
 func (m *metrics) finished(model, api string, code int, seconds float64) {
 	if m.counters == nil {
 		return
@@ -158,7 +158,7 @@ func (m *metrics) finished(model, api string, code int, seconds float64) {
 	defer m.mu.Unlock()
 	m.counters.add(m.cached("r\x00"+api+"\x00"+model+"\x00"+codeNames[code], func() string {
 		return key(s.Requests.Family, s.Requests.Sample,
-			map[string]string{"model": model, "api": api, "code": codeNames[code]}, s.Requests.Help)
+			map[string]string{labelModel: model, labelAPI: api, labelCode: codeNames[code]}, s.Requests.Help)
 	}), 1)
 	sum := "s\x00" + api + "\x00" + model
 	if _, seen := m.keys[sum]; !seen {
@@ -170,7 +170,7 @@ func (m *metrics) finished(model, api string, code int, seconds float64) {
 		}
 	}
 	m.histograms.add(m.cached(sum, func() string {
-		return key(d.Family, d.Family+"_sum", map[string]string{"model": model, "api": api}, d.Help)
+		return key(d.Family, d.Family+"_sum", map[string]string{labelModel: model, labelAPI: api}, d.Help)
 	}), seconds)
 	m.histograms.add(m.bucketKey(model, api, bucket), 1)
 }
@@ -180,12 +180,12 @@ func (m *metrics) bucketKey(model, api string, i int) string {
 	d := m.spec.Duration
 	return m.cached("b\x00"+api+"\x00"+model+"\x00"+d.Labels[i], func() string {
 		return key(d.Family, d.Family+"_bucket",
-			map[string]string{"model": model, "api": api, "le": d.Labels[i]}, d.Help)
+			map[string]string{labelModel: model, labelAPI: api, labelLe: d.Labels[i]}, d.Help)
 	})
 }
 
 func (m *metrics) inFlight(api string, delta float64) {
-	m.addLive("f\x00"+api, m.spec.InFlight, map[string]string{"api": api}, delta)
+	m.addLive("f\x00"+api, m.spec.InFlight, map[string]string{labelAPI: api}, delta)
 }
 
 // undelivered adds to the bytes of answers held for clients that have not read them.
@@ -203,7 +203,7 @@ func (m *metrics) refused(scope string) {
 	defer m.mu.Unlock()
 	r := m.spec.Refusals
 	m.counters.add(m.cached("x\x00"+scope, func() string {
-		return key(r.Family, r.Sample, map[string]string{"scope": scope}, r.Help)
+		return key(r.Family, r.Sample, map[string]string{labelScope: scope}, r.Help)
 	}), 1)
 }
 

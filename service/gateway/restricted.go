@@ -23,12 +23,9 @@ import (
 	"unicode/utf8"
 )
 
-const (
-	codePermissionDenied = 7
-	// restrictedFDVariable holds the number of the descriptor to read the restrictions
-	// from (service/frontend/gateway.py); unset: nothing is restricted.
-	restrictedFDVariable = "ATTENTION_GATEWAY_RESTRICTED_FD"
-)
+// restrictedFDVariable holds the number of the descriptor to read the restrictions from
+// (service/frontend/gateway.py); unset: nothing is restricted.
+const restrictedFDVariable = "ATTENTION_GATEWAY_RESTRICTED_FD"
 
 // restrictedKey is one group's key and its refusals' words (Restrictions.denial).
 type restrictedKey struct {
@@ -145,6 +142,6 @@ func (m *metrics) restrictedDenial(group string) {
 	defer m.mu.Unlock()
 	d := m.spec.RestrictedDenials
 	m.counters.add(m.cached("p\x00"+group, func() string {
-		return key(d.Family, d.Sample, map[string]string{"group": group}, d.Help)
+		return key(d.Family, d.Sample, map[string]string{labelGroup: group}, d.Help)
 	}), 1)
 }

@@ -181,28 +181,28 @@ func (r *shmRef) refJSON(dtype string) []any {
 // Python front end sends it (the packed layout has no room for references).
 func inferRefsMessage(id uint64, p *plan, at [3]int64, deadline float64, trace *callTrace) []byte {
 	message := map[string]any{
-		"t": "infer", "id": id, "model": p.model.Key, "w": p.weights,
-		"shape": p.shape[:], "dtype": p.dtype.numpy,
+		keyType: messageInfer, keyID: id, keyModel: p.model.Key, keyWithWeights: p.weights,
+		keyShape: p.shape[:], keyDtype: p.dtype.numpy,
 	}
-	for i, key := range [3]string{"in", "out", "wout"} {
+	for i, key := range [3]string{keyInputOffset, keyOutputOffset, keyWeightsOffset} {
 		if at[i] >= 0 {
 			message[key] = at[i]
 		}
 	}
 	if !math.IsNaN(deadline) {
-		message["deadline"] = deadline
+		message[keyDeadline] = deadline
 	}
 	if p.inRef != nil {
-		message["iref"] = p.inRef.refJSON(p.dtype.numpy)
+		message[keyInputRef] = p.inRef.refJSON(p.dtype.numpy)
 	}
 	if p.outRef != nil {
-		message["oref"] = p.outRef.refJSON(p.dtype.numpy)
+		message[keyOutputRef] = p.outRef.refJSON(p.dtype.numpy)
 	}
 	if p.wRef != nil {
-		message["wref"] = p.wRef.refJSON("<f4")
+		message[keyWeightsRef] = p.wRef.refJSON("<f4")
 	}
 	if trace != nil {
-		message["tag"] = trace.tagJSON()
+		message[keyTag] = trace.tagJSON()
 	}
 	body, _ := json.Marshal(message) // strings are valid UTF-8, numbers finite
 	return body

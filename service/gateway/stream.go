@@ -43,8 +43,8 @@ type streamMethod struct {
 }
 
 var streamMethods = map[string]*streamMethod{
-	modelStreamInferPath: {api: "v2_stream", parse: parseInfer, ok: v2StreamAnswer, failure: v2StreamError},
-	attendStreamPath:     {api: "attention_stream", parse: parseAttend, ok: attendStreamAnswer, failure: attendStreamError},
+	modelStreamInferPath: {api: apiV2Stream, parse: parseInfer, ok: v2StreamAnswer, failure: v2StreamError},
+	attendStreamPath:     {api: apiAttentionStream, parse: parseAttend, ok: attendStreamAnswer, failure: attendStreamError},
 }
 
 // streamLimits are the per-stream bounds.

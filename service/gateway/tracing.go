@@ -161,8 +161,8 @@ func hexInto(into []byte, s string) {
 	}
 }
 
-// tag is the call's ids as its INFER carries them (service/ipc/packed.py TAG): trace id and
-// span id big-endian, then the span's flags (sampled).
+// tag is the call's ids as its INFER carries them (service/ipc/packed.py TAG, tagSize bytes):
+// trace id and span id big-endian, then the span's flags (sampled).
 func (t *callTrace) tag() []byte {
 	b := make([]byte, 0, tagSize)
 	b = append(b, t.traceID[:]...)
@@ -174,8 +174,6 @@ func (t *callTrace) tag() []byte {
 func (t *callTrace) tagJSON() []any {
 	return []any{new(big.Int).SetBytes(t.traceID[:]), binary.BigEndian.Uint64(t.spanID[:]), 1}
 }
-
-const tagSize = 16 + 8 + 1
 
 // callSpan is what a sampled call's record says besides its trace: service/ipc/span_record.py.
 type callSpan struct {
@@ -252,7 +250,8 @@ func (s *spanSink) run() {
 }
 
 // spanRecord frames the record as service/ipc/span_record.py reads it: its length (uint32),
-// then the fixed part and the strings, little-endian.
+// then the fixed part (spanHeadSize bytes, generated from span_record.HEAD) and the strings,
+// little-endian.
 func spanRecord(t *callTrace, c callSpan) []byte {
 	done := t.done
 	if len(done) > 0xffff {
@@ -280,8 +279,3 @@ func spanRecord(t *callTrace, c callSpan) []byte {
 	b = append(b, t.traceState...)
 	return append(b, done...)
 }
-
-const (
-	spanRecordVersion = 1
-	spanHeadSize      = 1 + 16 + 8 + 8 + 1 + 8 + 8 + 1 + 8*3 + 2*4
-)

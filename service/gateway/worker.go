@@ -3,7 +3,8 @@ package main
 // This front end's connection to the ONNX Runtime worker: the same Unix socket and messages
 // as a Python front end's (service/ipc/channel.py, packed.py). A hello carries the slab's
 // descriptor; INFER and DONE travel in the packed layout; the served set, failures and SYNC
-// as JSON. A lost worker fails every call in flight at once; the link reconnects.
+// as JSON. A lost worker fails every call in flight at once; the link reconnects. The
+// messages' words, layouts and sizes are generated from the Python's (wire_gen.go).
 
 import (
 	"encoding/binary"
@@ -20,25 +21,6 @@ import (
 	"time"
 	"unsafe"
 )
-
-const (
-	inferKind     = 1
-	doneKind      = 2
-	doneSize      = 1 + 8 + 8 + 8 + 8 + 8 + 8 + 8
-	inferHeadSize = 1 + 8 + 1 + 8*6 + 8 + 2 + 1
-	maxMessage    = 16 << 20
-)
-
-// modelInfo is one served version, as the worker reports it.
-type modelInfo struct {
-	Key             string `json:"key"`
-	Name            string `json:"name"`
-	Version         int64  `json:"version"`
-	EmbedDim        int64  `json:"embed_dim"`
-	NumHeads        int64  `json:"num_heads"`
-	Dtype           string `json:"dtype"`
-	HasWeightsGraph bool   `json:"has_weights_graph"`
-}
 
 // served is one snapshot of the served set; replaced whole, never changed.
 type served struct {
@@ -170,7 +152,7 @@ func (w *worker) connect() (*link, error) {
 		conn.Close()
 		return nil, err
 	}
-	hello, _ := json.Marshal(map[string]any{"name": w.name, "pid": os.Getpid()})
+	hello, _ := json.Marshal(map[string]any{keyName: w.name, keyPid: os.Getpid()})
 	frame := binary.LittleEndian.AppendUint32(nil, uint32(len(hello)))
 	frame = append(frame, hello...)
 	if _, _, err := conn.WriteMsgUnix(frame, syscall.UnixRights(s.fd), nil); err != nil {
@@ -264,37 +246,26 @@ func (w *worker) readLoop(l *link, welcomed func()) {
 func (w *worker) dispatch(l *link, body []byte, welcomed func()) error {
 	// A DONE; a traced call's has the tags of its batch's traced calls after it.
 	if len(body) >= doneSize && body[0] == doneKind && (len(body)-doneSize)%tagSize == 0 {
-		id := binary.LittleEndian.Uint64(body[1:])
+		id := binary.LittleEndian.Uint64(body[doneAtRequestID:])
 		w.finish(l, id, answer{
-			queueS:   math.Float64frombits(binary.LittleEndian.Uint64(body[9:])),
-			computeS: math.Float64frombits(binary.LittleEndian.Uint64(body[17:])),
-			batch:    int64(binary.LittleEndian.Uint64(body[25:])),
+			queueS:   math.Float64frombits(binary.LittleEndian.Uint64(body[doneAtQueueS:])),
+			computeS: math.Float64frombits(binary.LittleEndian.Uint64(body[doneAtComputeS:])),
+			batch:    int64(binary.LittleEndian.Uint64(body[doneAtBatchSize:])),
 		}, body)
 		return nil
 	}
-	var message struct {
-		T            string       `json:"t"`
-		ID           uint64       `json:"id"`
-		Kind         string       `json:"kind"`
-		Msg          string       `json:"msg"`
-		Q            float64      `json:"q"`
-		C            float64      `json:"c"`
-		B            int64        `json:"b"`
-		Models       []*modelInfo `json:"models"`
-		DefaultModel string       `json:"default_model"`
-		Ready        bool         `json:"ready"`
-	}
+	var message workerMessage
 	if err := json.Unmarshal(body, &message); err != nil {
 		return err
 	}
-	switch message.T {
-	case "done":
-		w.finish(l, message.ID, answer{queueS: message.Q, computeS: message.C, batch: message.B}, nil)
-	case "fail":
-		w.finish(l, message.ID, answer{kind: message.Kind, message: message.Msg}, nil)
-	case "reply":
+	switch message.Type {
+	case messageDone:
+		w.finish(l, message.ID, answer{queueS: message.QueueS, computeS: message.ComputeS, batch: message.BatchSize}, nil)
+	case messageFail:
+		w.finish(l, message.ID, answer{kind: message.ErrorKind, message: message.ErrorMessage}, nil)
+	case messageReply:
 		// control calls are the Python front end's; none are made here
-	case "welcome", "models":
+	case messageWelcome, messageModels:
 		snapshot := &served{models: map[string]map[int64]*modelInfo{},
 			defaultModel: message.DefaultModel, ready: message.Ready}
 		for _, m := range message.Models {
@@ -307,12 +278,12 @@ func (w *worker) dispatch(l *link, body []byte, welcomed func()) error {
 		w.served = snapshot
 		w.mu.Unlock()
 		welcomed()
-	case "sync":
+	case messageSync:
 		w.order.Lock()
-		l.sendJSON(map[string]any{"t": "synced", "id": message.ID})
+		l.sendJSON(map[string]any{keyType: messageSynced, keyID: message.ID})
 		w.order.Unlock()
 	default:
-		return fmt.Errorf("unknown message type %q", message.T)
+		return fmt.Errorf("unknown message type %q", message.Type)
 	}
 	return nil
 }
@@ -358,31 +329,30 @@ func (w *worker) lost(l *link) {
 	close(l.wake)
 	for _, call := range calls {
 		if !call.abandoned {
-			call.done <- answer{kind: "ShuttingDown", message: workerGone}
+			call.done <- answer{kind: kindShuttingDown, message: workerGone}
 		}
 	}
 }
 
-// inferMessage is the packed INFER (service/ipc/packed.py): kind, id, wants weights,
-// n, seq, d, in / out / wout offsets (-1: none), deadline (NaN: none), key, dtype.
+// inferMessage is the packed INFER (service/ipc/packed.py INFER_FIELDS): each field at its
+// generated offset, then the key and the dtype; an offset of -1 is none, a NaN deadline none.
 func inferMessage(id uint64, weights bool, shape [3]int64, at [3]int64, deadline float64, key, dtype string) []byte {
-	b := make([]byte, 0, inferHeadSize+len(key)+len(dtype))
-	b = append(b, inferKind)
-	b = binary.LittleEndian.AppendUint64(b, id)
+	b := make([]byte, inferHeadSize, inferHeadSize+len(key)+len(dtype))
+	le := binary.LittleEndian
+	b[inferAtKind] = inferKind
+	le.PutUint64(b[inferAtRequestID:], id)
 	if weights {
-		b = append(b, 1)
-	} else {
-		b = append(b, 0)
+		b[inferAtWithWeights] = 1
 	}
-	for _, v := range shape {
-		b = binary.LittleEndian.AppendUint64(b, uint64(v))
+	for i, field := range [3]int{inferAtN, inferAtSeq, inferAtD} {
+		le.PutUint64(b[field:], uint64(shape[i]))
 	}
-	for _, v := range at {
-		b = binary.LittleEndian.AppendUint64(b, uint64(v))
+	for i, field := range [3]int{inferAtInputOffset, inferAtOutputOffset, inferAtWeightsOffset} {
+		le.PutUint64(b[field:], uint64(at[i]))
 	}
-	b = binary.LittleEndian.AppendUint64(b, math.Float64bits(deadline))
-	b = binary.LittleEndian.AppendUint16(b, uint16(len(key)))
-	b = append(b, byte(len(dtype)))
+	le.PutUint64(b[inferAtDeadline:], math.Float64bits(deadline))
+	le.PutUint16(b[inferAtKeyLength:], uint16(len(key)))
+	b[inferAtDtypeLength] = byte(len(dtype))
 	b = append(b, key...)
 	return append(b, dtype...)
 }

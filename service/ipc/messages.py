@@ -11,6 +11,7 @@ import numpy as np
 from service import errors
 from service.catalog import BatchCaps, ModelSpec, ModelView, ServedModel
 from service.dataplane import Duration, IndexEntry, VersionStats
+from service.ipc.keys import ModelKey
 from service.ipc.records import ErrorText
 
 CANCELLED = "Cancelled"  # the kind of a Fail for a request the front end cancelled
@@ -63,34 +64,40 @@ def rebuild_error(kind: str, message: str) -> Exception:
 def model_to_json(model: ServedModel) -> dict[str, Any]:
     spec = model.spec
     return {
-        "key": model.key,
-        "name": spec.name,
-        "version": spec.version,
-        "embed_dim": spec.embed_dim,
-        "num_heads": spec.num_heads,
-        "causal": spec.causal,
-        "dtype": spec.dtype.name,
-        "weights_sha256": spec.weights_sha256,
-        "weights_source": spec.weights_source,
-        "provider": model.provider,
-        "caps": [list(cap) for cap in model.batch_caps.caps],
-        "has_weights_graph": model.has_weights_graph,
+        ModelKey.KEY: model.key,
+        ModelKey.NAME: spec.name,
+        ModelKey.VERSION: spec.version,
+        ModelKey.EMBED_DIM: spec.embed_dim,
+        ModelKey.NUM_HEADS: spec.num_heads,
+        ModelKey.CAUSAL: spec.causal,
+        ModelKey.DTYPE: spec.dtype.name,
+        ModelKey.WEIGHTS_SHA256: spec.weights_sha256,
+        ModelKey.WEIGHTS_SOURCE: spec.weights_source,
+        ModelKey.PROVIDER: model.provider,
+        ModelKey.CAPS: [list(cap) for cap in model.batch_caps.caps],
+        ModelKey.HAS_WEIGHTS_GRAPH: model.has_weights_graph,
     }
 
 
 def model_from_json(data: dict[str, Any]) -> ModelView:
     spec = ModelSpec(
-        name=data["name"],
-        version=int(data["version"]),
-        embed_dim=int(data["embed_dim"]),
-        num_heads=int(data["num_heads"]),
-        causal=bool(data["causal"]),
-        dtype=np.dtype(data["dtype"]),
-        weights_sha256=data["weights_sha256"],
-        weights_source=data["weights_source"],
+        name=data[ModelKey.NAME],
+        version=int(data[ModelKey.VERSION]),
+        embed_dim=int(data[ModelKey.EMBED_DIM]),
+        num_heads=int(data[ModelKey.NUM_HEADS]),
+        causal=bool(data[ModelKey.CAUSAL]),
+        dtype=np.dtype(data[ModelKey.DTYPE]),
+        weights_sha256=data[ModelKey.WEIGHTS_SHA256],
+        weights_source=data[ModelKey.WEIGHTS_SOURCE],
     )
-    caps = BatchCaps(tuple((int(length), int(size)) for length, size in data["caps"]))
-    return ModelView(data["key"], spec, data["provider"], caps, bool(data["has_weights_graph"]))
+    caps = BatchCaps(tuple((int(length), int(size)) for length, size in data[ModelKey.CAPS]))
+    return ModelView(
+        data[ModelKey.KEY],
+        spec,
+        data[ModelKey.PROVIDER],
+        caps,
+        bool(data[ModelKey.HAS_WEIGHTS_GRAPH]),
+    )
 
 
 def _duration(data: list[int]) -> Duration:

@@ -20,13 +20,39 @@ import struct
 from service.ipc.records import Done, InferRequest, TraceTag
 
 INFER_KIND, DONE_KIND = 1, 2
-# kind, id, wants weights, n, seq, d, in / out / wout offsets (-1: none), deadline (NaN:
-# none), then the model key and the dtype name, each after its length.
-_INFER = struct.Struct("<BQ?qqqqqqdHB")
-# kind, id, queue s, compute s, batch size, started at, padding, batch id.
-_DONE = struct.Struct("<BQddqddq")
+# Each layout's fields by name, with their struct codes (the Go gateway's offsets and sizes
+# are generated from these: scripts/go_wire_contract.py).
+# INFER: an offset of -1 is none, a NaN deadline none; the model key and the dtype name
+# follow, each as long as its length says.
+INFER_FIELDS = {
+    "kind": "B",
+    "request_id": "Q",
+    "with_weights": "?",
+    "n": "q",
+    "seq": "q",
+    "d": "q",
+    "input_offset": "q",
+    "output_offset": "q",
+    "weights_offset": "q",
+    "deadline": "d",
+    "key_length": "H",
+    "dtype_length": "B",
+}
+DONE_FIELDS = {
+    "kind": "B",
+    "request_id": "Q",
+    "queue_s": "d",
+    "compute_s": "d",
+    "batch_size": "q",
+    "started_at": "d",
+    "padding": "d",
+    "batch_id": "q",
+}
 # A trace tag: trace id and span id (big-endian, as W3C traceparent writes them), flags.
-TAG = struct.Struct(">16s8sB")
+TAG_FIELDS = {"trace_id": "16s", "span_id": "8s", "flags": "B"}
+INFER = struct.Struct("<" + "".join(INFER_FIELDS.values()))
+DONE = struct.Struct("<" + "".join(DONE_FIELDS.values()))
+TAG = struct.Struct(">" + "".join(TAG_FIELDS.values()))
 MAX_KEY_BYTES = 0xFFFF
 MAX_DTYPE_BYTES = 0xFF
 # What a value outside the layout's fields raises while packing (out of range, not UTF-8).
@@ -45,7 +71,7 @@ def pack_infer(message: InferRequest) -> bytes | None:
             return None
         deadline, at_in = message.deadline, message.input_offset
         at_out, at_wout = message.output_offset, message.weights_offset
-        head = _INFER.pack(
+        head = INFER.pack(
             INFER_KIND,
             message.request_id,
             message.with_weights,
@@ -66,7 +92,7 @@ def pack_infer(message: InferRequest) -> bytes | None:
 def pack_done(message: Done) -> bytes | None:
     """The answer's packed body, or None when it needs JSON."""
     try:
-        head = _DONE.pack(
+        head = DONE.pack(
             DONE_KIND,
             message.request_id,
             message.queue_s,
@@ -119,7 +145,7 @@ def unpack_done(body: bytes | bytearray) -> Done:
         raise ValueError(f"a packed DONE starts with {DONE_KIND}, got {bytes(body[:1])!r}")
     try:
         _, request_id, queue_s, compute_s, batch_size, started_at, padding, batch_id = (
-            _DONE.unpack_from(body)
+            DONE.unpack_from(body)
         )
     except struct.error as err:
         raise ValueError(f"malformed packed DONE: {err}") from err
@@ -131,7 +157,7 @@ def unpack_done(body: bytes | bytearray) -> Done:
         started_at=started_at,
         padding=padding,
         batch_id=batch_id,
-        tags=_unpack_tags(body, _DONE.size),
+        tags=_unpack_tags(body, DONE.size),
     )
 
 
@@ -149,14 +175,14 @@ def _unpack_infer(body: bytes | bytearray) -> InferRequest:
         deadline,
         key_len,
         dtype_len,
-    ) = _INFER.unpack_from(body)
-    end = _INFER.size + key_len
+    ) = INFER.unpack_from(body)
+    end = INFER.size + key_len
     if len(body) not in (end + dtype_len, end + dtype_len + TAG.size):
         raise ValueError(f"packed INFER of {len(body)} bytes, its lengths say otherwise")
     tags = _unpack_tags(body, end + dtype_len)
     return InferRequest(
         request_id=request_id,
-        model_key=body[_INFER.size : end].decode(),
+        model_key=body[INFER.size : end].decode(),
         with_weights=with_weights,
         shape=(n, seq, d),
         dtype=body[end : end + dtype_len].decode(),

@@ -19,8 +19,8 @@ LENGTH = struct.Struct("<I")
 # version, trace id, span id, parent span id (big-endian, as traceparent writes them; zero:
 # no parent), parent flags, received and answered (Unix ns), gRPC code, model version,
 # sequences, sequence length, then the four lengths.
-_HEAD = struct.Struct("<B16s8s8sBqqBqqqHHHH")
-MAX_RECORD_BYTES = _HEAD.size + 4 * 0xFFFF
+HEAD = struct.Struct("<B16s8s8sBqqBqqqHHHH")
+MAX_RECORD_BYTES = HEAD.size + 4 * 0xFFFF
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def pack(record: SpanRecord) -> bytes:
     method, model = record.method.encode(), record.model.encode()
     state = record.trace_state.encode()
     done = b"" if record.done is None else packed.pack_done(record.done) or b""
-    head = _HEAD.pack(
+    head = HEAD.pack(
         VERSION,
         record.trace_id.to_bytes(16, "big"),
         record.span_id.to_bytes(8, "big"),
@@ -83,14 +83,14 @@ def unpack(body: bytes | bytearray | memoryview) -> SpanRecord:
             sequences,
             length,
             *lengths,
-        ) = _HEAD.unpack_from(body)
+        ) = HEAD.unpack_from(body)
     except struct.error as err:
         raise ValueError(f"malformed span record: {err}") from err
     if version != VERSION:
         raise ValueError(f"span record version {version}, expected {VERSION}")
-    if len(body) != _HEAD.size + sum(lengths):
+    if len(body) != HEAD.size + sum(lengths):
         raise ValueError(f"span record of {len(body)} bytes, its lengths say otherwise")
-    parts, at = [], _HEAD.size
+    parts, at = [], HEAD.size
     for size in lengths:
         parts.append(bytes(body[at : at + size]))
         at += size

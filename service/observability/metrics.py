@@ -10,6 +10,7 @@ import asyncio
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
+from typing import Final
 
 from prometheus_client import Counter, Gauge, Histogram, values
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -17,6 +18,18 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 PREFIX = "attention"
+
+
+class Api:
+    """The api label's values: which API a call came by, a stream's messages apart from
+    unary calls (the Go gateway's are generated from these: scripts/go_wire_contract.py)."""
+
+    ATTENTION: Final = "attention"
+    ATTENTION_STREAM: Final = "attention_stream"
+    V2: Final = "v2"
+    V2_STREAM: Final = "v2_stream"
+    REST: Final = "rest"
+
 
 # In multiprocess mode every write of a value first asks for the process id (os.getpid, a
 # system call) to notice a fork; that was 8% of the worker's CPU per request at batches of

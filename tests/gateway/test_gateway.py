@@ -522,17 +522,3 @@ def test_a_killed_front_end_leaves_no_calls_counted_in_flight(model_repository: 
                     assert time.monotonic() < give_up, server.log
                     time.sleep(0.05)
         assert server.metric("attention_inflight_requests", api="v2") == 0
-
-
-def test_the_gateway_maps_every_worker_error_kind_as_the_python_front_end() -> None:
-    """A worker's FAIL answered in the gateway gets the status Python would give it."""
-    from service.frontend.status import code_for
-    from service.ipc.messages import ERRORS
-
-    source = (Path(__file__).parents[2] / "service" / "gateway" / "grpcwire.go").read_text()
-    codes = {name: int(value) for name, value in re.findall(r"\b(code\w+)\s+= (\d+)\n", source)}
-    table = source[source.index("var kindCodes") :]
-    table = table[: table.index("\n}\n")]
-    gateway = {kind: codes[code] for kind, code in re.findall(r'"(\w+)": (code\w+)', table)}
-    python = {kind: code_for(error("x")).value[0] for kind, error in ERRORS.items()}
-    assert gateway == python

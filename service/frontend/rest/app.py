@@ -37,12 +37,12 @@ from service.frontend.restricted import Restrictions
 from service.frontend.status import SERVER_FAULTS, code_for, http_status
 from service.frontend.v2_plane import V2Plane
 from service.observability import logs, metrics, tracing
+from service.observability.metrics import Api
 from service.text import shown
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-API = "rest"  # the api label of its requests in the metrics
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # aiohttp's own refusals, as the gRPC code the same refusal would get (metrics, span status).
 CODE_OF_HTTP = {
@@ -247,7 +247,7 @@ class RestFrontend:
         code, status = grpc.StatusCode.OK, 200
         name = request.match_info.get("model")
         model = SERVER_LABEL if name is None else self._plane.registry.metric_label(name)
-        in_flight = metrics.in_flight(API)
+        in_flight = metrics.in_flight(Api.REST)
         in_flight.inc()
         span = self._start_span(request)
         id_token = logs.REQUEST_ID.set("")  # the infer endpoint sets it once it has one
@@ -281,7 +281,9 @@ class RestFrontend:
         except Exception:
             code, status = grpc.StatusCode.INTERNAL, 500
             request_id = uuid.uuid4().hex[:12]
-            log.exception("internal error in %s %s request_id=%s", API, _route(request), request_id)
+            log.exception(
+                "internal error in %s %s request_id=%s", Api.REST, _route(request), request_id
+            )
             return error_response(
                 status, f"internal error; request_id={request_id} is in the server log"
             )
@@ -293,9 +295,9 @@ class RestFrontend:
                 **{"http.response.status_code": status},
             )
             in_flight.dec()
-            metrics.requests_counter(model, API, code.name).inc()
+            metrics.requests_counter(model, Api.REST, code.name).inc()
             elapsed = time.monotonic() - started
-            metrics.request_duration(model, API).observe(elapsed)
+            metrics.request_duration(model, Api.REST).observe(elapsed)
             if log.isEnabledFor(logging.DEBUG):  # a line per request only when verbose
                 log.debug(
                     "%s %s ended %d after %.6f s",
