@@ -105,7 +105,7 @@ func writeMessage(w http.ResponseWriter, segments [][]byte, free func()) error {
 	if err == nil {
 		err = flush(w)
 	}
-	h.Set("Grpc-Status", "0")
+	h.Set("Grpc-Status", strconv.Itoa(codeOK))
 	return err
 }
 

@@ -245,7 +245,7 @@ func (w *worker) readLoop(l *link, welcomed func()) {
 
 func (w *worker) dispatch(l *link, body []byte, welcomed func()) error {
 	// A DONE; a traced call's has the tags of its batch's traced calls after it.
-	if len(body) >= doneSize && body[0] == doneKind && (len(body)-doneSize)%tagSize == 0 {
+	if len(body) >= doneSize && body[doneAtKind] == doneKind && (len(body)-doneSize)%tagSize == 0 {
 		id := binary.LittleEndian.Uint64(body[doneAtRequestID:])
 		w.finish(l, id, answer{
 			queueS:   math.Float64frombits(binary.LittleEndian.Uint64(body[doneAtQueueS:])),
@@ -338,20 +338,19 @@ func (w *worker) lost(l *link) {
 // generated offset, then the key and the dtype; an offset of -1 is none, a NaN deadline none.
 func inferMessage(id uint64, weights bool, shape [3]int64, at [3]int64, deadline float64, key, dtype string) []byte {
 	b := make([]byte, inferHeadSize, inferHeadSize+len(key)+len(dtype))
-	le := binary.LittleEndian
 	b[inferAtKind] = inferKind
-	le.PutUint64(b[inferAtRequestID:], id)
+	binary.LittleEndian.PutUint64(b[inferAtRequestID:], id)
 	if weights {
 		b[inferAtWithWeights] = 1
 	}
 	for i, field := range [3]int{inferAtN, inferAtSeq, inferAtD} {
-		le.PutUint64(b[field:], uint64(shape[i]))
+		binary.LittleEndian.PutUint64(b[field:], uint64(shape[i]))
 	}
 	for i, field := range [3]int{inferAtInputOffset, inferAtOutputOffset, inferAtWeightsOffset} {
-		le.PutUint64(b[field:], uint64(at[i]))
+		binary.LittleEndian.PutUint64(b[field:], uint64(at[i]))
 	}
-	le.PutUint64(b[inferAtDeadline:], math.Float64bits(deadline))
-	le.PutUint16(b[inferAtKeyLength:], uint16(len(key)))
+	binary.LittleEndian.PutUint64(b[inferAtDeadline:], math.Float64bits(deadline))
+	binary.LittleEndian.PutUint16(b[inferAtKeyLength:], uint16(len(key)))
 	b[inferAtDtypeLength] = byte(len(dtype))
 	b = append(b, key...)
 	return append(b, dtype...)
