@@ -37,7 +37,7 @@ from service.ipc.records import (
 )
 from service.ipc.slab import Slab
 from service.values import check_finite, in_model_dtype
-from service.worker.batching.batcher import Batcher, Result, Target
+from service.worker.batching.batcher import Batcher, Result, Target, Ticket
 from service.worker.client_regions import ClientRegions, RegionWriter
 from service.worker.engine.onnx_model import OnnxModel
 
@@ -75,7 +75,8 @@ class FrontendLink:
         self._resolve = resolve
         self._batcher = batcher
         self._call = call
-        self._submitted: dict[int, asyncio.Future[Result]] = {}  # id -> the batcher's future
+        self._submitted: dict[int, Ticket] = {}  # id -> its place in the batcher
+        self._gone = False  # the front end went: answers are dropped, not sent
         self._tasks: set[asyncio.Task[None]] = set()
         self._syncs: dict[int, asyncio.Future[None]] = {}
         self._sync_ids = itertools.count(1)
@@ -108,11 +109,12 @@ class FrontendLink:
         try:
             await self._closed
         finally:
+            self._gone = True
             self._reading.clear()  # read ones are dropped, unanswered: nobody is listening
-            for submitted in list(self._submitted.values()):
+            for ticket in list(self._submitted.values()):
                 # Queued ones are dropped; a computing batch still writes into the slab,
                 # whose mapping outlives the descriptor (the views hold it).
-                self._batcher.withdraw(submitted)
+                self._batcher.withdraw(ticket)
             for waiter in self._syncs.values():
                 if not waiter.done():
                     waiter.set_result(None)  # nothing more can arrive from it
@@ -241,9 +243,10 @@ class FrontendLink:
                 if with_weights
                 else None
             )
-            submitted = self._batcher.enqueue(
+            ticket = self._batcher.queue(
                 model,
                 embeddings,
+                functools.partial(self._answer, request_id, writers),
                 with_weights=with_weights,
                 deadline=message.deadline,
                 tag=message.tag,
@@ -257,8 +260,7 @@ class FrontendLink:
                 )
             self._fail(request_id, err)
             return
-        self._submitted[request_id] = submitted
-        submitted.add_done_callback(functools.partial(self._answer, request_id, writers))
+        self._submitted[request_id] = ticket
 
     def _target(
         self,
@@ -342,33 +344,36 @@ class FrontendLink:
         if self._reading.pop(request_id, None) is not None:
             self._send_cancelled(request_id)
             return
-        submitted = self._submitted.get(request_id)
-        if submitted is not None:
-            self._batcher.withdraw(submitted)
+        ticket = self._submitted.get(request_id)
+        if ticket is not None:
+            self._batcher.withdraw(ticket)
 
     def _answer(
-        self, request_id: int, writers: list[RegionWriter], submitted: asyncio.Future[Result]
+        self, request_id: int, writers: list[RegionWriter], outcome: Result | BaseException
     ) -> None:
         """Exactly one DONE or FAIL answers each request, sent only after the compute thread
-        wrote its last byte into the request's regions (the front end frees them on it)."""
+        wrote its last byte into the request's regions (the front end frees them on it).
+        The batcher calls it once, in the turn the request's batch ended (or it left the
+        queue); the DONEs of one batch leave in one write."""
         self._submitted.pop(request_id, None)
-        self._close(writers)
-        failed_write = next((w.error for w in writers if w.error is not None), None)
-        if failed_write is not None and not submitted.cancelled() and not submitted.exception():
-            self._fail(request_id, failed_write)
+        if writers:
+            self._close(writers)
+            failed_write = next((w.error for w in writers if w.error is not None), None)
+            if failed_write is not None and isinstance(outcome, Result):
+                outcome = failed_write
+        if self._gone:
             return
-        if submitted.cancelled():
+        if isinstance(outcome, asyncio.CancelledError):
             self._send_cancelled(request_id)
             return
-        error = submitted.exception()
-        if error is not None:
-            if not isinstance(error, ServingError):
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, ServingError):
                 log.error(
-                    "request %d from front end %s failed", request_id, self.name, exc_info=error
+                    "request %d from front end %s failed", request_id, self.name, exc_info=outcome
                 )
-            self._fail(request_id, error)
+            self._fail(request_id, outcome)
             return
-        result = submitted.result()
+        result = outcome
         self.send(
             Done(
                 request_id=request_id,

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from service.worker.batching.batcher import Batcher
-from service.worker.batching.protocol import BatchLimits
+from service.worker.batching.protocol import BatchLimits, Result
 from tests.worker.test_batching import RecordingRunner, _x
 
 
@@ -80,17 +80,44 @@ def test_answers_go_into_the_callers_arrays_and_computing_ones_cannot_be_withdra
     runner = ThreadRecordingRunner(hold=hold)
 
     async def body(batcher: Batcher) -> None:
+        answers: dict[str, list[object]] = {"computing": [], "queued": []}
         first_out = np.zeros((1, 3, 2), np.float32)
-        computing = batcher.enqueue(runner, _x(3), with_weights=False, into=(first_out, None))
+        computing = batcher.queue(
+            runner,
+            _x(3),
+            answers["computing"].append,
+            with_weights=False,
+            into=(first_out, None),
+        )
         assert await asyncio.to_thread(runner.entered.wait, 5)  # its batch is computing
-        queued = batcher.enqueue(runner, _x(5), with_weights=False)
+        queued = batcher.queue(runner, _x(5), answers["queued"].append, with_weights=False)
         assert batcher.withdraw(computing) is False  # its batch still writes into first_out
         assert batcher.withdraw(queued) is True
+        assert [type(answer) for answer in answers["queued"]] == [asyncio.CancelledError]
         hold.set()
-        result = await computing
+        while not answers["computing"]:
+            await asyncio.sleep(0.001)
+        [result] = answers["computing"]
+        assert isinstance(result, Result)
         assert result.output is first_out
         np.testing.assert_array_equal(first_out, _x(3) + 1)
-        assert queued.cancelled()
         assert batcher.withdraw(computing) is False  # answered: nothing to drop
+        assert len(answers["queued"]) == 1  # each answered once
+
+
+def test_a_cancelled_future_withdraws_its_queued_request() -> None:
+    hold = threading.Event()
+    runner = ThreadRecordingRunner(hold=hold)
+
+    async def body(batcher: Batcher) -> None:
+        computing = batcher.enqueue(runner, _x(3), with_weights=False)
+        assert await asyncio.to_thread(runner.entered.wait, 5)
+        queued = batcher.enqueue(runner, _x(5), with_weights=False)
+        queued.cancel()
+        computing.cancel()  # too late to drop: its batch still computes and is counted
+        hold.set()
+        await asyncio.gather(computing, queued, return_exceptions=True)
+        await batcher.drain()
+        assert runner.batches == [(1, 3, 2)]
 
     _run(body)

@@ -7,12 +7,16 @@ load turns into larger batches instead of longer queues of small ones. Each mode
 has its own slots, so a small model never waits behind another model's large batch.
 A request leaves the queue the moment its caller goes away or its deadline passes, so dead
 requests never hold queue room (by count or by bytes) that a live one could use.
+
+The hot path has no per-request asyncio machinery: a request is a plain Ticket whose answer
+is a callback, called once, in the turn its batch ends; the scheduler is a callback run at
+most once per loop turn (never a task woken through an event), and one timer stands for the
+whole batcher (the next queue due or deadline to pass), not one per request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
@@ -54,6 +58,10 @@ MAX_YIELDS = 4  # yields before a batch below its cap, while each one brought re
 GRAPHS = {False: "output", True: "output+attention_weights"}
 
 
+# A ticket's life: in its queue, in a computing batch, answered (its callback was called).
+QUEUED, COMPUTING, ANSWERED = 0, 1, 2
+
+
 class SchedulerFailed(ShuttingDown):
     """The batch scheduler died; this replica computes nothing more (UNAVAILABLE: retry
     on another one)."""
@@ -70,7 +78,7 @@ Targets = tuple[Target, Target | None]
 class _Queue:
     runner: Runner
     with_weights: bool
-    items: deque[_Pending] = field(default_factory=deque)
+    items: deque[Ticket] = field(default_factory=deque)
     # Its latest batch's cost per sequence and longest sequence: predicts the next one's.
     seconds_per_sequence: float | None = None
     measured_length: int = 0
@@ -79,17 +87,26 @@ class _Queue:
         return sum(item.embeddings.shape[0] for item in self.items)
 
 
-@dataclass(eq=False)
-class _Pending:
+# Called exactly once with a request's outcome: its Result, or the error that ends it
+# (asyncio.CancelledError when it was withdrawn before compute).
+Answer = Callable[["Result | BaseException"], None]
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One queued request, as the batcher holds it."""
+
     embeddings: np.ndarray  # [n, seq, d]
-    future: asyncio.Future[Result]
+    answer: Answer
     enqueued_at: float
     deadline: float | None
     queue: _Queue
-    queued: bool = True
-    timer: asyncio.TimerHandle | None = None
+    state: int = QUEUED
     tag: object = None  # the caller's, handed back to every traced request of its batch
     into: Targets | None = None  # where its output (and weights) are written once computed
+    # Whether the caller has gone without withdrawing yet (a future's done-callback not yet
+    # run): the scheduler then drops it instead of computing it.
+    abandoned: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -145,16 +162,17 @@ def _compute(
     )
 
 
-def _sequences(batch: Sequence[_Pending]) -> int:
-    return sum(item.embeddings.shape[0] for item in batch)
+def _sequences(batch: Sequence[Ticket]) -> int:
+    return sum(ticket.embeddings.shape[0] for ticket in batch)
 
 
-def _longest(batch: Sequence[_Pending]) -> int:
-    return max(item.embeddings.shape[1] for item in batch)
+def _longest(batch: Sequence[Ticket]) -> int:
+    return max(ticket.embeddings.shape[1] for ticket in batch)
 
 
 class Batcher:
-    """Use start(), then submit() from request handlers; drain() then stop() on shutdown."""
+    """Use start(), then queue() (or submit()) from request handlers; drain() then stop() on
+    shutdown."""
 
     def __init__(
         self,
@@ -181,14 +199,21 @@ class Batcher:
         self._running = 0
         self._running_by_key: dict[str, int] = defaultdict(int)
         self._accepting = False
+        self._started = False
         self._flushing = False  # close batches at once instead of waiting for them to fill
         self._failure: BaseException | None = None
-        self._wakeup = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pass_due = False  # a scheduling pass is queued on the loop (or yielding)
+        self._yields = 0  # yields made for arrivals before the batch now due
+        self._arrivals_seen = 0
+        self._timer: asyncio.TimerHandle | None = None  # the next queue due or deadline
+        self._timer_at = 0.0  # on the loop's clock
+        self._deadlines = 0  # queued tickets with a deadline
+        self._next_deadline = float("inf")  # no queued deadline is earlier (monotonic)
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: set[asyncio.Future[Any]] = set()  # batches, trims
-        self._computing: set[_Pending] = set()
-        self._scheduler: asyncio.Task[None] | None = None
+        self._computing: set[Ticket] = set()
         self._batches = itertools.count(1)
         self._executor = ThreadPoolExecutor(
             max_workers=limits.max_inflight_batches, thread_name_prefix="batch-compute"
@@ -221,13 +246,53 @@ class Batcher:
         self._inline_up_to_s = up_to_s
 
     async def start(self) -> None:
-        self._scheduler = asyncio.create_task(self._schedule(), name="batch-scheduler")
-        self._scheduler.add_done_callback(self._on_scheduler_done)
+        self._loop = asyncio.get_running_loop()
+        self._started = True
         self._accepting = True
+        self._kick()
 
     def refuse_new(self) -> None:
         """From now on submit() answers UNAVAILABLE; what is queued is still computed."""
         self._accepting = False
+
+    def queue(
+        self,
+        runner: Runner,
+        embeddings: np.ndarray,
+        answer: Answer,
+        *,
+        with_weights: bool,
+        deadline: float | None = None,
+        tag: object = None,
+        into: Targets | None = None,
+    ) -> Ticket:
+        """Queue [n, seq, d] embeddings now; answer(outcome) is called once, on this loop,
+        with their share of a batch (a Result) or the error that ended them. Raises the
+        refusal (QueueFull, ShuttingDown, SchedulerFailed) instead of queueing.
+
+        deadline is on the time.monotonic() clock; past it the request is never computed.
+        tag (small, plain data; e.g. a trace's span ids) goes to the batch's tagged requests
+        in Result.batch_tags: the batch's first tagged request (its leader) gets every tag of
+        the batch, each other tagged request the leader's alone, an untagged one none (a
+        batch of B tagged requests so carries 2B - 1 tags, not B squared). into: arrays
+        of the answer's shapes that the answer is written into (the Result then holds them);
+        the caller keeps them valid until answered, also after withdraw() returned False.
+        """
+        self._admit(embeddings.nbytes)
+        key = (runner, with_weights)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = _Queue(runner, with_weights)
+        ticket = Ticket(embeddings, answer, time.monotonic(), deadline, queue, tag=tag, into=into)
+        if deadline is not None:
+            self._deadlines += 1
+            if deadline < self._next_deadline:
+                self._next_deadline = deadline
+        queue.items.append(ticket)
+        self._arrivals += 1
+        self._count(1, embeddings.nbytes)
+        self._kick()
+        return ticket
 
     def enqueue(
         self,
@@ -239,41 +304,21 @@ class Batcher:
         tag: object = None,
         into: Targets | None = None,
     ) -> asyncio.Future[Result]:
-        """Queue [n, seq, d] embeddings now; the future resolves to their share of a batch
-        (cancelling it drops them before compute).
-
-        deadline is on the time.monotonic() clock; past it the request is never computed.
-        tag (small, plain data; e.g. a trace's span ids) goes to the batch's tagged requests
-        in Result.batch_tags: the batch's first tagged request (its leader) gets every tag of
-        the batch, each other tagged request the leader's alone, an untagged one none (a
-        batch of B tagged requests so carries 2B - 1 tags, not B squared). into: arrays
-        of the answer's shapes that the answer is written into (the Result then holds them);
-        the caller keeps them valid until the future is done, also after withdraw() returned
-        False.
-        """
-        self._admit(embeddings.nbytes)
-        loop = asyncio.get_running_loop()
-        key = (runner, with_weights)
-        queue = self._queues.get(key)
-        if queue is None:
-            queue = self._queues[key] = _Queue(runner, with_weights)
-        item = _Pending(
+        """queue() with a future for its answer: cancelling the future withdraws the request
+        (dropped before compute while it is queued)."""
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        ticket = self.queue(
+            runner,
             embeddings,
-            loop.create_future(),
-            time.monotonic(),
-            deadline,
-            queue,
+            functools.partial(_resolve, future),
+            with_weights=with_weights,
+            deadline=deadline,
             tag=tag,
             into=into,
         )
-        item.future.add_done_callback(functools.partial(self._on_done, item))
-        if deadline is not None:
-            item.timer = loop.call_later(deadline - item.enqueued_at, self._expire, item)
-        queue.items.append(item)
-        self._arrivals += 1
-        self._count(1, embeddings.nbytes)
-        self._wakeup.set()
-        return item.future
+        ticket.abandoned = future.done
+        future.add_done_callback(functools.partial(self._abandoned, ticket))
+        return future
 
     async def submit(
         self,
@@ -284,19 +329,28 @@ class Batcher:
         deadline: float | None = None,
         tag: object = None,
     ) -> Result:
-        """Queue [n, seq, d] embeddings and wait for their share of a batch (see enqueue)."""
+        """Queue [n, seq, d] embeddings and wait for their share of a batch (see queue)."""
         return await self.enqueue(
             runner, embeddings, with_weights=with_weights, deadline=deadline, tag=tag
         )
 
-    def withdraw(self, future: asyncio.Future[Result]) -> bool:
-        """The caller is gone: drop its request if it is still queued (its future is then
-        cancelled) and say True; False when it is already answered, or its batch is
-        computing, which will still write into its targets and then resolve the future."""
-        if future.done() or any(item.future is future for item in self._computing):
+    def withdraw(self, ticket: Ticket) -> bool:
+        """The caller is gone: drop its request if it is still queued (answered with
+        asyncio.CancelledError, now) and say True; False when it is already answered, or its
+        batch is computing, which will still write into its targets and then answer."""
+        if ticket.state != QUEUED:
             return False
-        future.cancel()
+        self._unqueue(ticket)
+        self._dropped(ticket, self._cancel_reason(ticket))
+        _settle(ticket, asyncio.CancelledError())
+        self._kick()
         return True
+
+    def _abandoned(self, ticket: Ticket, future: asyncio.Future[Result]) -> None:
+        # The caller went away (cancelled, or gRPC cancelled it at its deadline): free its
+        # place now, not when the scheduler next looks.
+        if future.cancelled():
+            self.withdraw(ticket)
 
     def _admit(self, nbytes: int) -> None:
         limits = self._limits
@@ -328,17 +382,16 @@ class Batcher:
     async def drain(self) -> None:
         """Compute every queued request without waiting for batches to fill; return when idle."""
         self._flushing = True
-        self._wakeup.set()
+        self._kick()
         await self._idle.wait()
 
     async def stop(self, timeout_s: float | None = None) -> None:
-        """Stop the scheduler; anything still queued fails with UNAVAILABLE. Batches still
+        """Stop scheduling; anything still queued fails with UNAVAILABLE. Batches still
         computing after timeout_s are left to their threads (ONNX Runtime cannot be
         interrupted), so a shutdown is not held up by them."""
         self._accepting = False
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            await asyncio.gather(self._scheduler, return_exceptions=True)
+        self._started = False
+        self._set_timer(None)
         self.fail_queued(ShuttingDown("server stopped before computing it"))
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
@@ -359,7 +412,7 @@ class Batcher:
 
     def _holds(self, runner: Runner) -> bool:
         return any(queue.items for queue in self._queues.values() if queue.runner is runner) or any(
-            item.queue.runner is runner for item in self._computing
+            ticket.queue.runner is runner for ticket in self._computing
         )
 
     # -- queue accounting -------------------------------------------------------------------
@@ -367,7 +420,8 @@ class Batcher:
     def _count(self, requests: int, nbytes: int) -> None:
         self._pending += requests
         self._pending_bytes += nbytes
-        self._queued_high_bytes = max(self._queued_high_bytes, self._pending_bytes)
+        if self._pending_bytes > self._queued_high_bytes:
+            self._queued_high_bytes = self._pending_bytes
         self._depth_gauges.request()
         if self._on_fill is not None and (requests or nbytes):
             self._on_fill(self._pending, self._pending_bytes)
@@ -376,10 +430,11 @@ class Batcher:
             self._trim_after_backlog()
         else:
             self._idle.clear()
-        waiters, self._settle_waiters = self._settle_waiters, []
-        for waiter in waiters:  # each settle() looks again
-            if not waiter.done():
-                waiter.set_result(None)
+        if self._settle_waiters:
+            waiters, self._settle_waiters = self._settle_waiters, []
+            for waiter in waiters:  # each settle() looks again
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _publish_depth(self) -> None:
         metrics.QUEUE_DEPTH.set(self._pending)
@@ -390,7 +445,7 @@ class Batcher:
         queued requests leave their freed buffers spread over malloc's arenas, which it keeps
         (measured: RSS stayed ~1.1 GiB above its level before a 3x overload of seq-128
         requests once the queue had drained)."""
-        if self._queued_high_bytes < TRIM_AFTER_BATCH_BYTES or self._scheduler is None:
+        if self._queued_high_bytes < TRIM_AFTER_BATCH_BYTES or not self._started:
             return
         self._queued_high_bytes = 0
         try:
@@ -400,126 +455,172 @@ class Batcher:
         self._tasks.add(trim)
         trim.add_done_callback(self._tasks.discard)
 
-    def _unqueue(self, item: _Pending) -> bool:
-        """Take item out of its queue; False if it had already left (taken or dropped)."""
-        if not item.queued:
-            return False
-        item.queued = False
-        if item.timer is not None:
-            item.timer.cancel()
-        item.queue.items.remove(item)
-        self._count(-1, -item.embeddings.nbytes)
-        return True
+    def _unqueue(self, ticket: Ticket) -> None:
+        """Take a queued ticket out of its queue (the caller moves it on: computing or
+        answered)."""
+        ticket.state = COMPUTING
+        if ticket.deadline is not None:
+            self._deadlines -= 1
+        ticket.queue.items.remove(ticket)
+        self._count(-1, -ticket.embeddings.nbytes)
 
-    def _dropped(self, item: _Pending, reason: str) -> None:
-        waited = time.monotonic() - item.enqueued_at
-        metrics.DROPPED.labels(item.queue.runner.label, reason).inc()
-        self.statistics.record_failure(item.queue.runner.key, waited)
-
-    def _on_done(self, item: _Pending, future: asyncio.Future[Result]) -> None:
-        # The caller went away (cancelled, or gRPC cancelled it at its deadline): free its
-        # place now, not when the scheduler next looks.
-        if future.cancelled() and self._unqueue(item):
-            self._dropped(item, self._cancel_reason(item))
-            self._wakeup.set()
+    def _dropped(self, ticket: Ticket, reason: str) -> None:
+        waited = time.monotonic() - ticket.enqueued_at
+        metrics.DROPPED.labels(ticket.queue.runner.label, reason).inc()
+        self.statistics.record_failure(ticket.queue.runner.key, waited)
 
     @staticmethod
-    def _cancel_reason(item: _Pending) -> str:
+    def _cancel_reason(ticket: Ticket) -> str:
         # The client's deadline timer fires first (protocol.ended_at_deadline); before, 40%
         # of 600 calls that expired in the queue were counted as cancelled.
-        remaining = None if item.deadline is None else item.deadline - time.monotonic()
+        remaining = None if ticket.deadline is None else ticket.deadline - time.monotonic()
         return "deadline" if ended_at_deadline(remaining) else "cancelled"
 
-    def _expire(self, item: _Pending) -> None:
-        if not self._unqueue(item):
+    def _expire_due(self, now: float) -> None:
+        """Answer DEADLINE_EXCEEDED to every queued request whose deadline has passed."""
+        if not self._deadlines or now < self._next_deadline:
             return
-        self._dropped(item, "deadline")
-        if not item.future.done():
-            waited = time.monotonic() - item.enqueued_at
-            item.future.set_exception(
-                DeadlineExpired(
-                    f"deadline passed after {waited:.3f}s in the queue, before compute; "
-                    "allow more time or lower the load"
+        earliest = float("inf")
+        for queue in list(self._queues.values()):
+            for ticket in [t for t in queue.items if t.deadline is not None]:
+                assert ticket.deadline is not None
+                if ticket.deadline > now:
+                    earliest = min(earliest, ticket.deadline)
+                    continue
+                self._unqueue(ticket)
+                self._dropped(ticket, "deadline")
+                waited = now - ticket.enqueued_at
+                _settle(
+                    ticket,
+                    DeadlineExpired(
+                        f"deadline passed after {waited:.3f}s in the queue, before compute; "
+                        "allow more time or lower the load"
+                    ),
                 )
-            )
+        self._next_deadline = earliest
 
     def fail_queued(self, error: Exception) -> None:
         """Fail every request still waiting (not those computing) with error."""
         for queue in self._queues.values():
-            for item in list(queue.items):
-                self._unqueue(item)
-                if not item.future.done():
-                    item.future.set_exception(error)
+            for ticket in list(queue.items):
+                self._unqueue(ticket)
+                _settle(ticket, error)
 
     # -- scheduling -------------------------------------------------------------------------
 
-    def _on_scheduler_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None:
+    def _kick(self) -> None:
+        """Run a scheduling pass in the loop's next turn (once, however often asked)."""
+        if self._pass_due or not self._started:
             return
-        error = task.exception()
-        assert error is not None
+        assert self._loop is not None
+        self._pass_due = True
+        self._loop.call_soon(self._pass)
+
+    def _pass(self) -> None:
+        self._pass_due = False
+        if not self._started:
+            return
+        try:
+            if not self._pending:  # nothing queued (a batch ended, the last one withdrawn)
+                self._yields = 0
+                self._set_timer(None)
+                return
+            now = time.monotonic()
+            self._expire_due(now)
+            queue, wait_s = self._ready_queue(now)
+            if queue is not None and self._below_cap(queue) and self._yield_for_arrivals():
+                return
+            self._yields = 0
+            wait_s = self._launch_ready(queue, wait_s)
+            if self._deadlines:
+                until_deadline = self._next_deadline - time.monotonic()
+                wait_s = until_deadline if wait_s is None else min(wait_s, until_deadline)
+            self._set_timer(wait_s)
+        except Exception as err:
+            self._scheduler_failed(err)
+
+    def _scheduler_failed(self, error: Exception) -> None:
         log.error("batch scheduler failed; failing queued requests", exc_info=error)
         self._failure = error
         self._accepting = False
+        self._started = False
+        self._set_timer(None)
         self.fail_queued(SchedulerFailed("this server's batch scheduler failed; retry"))
         if self._on_failure is not None:
             self._on_failure(error)
 
-    async def _schedule(self) -> None:
-        while True:
-            self._wakeup.clear()
-            if self._below_cap(time.monotonic()):
-                await self._let_arrivals_in()
-            wait_s = self._launch_ready(time.monotonic())
-            # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives
-            # just as the wait completes, and stop() then waited for this loop forever.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
-                    await self._wakeup.wait()
+    def _set_timer(self, wait_s: float | None) -> None:
+        """One timer for the whole batcher: a pass when the next queue is due or the next
+        deadline passes (None: none needed; a new request or a finished batch kicks)."""
+        loop = self._loop
+        if wait_s is None or loop is None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return
+        at = loop.time() + max(0.0, wait_s)
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return  # it fires first; that pass sets the next
+            self._timer.cancel()
+        self._timer, self._timer_at = loop.call_at(at, self._on_timer), at
 
-    def _below_cap(self, now: float) -> bool:
-        """Whether the next batch to start would be smaller than its cap."""
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._kick()
+
+    def _below_cap(self, queue: _Queue) -> bool:
+        """Whether the next batch to start, from this ready queue, would be smaller than its
+        cap."""
         if self._flushing or self._running >= self._limits.max_inflight_batches:
             return False
-        queue, _ = self._ready_queue(now)
-        return queue is not None and queue.sequences() < self._cap(
-            queue, queue.items[0].embeddings.shape[1]
-        )
+        return queue.sequences() < self._cap(queue, queue.items[0].embeddings.shape[1])
 
-    async def _let_arrivals_in(self) -> None:
+    def _yield_for_arrivals(self) -> bool:
         """Before starting a batch below its cap, give the CPU away and take in what arrived
-        meanwhile (again, up to MAX_YIELDS times, while each yield brought requests in).
+        meanwhile (again, up to MAX_YIELDS times, while each yield brought requests in);
+        True when it yielded (the pass then runs again TURNS_TO_TAKE_IN turns later).
         Where the front ends share this worker's core they run only when it yields; without
         this, each request arrived alone and became a batch of one (measured on one core at
         seq 16: 1.3 sequences per batch, 6.0 with it, and 40% more requests/s). Where nothing
         else wants the core, it costs a few loop turns."""
-        for _ in range(MAX_YIELDS):
-            arrived = self._arrivals
-            os.sched_yield()
-            for _ in range(TURNS_TO_TAKE_IN):
-                await asyncio.sleep(0)
-            if self._arrivals == arrived:
-                return
+        if self._yields >= MAX_YIELDS or (self._yields and self._arrivals == self._arrivals_seen):
+            return False
+        self._yields += 1
+        self._arrivals_seen = self._arrivals
+        os.sched_yield()
+        assert self._loop is not None
+        self._pass_due = True  # arrivals meanwhile do not queue another pass
+        self._loop.call_soon(self._after_turns, TURNS_TO_TAKE_IN - 1)
+        return True
 
-    def _launch_ready(self, now: float) -> float | None:
-        """Start every batch that is ready and has a free slot; else how long until one is
-        due (None: until woken)."""
+    def _after_turns(self, turns: int) -> None:
+        assert self._loop is not None
+        if turns > 0:
+            self._loop.call_soon(self._after_turns, turns - 1)
+        else:
+            self._pass()
+
+    def _launch_ready(self, queue: _Queue | None, wait_s: float | None) -> float | None:
+        """Start every batch that is ready (queue: the first, found by _ready_queue) and has
+        a free slot; else how long until one is due (None: until kicked)."""
         while self._running < self._limits.max_inflight_batches:
-            queue, wait_s = self._ready_queue(now)
             if queue is None:
                 return wait_s
             batch = self._take(queue)
             if not batch:
+                queue, wait_s = self._ready_queue(time.monotonic())
                 continue
             if self._is_short(queue, batch):
                 # Here, in this turn: a task would cost the batch another turn of the loop.
-                # Then back to the scheduler's loop, which lets arrivals in before the next.
+                # Then another pass, which lets arrivals in before the next.
                 self._run_inline(queue, batch)
-                return 0.0
-            task = asyncio.create_task(self._run(queue, batch))
+                return None
+            task = asyncio.ensure_future(self._run(queue, batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return None  # every slot is busy; a finishing batch wakes the scheduler
+            queue, wait_s = self._ready_queue(time.monotonic())
+        return None  # every slot is busy; a finishing batch kicks the scheduler
 
     def _ready_queue(self, now: float) -> tuple[_Queue | None, float | None]:
         """The ready queue with the oldest head among versions with a free slot, else how
@@ -565,45 +666,47 @@ class Batcher:
         if self._on_caps is not None:
             self._on_caps(runner, caps)
 
-    def _take(self, queue: _Queue) -> list[_Pending]:
-        for item in [item for item in queue.items if item.future.done()]:
+    def _take(self, queue: _Queue) -> list[Ticket]:
+        for ticket in [t for t in queue.items if t.abandoned is not None and t.abandoned()]:
             # Cancelled, its done-callback not yet run: drop it here, never compute it.
-            self._unqueue(item)
-            self._dropped(item, self._cancel_reason(item))
-        items = list(queue.items)
+            self.withdraw(ticket)
+        items = queue.items
         if not items:
             return []
-        chosen = [
-            items[i]
-            for i in choose_batch(
-                [item.embeddings.shape[0] for item in items],
-                [item.embeddings.shape[1] for item in items],
-                max_sequences=self._limits.max_batch_size,
-                max_padding=self._limits.max_padding_ratio,
-                cap_for=self._caps_of(queue.runner).cap_for,
-                group_by_length=self._limits.group_by_length,
-            )
-        ]
+        if len(items) == 1:
+            chosen = [items[0]]  # the lone request: nothing to choose
+        else:
+            chosen = [
+                items[i]
+                for i in choose_batch(
+                    [ticket.embeddings.shape[0] for ticket in items],
+                    [ticket.embeddings.shape[1] for ticket in items],
+                    max_sequences=self._limits.max_batch_size,
+                    max_padding=self._limits.max_padding_ratio,
+                    cap_for=self._caps_of(queue.runner).cap_for,
+                    group_by_length=self._limits.group_by_length,
+                )
+            ]
         # Counted as running before it leaves the queue: drain() never sees a false idle, and
         # settle() never sees a version as idle while its batch is between queue and thread.
         self._running += 1
         self._running_by_key[queue.runner.key] += 1
         self._computing.update(chosen)
-        for item in chosen:
-            self._unqueue(item)
+        for ticket in chosen:
+            self._unqueue(ticket)
         return chosen
 
-    def _work(self, queue: _Queue, batch: list[_Pending]) -> Callable[[], _Computed]:
+    def _work(self, queue: _Queue, batch: list[Ticket]) -> Callable[[], _Computed]:
         return functools.partial(
             _compute,
             queue.runner,
-            [item.embeddings for item in batch],
+            [ticket.embeddings for ticket in batch],
             queue.with_weights,
-            [item.into for item in batch],
+            [ticket.into for ticket in batch],
             self._cost_clock,
         )
 
-    def _run_inline(self, queue: _Queue, batch: list[_Pending]) -> None:
+    def _run_inline(self, queue: _Queue, batch: list[Ticket]) -> None:
         """A short batch, on the event loop's own thread, now."""
         started = time.monotonic()
         try:
@@ -618,7 +721,7 @@ class Batcher:
         finally:
             self._ended(queue, batch)
 
-    async def _run(self, queue: _Queue, batch: list[_Pending]) -> None:
+    async def _run(self, queue: _Queue, batch: list[Ticket]) -> None:
         """A batch on a compute thread, the loop free meanwhile."""
         started = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -635,31 +738,30 @@ class Batcher:
             self._ended(queue, batch)
 
     def _computed(
-        self, queue: _Queue, batch: list[_Pending], computed: _Computed, started: float
+        self, queue: _Queue, batch: list[Ticket], computed: _Computed, started: float
     ) -> None:
         queue.seconds_per_sequence = computed.compute_s / _sequences(batch)
         queue.measured_length = _longest(batch)
         self._deliver(queue, batch, computed, started)
 
-    def _failed(self, queue: _Queue, batch: list[_Pending], err: Exception, started: float) -> None:
+    def _failed(self, queue: _Queue, batch: list[Ticket], err: Exception, started: float) -> None:
         runner = queue.runner
         log.error("batch of %d requests on %s failed", len(batch), runner.key, exc_info=err)
         metrics.BATCH_FAILURES.labels(runner.label).inc()
         self.statistics.record_failure(runner.key, time.monotonic() - started, len(batch))
-        for item in batch:
-            if not item.future.done():
-                failure = BatchFailed(f"batch on {runner.key} failed")
-                failure.__cause__ = err
-                item.future.set_exception(failure)
+        for ticket in batch:
+            failure = BatchFailed(f"batch on {runner.key} failed")
+            failure.__cause__ = err
+            _settle(ticket, failure)
 
-    def _ended(self, queue: _Queue, batch: list[_Pending]) -> None:
+    def _ended(self, queue: _Queue, batch: list[Ticket]) -> None:
         self._computing.difference_update(batch)
         self._running -= 1
         self._running_by_key[queue.runner.key] -= 1
         self._count(0, 0)
-        self._wakeup.set()
+        self._kick()
 
-    def _is_short(self, queue: _Queue, batch: list[_Pending]) -> bool:
+    def _is_short(self, queue: _Queue, batch: list[Ticket]) -> bool:
         """Whether the batch may compute on the loop: it is the only batch computing, and
         its predicted time is within the bound. The prediction scales the queue's latest cost
         per sequence by length: with the square of it for a longer batch (attention's scores
@@ -672,7 +774,7 @@ class Batcher:
         return predicted <= self._inline_up_to_s
 
     def _deliver(
-        self, queue: _Queue, batch: list[_Pending], computed: _Computed, started: float
+        self, queue: _Queue, batch: list[Ticket], computed: _Computed, started: float
     ) -> None:
         runner, label = queue.runner, queue.runner.label
         sequences = _sequences(batch)
@@ -688,33 +790,35 @@ class Batcher:
         batch_id = next(self._batches)
         # Tags go to the requests that get an answer (a compute span): finite, still awaited.
         tagged = [
-            item
-            for item, finite in zip(batch, computed.finite, strict=True)
-            if item.tag is not None and finite and not item.future.done()
+            ticket
+            for ticket, finite in zip(batch, computed.finite, strict=True)
+            if ticket.tag is not None and finite and ticket.state != ANSWERED
         ]
-        tags = tuple(item.tag for item in tagged)
+        tags = tuple(ticket.tag for ticket in tagged)
         leader = tagged[0] if tagged else None
-        others = {id(item) for item in tagged[1:]}
-        for item, (output, weights), finite in zip(
+        others = {id(ticket) for ticket in tagged[1:]}
+        queue_durations = metrics.queue_duration(label)
+        for ticket, (output, weights), finite in zip(
             batch, computed.parts, computed.finite, strict=True
         ):
-            queue_s = started - item.enqueued_at
-            metrics.queue_duration(label).observe(queue_s)
+            queue_s = started - ticket.enqueued_at
+            queue_durations.observe(queue_s)
             if not finite:
                 metrics.NONFINITE_OUTPUTS.labels(label).inc()
                 self.statistics.record_failure(runner.key, queue_s + computed.compute_s)
-                if not item.future.done():
-                    item.future.set_exception(
-                        NonFiniteOutput(
-                            f"the result of {runner.key} for these embeddings holds NaN or inf: "
-                            "their values are too large for the model's arithmetic; scale them "
-                            "down"
-                        )
-                    )
+                _settle(
+                    ticket,
+                    NonFiniteOutput(
+                        f"the result of {runner.key} for these embeddings holds NaN or inf: "
+                        "their values are too large for the model's arithmetic; scale them "
+                        "down"
+                    ),
+                )
                 continue
             succeeded.append(queue_s)
-            if not item.future.done():
-                item.future.set_result(
+            if ticket.state != ANSWERED:
+                _settle(
+                    ticket,
                     Result(
                         output,
                         weights,
@@ -725,8 +829,29 @@ class Batcher:
                         padding=computed.padding,
                         batch_id=batch_id,
                         batch_tags=(
-                            tags if item is leader else tags[:1] if id(item) in others else ()
+                            tags if ticket is leader else tags[:1] if id(ticket) in others else ()
                         ),
-                    )
+                    ),
                 )
         self.statistics.record_batch(runner.key, sequences, succeeded, computed.compute_s)
+
+
+def _settle(ticket: Ticket, outcome: Result | BaseException) -> None:
+    """Answer a ticket, once: a later outcome (a batch ending after a withdraw that came too
+    late) is dropped."""
+    if ticket.state == ANSWERED:
+        return
+    ticket.state = ANSWERED
+    ticket.answer(outcome)
+
+
+def _resolve(future: asyncio.Future[Result], outcome: Result | BaseException) -> None:
+    """A ticket's answer, into the future enqueue() gave its caller."""
+    if future.done():
+        return
+    if isinstance(outcome, asyncio.CancelledError):
+        future.cancel()
+    elif isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
