@@ -13,7 +13,10 @@ the Python that defines it.
   end passes every flag; the defaults serve a gateway started by hand);
 - service/gateway/wire_gen.go: the control messages' words, layouts and sizes, the worker's
   error kinds and their status codes, gRPC's codes, the metrics' label names and api values
-  (scripts/go_wire_contract.py says from where).
+  (scripts/go_wire_contract.py says from where);
+- service/gateway/api_gen.go: the served APIs' names the gateway reads and writes: method
+  paths, tensor names, dtypes, tensor parameters, region fields (scripts/go_api_contract.py
+  says from where).
 
     python -m scripts.go_contract            # regenerate in place (make proto runs it)
     python -m scripts.go_contract --check    # exit 1 when a Go file is stale
@@ -30,7 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from scripts import go_wire_contract
+from scripts import go_api_contract, go_wire_contract
 from service import dataplane, status_texts
 from service.frontend import gateway, limits, server
 from service.generated.attention.v1 import attention_pb2
@@ -45,6 +48,7 @@ GO_FILE = GATEWAY / "contract_gen.go"
 PROTO_GO_FILE = GATEWAY / "proto_gen.go"
 DEFAULTS_GO_FILE = GATEWAY / "defaults_gen.go"
 WIRE_GO_FILE = GATEWAY / "wire_gen.go"
+API_GO_FILE = GATEWAY / "api_gen.go"
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
 # Go spells these initialisms in capitals (RequestID, not RequestId).
 INITIALISMS = {"id": "ID"}
@@ -338,6 +342,7 @@ def generated() -> dict[Path, str]:
         PROTO_GO_FILE: render_proto(),
         DEFAULTS_GO_FILE: render_defaults(),
         WIRE_GO_FILE: go_wire_contract.render(),
+        API_GO_FILE: go_api_contract.render(),
     }
 
 

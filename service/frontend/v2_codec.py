@@ -17,9 +17,12 @@ from service.transport.codec import checked_shape
 from service.transport.wire import WireMessage, array_bytes
 
 INPUT_NAME = "embeddings"
+OUTPUT_NAME, WEIGHTS_NAME = "output", "attention_weights"
 RAW_OUTPUT_CONTENTS = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number
 RESPONSE_ID = v2.ModelInferResponse.DESCRIPTOR.fields_by_name["id"].number
-OUTPUT_NAMES = ("output", "attention_weights")
+OUTPUT_NAMES = (OUTPUT_NAME, WEIGHTS_NAME)
+# The attention weights come back in float32, whatever the model's dtype.
+WEIGHTS_DTYPE = np.dtype("<f4")
 V2_DATATYPES: dict[str, np.dtype] = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 V2_NAME_OF = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16"}
 # Parameters that change nothing here and that clients send as a matter of course (the HTTP

@@ -8,8 +8,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from service.catalog import (
     ModelRegistry,
     ServedModel,
@@ -30,7 +28,10 @@ from service.frontend.log_settings import LogControl, Value
 from service.frontend.shm_tensors import PARAMETERS
 from service.frontend.v2_codec import (
     INPUT_NAME,
+    OUTPUT_NAME,
     V2_NAME_OF,
+    WEIGHTS_DTYPE,
+    WEIGHTS_NAME,
     accepted_datatypes,
     decode_input,
     output_refs,
@@ -257,7 +258,7 @@ class V2Plane:
         refs = output_refs(request, self.shared_memory)
         received = decode_input(request, model, self.shared_memory)
         # V2 answers in the model's dtype (the weights in float32), in the region as here.
-        dtypes = {"output": model.spec.dtype, "attention_weights": np.dtype("<f4")}
+        dtypes = {OUTPUT_NAME: model.spec.dtype, WEIGHTS_NAME: WEIGHTS_DTYPE}
         result = await admit_and_run(
             self._plane,
             model,

@@ -11,15 +11,6 @@ import (
 	"strconv"
 )
 
-const attendPath = "/attention.v1.AttentionService/Attend"
-
-// regionFields name AttendRequest's region fields, as the worker's errors name them.
-var regionFields = map[int]string{
-	fieldAttendRequestEmbeddingsRegion:       "embeddings_region",
-	fieldAttendRequestOutputRegion:           "output_region",
-	fieldAttendRequestAttentionWeightsRegion: "attention_weights_region",
-}
-
 // regionOutputs are the outputs AttendRequest's output region fields are for.
 var regionOutputs = map[int]string{
 	fieldAttendRequestOutputRegion:           outputName,
@@ -28,7 +19,7 @@ var regionOutputs = map[int]string{
 
 // parseAttend reads an AttendRequest into the plan's terms; nil when it is not plain.
 func parseAttend(msg []byte) *inferRequest {
-	req := &inferRequest{api: apiAttention, datatype: "FP32"}
+	req := &inferRequest{api: apiAttention, datatype: attentionDatatype(dataTypeUnspecified)}
 	plain, embeddings := true, 0
 	err := eachField(msg, func(f field) error {
 		switch f.num {
@@ -88,15 +79,8 @@ func (req *inferRequest) parseTensor(msg []byte) bool {
 		case fieldTensorShape:
 			req.shape, err = readInt64s(f, req.shape)
 		case fieldTensorDtype: // a DataType; unspecified reads as FLOAT32
-			plain = plain && f.wire == wireVarint
-			switch f.value {
-			case dataTypeUnspecified, dataTypeFloat32:
-				req.datatype = "FP32"
-			case dataTypeFloat16:
-				req.datatype = "FP16"
-			default:
-				plain = false
-			}
+			req.datatype = attentionDatatype(f.value)
+			plain = plain && f.wire == wireVarint && req.datatype != ""
 		case fieldTensorData:
 			plain = plain && f.wire == wireBytes
 			req.raw = f.bytes

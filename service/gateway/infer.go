@@ -20,12 +20,6 @@ import (
 	"unicode/utf8"
 )
 
-const (
-	inputName   = "embeddings"
-	outputName  = "output"
-	weightsName = "attention_weights"
-)
-
 // inferRequest is a plain call of either API in the same terms.
 type inferRequest struct {
 	api                         string // the metrics' label: apiV2 or apiAttention
@@ -148,13 +142,6 @@ func parseOutput(f field) (string, *shmRef, bool) {
 	ref, ok := params.ref("output '" + name + "'") // the names allowed need no escaping
 	return name, ref, err == nil && plain && ok && (name == outputName || name == weightsName)
 }
-
-type dtypeInfo struct {
-	v2, numpy string
-	size      int64
-}
-
-var dtypes = map[string]dtypeInfo{"float32": {"FP32", "<f4", 4}, "float16": {"FP16", "<f2", 2}}
 
 // limits are the Python front end's input bounds (--max-seq-len, --max-batch-size), and
 // whether tensors may be in client shared memory (--client-shared-memory).
@@ -607,7 +594,7 @@ func v2Response(req *inferRequest, p *plan, answers answerTensors) [][]byte {
 			tensor = appendPackedInt64s(tensor, fieldInferOutputTensorShape, p.shape[:])
 		} else {
 			weightsShape := []int64{p.shape[0], p.model.NumHeads, p.shape[1], p.shape[1]}
-			tensor = appendStringField(tensor, fieldInferOutputTensorDatatype, "FP32")
+			tensor = appendStringField(tensor, fieldInferOutputTensorDatatype, weightsDatatype)
 			tensor = appendPackedInt64s(tensor, fieldInferOutputTensorShape, weightsShape)
 		}
 		if ref := p.refOf(name); ref != nil {

@@ -32,8 +32,6 @@ import (
 	"time"
 )
 
-const modelInferPath = "/inference.GRPCInferenceService/ModelInfer"
-
 // fastMethods are the unary methods answered here when a call is plain: each reads its
 // request into the same terms (nil: not plain).
 var fastMethods = map[string]func([]byte) *inferRequest{modelInferPath: parseInfer, attendPath: parseAttend}

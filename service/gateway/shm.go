@@ -14,22 +14,6 @@ import (
 	"unicode/utf8"
 )
 
-// maxRegionNameChars is the longest region name a client may register (Python's
-// MAX_REGION_NAME_CHARS).
-const maxRegionNameChars = 255
-
-// The V2 tensor parameters that name a region, as Triton spells them.
-const (
-	paramRegion   = "shared_memory_region"
-	paramOffset   = "shared_memory_offset"
-	paramByteSize = "shared_memory_byte_size"
-)
-
-// Parameters the Python front end accepts and ignores (clients send them as a matter of
-// course); any other makes a call not plain.
-var toleratedInputParams = map[string]bool{"binary_data_size": true}
-var toleratedOutputParams = map[string]bool{"binary_data": true}
-
 // shmRef is byteSize bytes at offset in a registered client region; where names the tensor
 // in the worker's error messages, as the Python front end names it.
 type shmRef struct {
@@ -199,7 +183,7 @@ func inferRefsMessage(id uint64, p *plan, at [3]int64, deadline float64, trace *
 		message[keyOutputRef] = p.outRef.refJSON(p.dtype.numpy)
 	}
 	if p.wRef != nil {
-		message[keyWeightsRef] = p.wRef.refJSON("<f4")
+		message[keyWeightsRef] = p.wRef.refJSON(weightsNumpy)
 	}
 	if trace != nil {
 		message[keyTag] = trace.tagJSON()

@@ -28,11 +28,6 @@ import (
 	"time"
 )
 
-const (
-	modelStreamInferPath = "/inference.GRPCInferenceService/ModelStreamInfer"
-	attendStreamPath     = "/attention.v1.AttentionService/AttendStream"
-)
-
 // streamMethod is what one streaming method plugs in.
 type streamMethod struct {
 	api   string // the metrics' label of each message

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import grpc
 
-from scripts import go_contract, go_wire_contract
+from scripts import go_api_contract, go_contract, go_wire_contract
 from service import dataplane, status_texts
-from service.frontend import limits, server
+from service.frontend import attention_servicer, limits, server, shm_tensors, v2_codec
 from service.ipc import status_page
 from service.ipc.keys import Key, MessageType, ModelKey, words
 from service.observability import metrics
@@ -348,6 +348,30 @@ def wire_words() -> dict[str, set[str]]:
         "a status code's name: codeNames": {code.name for code in grpc.StatusCode},
         "a metric's label name: label<Name>": set(go_wire_contract.label_names().values()),
         "an api label's value: api<Name>": set(words(metrics.Api).values()),
+        "a gRPC method's path: <method>Path": set(go_api_contract.method_paths().values()),
+        "a tensor's name: inputName, outputName, weightsName": {
+            v2_codec.INPUT_NAME,
+            *v2_codec.OUTPUT_NAMES,
+        },
+        "a dtype's name: dtypes, weightsDatatype, weightsNumpy, attentionDatatype": {
+            name
+            for numpy_name, (v2_name, code, _) in go_api_contract.served_dtypes().items()
+            for name in (numpy_name, v2_name, code)
+        },
+        "a tensor parameter's name: param<Name>, tolerated<Input|Output>Params": {
+            *shm_tensors.PARAMETERS,
+            *v2_codec.TOLERATED_REQUEST_PARAMETERS,
+            *v2_codec.TOLERATED_INPUT_PARAMETERS,
+            *v2_codec.TOLERATED_OUTPUT_PARAMETERS,
+        },
+        "an AttendRequest region field's name: regionFields": set(attention_servicer.REGION_FIELDS),
+    }
+
+
+def wire_phrases() -> dict[str, set[str]]:
+    """Words hand-written Go may not spell even inside a longer string, in any case."""
+    return {
+        "a gRPC service's name: the <method>Path constants": set(go_api_contract.service_names()),
     }
 
 
@@ -362,7 +386,7 @@ def literal_wire_words(source: str) -> list[str]:
     code = _without_comments(source)
     code = IMPORTS.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), code)
     flag_names = {(line, name) for line, name, _ in flag_definitions(source)}
-    vocabulary = wire_words()
+    vocabulary, phrases = wire_words(), wire_phrases()
     found = []
     for m in GO_STRING.finditer(code):
         line = _line(code, m.start())
@@ -371,6 +395,11 @@ def literal_wire_words(source: str) -> list[str]:
             if (line, word) in flag_names:
                 continue
             found += [f"{line}: {word!r}, {what}" for what, ws in vocabulary.items() if word in ws]
+            found += [
+                f"{line}: {word!r}, {what}"
+                for what, ps in phrases.items()
+                if any(phrase.lower() in word.lower() for phrase in ps)
+            ]
     return found
 
 
@@ -380,7 +409,7 @@ def test_no_hand_written_go_spells_out_a_wire_word() -> None:
         for path in _hand_written_go()
         if (where := literal_wire_words(path.read_text()))
     }
-    assert not found, f"use the constants and types of wire_gen.go: {found}"
+    assert not found, f"use the constants and types of wire_gen.go and api_gen.go: {found}"
 
 
 def test_the_check_finds_literal_wire_words() -> None:
@@ -405,6 +434,24 @@ def test_the_check_finds_literal_wire_words() -> None:
     found = literal_wire_words(source)
     lines = [int(entry.split(":")[0]) for entry in found]
     assert lines == [7, 11, 11, 12, 12, 13, 13, 13, 14], found
+
+
+def test_the_check_finds_literal_api_words() -> None:
+    source = "\n".join(
+        [
+            "package main",
+            'const attendPath = "/attention.v1.AttentionService/Attend"',
+            'var paths = []string{"/inference.grpcinferenceservice/" + name} // any case',
+            'func f(name string) bool { return name == "attention_weights" || name == "output" }',
+            'func g() string { return "output \'" + "FP32" + "float16" + "<f4" }',
+            'var tolerated = map[string]bool{"binary_data_size": true, "shared_memory_region": true}',
+            'var regions = map[int]string{1: "output_region"}',
+            'var fine = []string{"embedding", "output \'", "an output_region of"}',
+        ]
+    )
+    found = literal_wire_words(source)
+    lines = [int(entry.split(":")[0]) for entry in found]
+    assert lines == [2, 2, 3, 4, 4, 5, 5, 5, 6, 6, 7], found
 
 
 GO_FUNC = re.compile(r"^func (?:\([^)]*\) )?(\w+)\(([^)]*)\)", re.MULTILINE)
