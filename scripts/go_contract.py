@@ -16,7 +16,11 @@ the Python that defines it.
   (scripts/go_wire_contract.py says from where);
 - service/gateway/api_gen.go: the served APIs' names the gateway reads and writes: method
   paths, tensor names, dtypes, tensor parameters, region fields (scripts/go_api_contract.py
-  says from where).
+  says from where);
+- service/gateway/frontend_gen.go: what a front end and its gateway hand each other: the
+  caller headers, the environment variables and the JSON they carry (the metrics spec, the
+  restrictions), the metrics files' kinds and the scope label's values
+  (scripts/go_frontend_contract.py says from where).
 
     python -m scripts.go_contract            # regenerate in place (make proto runs it)
     python -m scripts.go_contract --check    # exit 1 when a Go file is stale
@@ -33,7 +37,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from scripts import go_api_contract, go_wire_contract
+from scripts import go_api_contract, go_frontend_contract, go_wire_contract
 from service import dataplane, status_texts
 from service.frontend import gateway, limits, server
 from service.generated.attention.v1 import attention_pb2
@@ -49,6 +53,7 @@ PROTO_GO_FILE = GATEWAY / "proto_gen.go"
 DEFAULTS_GO_FILE = GATEWAY / "defaults_gen.go"
 WIRE_GO_FILE = GATEWAY / "wire_gen.go"
 API_GO_FILE = GATEWAY / "api_gen.go"
+FRONTEND_GO_FILE = GATEWAY / "frontend_gen.go"
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
 # Go spells these initialisms in capitals (RequestID, not RequestId).
 INITIALISMS = {"id": "ID"}
@@ -343,6 +348,7 @@ def generated() -> dict[Path, str]:
         DEFAULTS_GO_FILE: render_defaults(),
         WIRE_GO_FILE: go_wire_contract.render(),
         API_GO_FILE: go_api_contract.render(),
+        FRONTEND_GO_FILE: go_frontend_contract.render(),
     }
 
 

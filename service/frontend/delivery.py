@@ -54,14 +54,14 @@ class AnswerBudget:
         --max-json-answer-bytes, refused before it is reserved)."""
         held = self._by_peer.get(peer, 0)
         if self.total and self.total + nbytes > self.max_bytes:
-            metrics.UNDELIVERED_REFUSALS.labels("server").inc()
+            metrics.UNDELIVERED_REFUSALS.labels(metrics.Scope.SERVER).inc()
             raise AnswersBacklogged(
                 ANSWERS_BACKLOGGED_BY_SERVER.format(
                     total=self.total, nbytes=nbytes, max_bytes=self.max_bytes
                 )
             )
         if held and held + nbytes > self.max_bytes_per_connection:
-            metrics.UNDELIVERED_REFUSALS.labels("connection").inc()
+            metrics.UNDELIVERED_REFUSALS.labels(metrics.Scope.CONNECTION).inc()
             raise AnswersBacklogged(
                 ANSWERS_BACKLOGGED_BY_CONNECTION.format(
                     held=held, nbytes=nbytes, max_bytes_per_connection=self.max_bytes_per_connection

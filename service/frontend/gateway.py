@@ -40,6 +40,8 @@ START_TIMEOUT_S = 10.0
 # checks their keys, which it reads from the file descriptor this variable names.
 ANSWERED_GROUPS = ("inference",)
 RESTRICTED_FD_VARIABLE = "ATTENTION_GATEWAY_RESTRICTED_FD"
+# The series the gateway writes (metrics_spec(), as JSON), in its environment.
+METRICS_VARIABLE = "ATTENTION_GATEWAY_METRICS"
 
 
 class GatewayError(RuntimeError):
@@ -264,7 +266,7 @@ class Gateway:
         metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if metrics_dir:
             forget_dead_processes(metrics_dir)
-        env = {**os.environ, "ATTENTION_GATEWAY_METRICS": json.dumps(metrics_spec())}
+        env = {**os.environ, METRICS_VARIABLE: json.dumps(metrics_spec())}
         if self._spans is not None:
             self._spans.start()
         # The keys it checks: in a file only it inherits, never on its command line (which

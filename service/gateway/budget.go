@@ -31,12 +31,12 @@ func (b *answerBudget) reserve(peer string, nbytes int64) (*reservation, string)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.total > 0 && b.total+nbytes > b.maxBytes {
-		b.metrics.refused("server")
+		b.metrics.refused(scopeServer)
 		return nil, answersBackloggedByServer(b.total, nbytes, b.maxBytes)
 	}
 	held := b.byConnection[peer]
 	if held > 0 && held+nbytes > b.maxPerConnection {
-		b.metrics.refused("connection")
+		b.metrics.refused(scopeConnection)
 		return nil, answersBackloggedByConnection(held, nbytes, b.maxPerConnection)
 	}
 	b.total += nbytes

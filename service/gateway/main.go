@@ -330,8 +330,8 @@ func run(o options) error {
 	g.restricted = restricted
 	if o.fastPath {
 		var spec metricsSpec
-		if err := json.Unmarshal([]byte(os.Getenv("ATTENTION_GATEWAY_METRICS")), &spec); err != nil {
-			return fmt.Errorf("ATTENTION_GATEWAY_METRICS: %w", err)
+		if err := json.Unmarshal([]byte(os.Getenv(metricsVariable)), &spec); err != nil {
+			return fmt.Errorf("%s: %w", metricsVariable, err)
 		}
 		m, err := openMetrics(o.metricsDir, spec)
 		if err != nil {

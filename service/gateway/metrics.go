@@ -17,26 +17,6 @@ import (
 	"syscall"
 )
 
-type metricSpec struct {
-	Family string `json:"family"`
-	Sample string `json:"sample"`
-	Help   string `json:"help"`
-}
-
-type metricsSpec struct {
-	Requests metricSpec `json:"requests"`
-	Duration struct {
-		metricSpec
-		Bounds []float64 `json:"bounds"`
-		Labels []string  `json:"labels"` // each bound as prometheus-client writes it
-	} `json:"duration"`
-	InFlight    metricSpec `json:"in_flight"`
-	Undelivered metricSpec `json:"undelivered"`
-	Refusals    metricSpec `json:"undelivered_refusals"`
-	// Calls refused by --restricted-api (restricted.go).
-	RestrictedDenials metricSpec `json:"restricted_denials"`
-}
-
 type mmapFile struct {
 	file      *os.File
 	mem       []byte
@@ -127,7 +107,7 @@ func openMetrics(dir string, spec metricsSpec) (*metrics, error) {
 	for _, f := range []struct {
 		into   **mmapFile
 		prefix string
-	}{{&m.counters, "counter"}, {&m.histograms, "histogram"}, {&m.live, "gauge_livesum"}} {
+	}{{&m.counters, counterFile}, {&m.histograms, histogramFile}, {&m.live, liveGaugeFile}} {
 		if *f.into, err = openMmapFile(filepath.Join(dir, fmt.Sprintf("%s_%d.db", f.prefix, pid))); err != nil {
 			return nil, err
 		}
@@ -201,7 +181,7 @@ func (m *metrics) refused(scope string) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	r := m.spec.Refusals
+	r := m.spec.UndeliveredRefusals
 	m.counters.add(m.cached("x\x00"+scope, func() string {
 		return key(r.Family, r.Sample, map[string]string{labelScope: scope}, r.Help)
 	}), 1)

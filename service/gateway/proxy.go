@@ -17,8 +17,6 @@ import (
 const (
 	proxyStreamWindow     = 64 << 10
 	proxyConnectionWindow = 64 << 20
-	peerHeader            = "X-Attention-Gateway-Peer"
-	subjectHeader         = "X-Attention-Gateway-Subject"
 )
 
 // grpcPeer writes a client address as gRPC does: "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234".

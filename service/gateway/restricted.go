@@ -23,23 +23,11 @@ import (
 	"unicode/utf8"
 )
 
-// restrictedFDVariable holds the number of the descriptor to read the restrictions from
-// (service/frontend/gateway.py); unset: nothing is restricted.
-const restrictedFDVariable = "ATTENTION_GATEWAY_RESTRICTED_FD"
-
-// restrictedKey is one group's key and its refusals' words (Restrictions.denial).
-type restrictedKey struct {
-	Header  string `json:"header"`
-	Value   string `json:"value"`
-	Without string `json:"without"` // the message when the call has no such header
-	Wrong   string `json:"wrong"`   // the message when its value is not the key
-}
-
-// restrictions is what Restrictions.for_gateway writes.
+// restrictions is what Restrictions.for_gateway writes (restrictionsJSON, generated), read
+// from the descriptor restrictedFDVariable names (unset: nothing is restricted).
 type restrictions struct {
-	Methods map[string]string         `json:"methods"` // every method of a restricted group: its group
-	Keys    map[string]*restrictedKey `json:"keys"`    // the keys of the groups answered here
-	metrics *metrics                  // counts refusals; nil: not counted
+	restrictionsJSON
+	metrics *metrics // counts refusals; nil: not counted
 }
 
 // loadRestrictions reads and closes the descriptor restrictedFDVariable names (nil, nil

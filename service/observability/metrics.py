@@ -168,6 +168,16 @@ UNDELIVERED_REFUSALS = Counter(
     "answers were at their bound (scope: server | connection).",
     ["scope"],
 )
+
+
+class Scope:
+    """UNDELIVERED_REFUSALS' scope label's values: the bound that refused the call (the Go
+    gateway's are generated from these: scripts/go_frontend_contract.py)."""
+
+    SERVER: Final = "server"
+    CONNECTION: Final = "connection"
+
+
 COMPRESSION_REFUSALS = Counter(
     f"{PREFIX}_compressed_requests_refused_total",
     "Compressed request messages refused with --grpc-compression gzip (reason: too_large = "

@@ -14,9 +14,17 @@ from pathlib import Path
 
 import grpc
 
-from scripts import go_api_contract, go_contract, go_wire_contract
+from scripts import go_api_contract, go_contract, go_frontend_contract, go_wire_contract
 from service import dataplane, status_texts
-from service.frontend import attention_servicer, limits, server, shm_tensors, v2_codec
+from service.frontend import (
+    attention_servicer,
+    caller,
+    gateway,
+    limits,
+    server,
+    shm_tensors,
+    v2_codec,
+)
 from service.ipc import status_page
 from service.ipc.keys import Key, MessageType, ModelKey, words
 from service.observability import metrics
@@ -365,13 +373,36 @@ def wire_words() -> dict[str, set[str]]:
             *v2_codec.TOLERATED_OUTPUT_PARAMETERS,
         },
         "an AttendRequest region field's name: regionFields": set(attention_servicer.REGION_FIELDS),
+        "a key of the metrics' spec: metricsSpec": _spec_keys(),
+        "a key of the restrictions: restrictionsJSON": _restrictions_keys(),
+        "a metrics file's kind: <kind>File": set(go_frontend_contract.file_prefixes().values()),
+        "a scope label's value: scope<Name>": set(words(metrics.Scope).values()),
     }
+
+
+def _spec_keys() -> set[str]:
+    """The keys of gateway.metrics_spec()'s JSON, and of each series' object in it."""
+    spec = gateway.metrics_spec()
+    return set(spec).union(*spec.values())
+
+
+def _restrictions_keys() -> set[str]:
+    """The keys of Restrictions.for_gateway's JSON and of a key's object (not its maps')."""
+    described = go_frontend_contract.restrictions()
+    return set(described) | set(described["keys"][go_frontend_contract.GROUP])
 
 
 def wire_phrases() -> dict[str, set[str]]:
     """Words hand-written Go may not spell even inside a longer string, in any case."""
     return {
         "a gRPC service's name: the <method>Path constants": set(go_api_contract.service_names()),
+        "a header naming the caller: peerHeader, subjectHeader": {
+            caller.PEER_HEADER,
+            caller.SUBJECT_HEADER,
+        },
+        "an environment variable the front end sets: <what>Variable": set(
+            go_frontend_contract.variables().values()
+        ),
     }
 
 
@@ -452,6 +483,26 @@ def test_the_check_finds_literal_api_words() -> None:
     found = literal_wire_words(source)
     lines = [int(entry.split(":")[0]) for entry in found]
     assert lines == [2, 2, 3, 4, 4, 5, 5, 5, 6, 6, 7], found
+
+
+def test_the_check_finds_literal_front_end_words() -> None:
+    source = "\n".join(
+        [
+            "package main",
+            'const peerHeader = "X-Attention-Gateway-Peer"',
+            'func f() error { return fmt.Errorf("ATTENTION_GATEWAY_METRICS: %w", err) }',
+            "type spec struct {",
+            '\tRefusals metricSpec `json:"undelivered_refusals"`',
+            '\tHelp     string     `json:"help"`',
+            "}",
+            'var files = []string{"counter", "gauge_livesum"}',
+            'func g() { m.refused("server"); h.Set("x-attention-gateway-subject", s) }',
+            'var fine = []string{"Connection", "inference", "ATTENTION_GATEWAY_CPU_PROFILE"}',
+        ]
+    )
+    found = literal_wire_words(source)
+    lines = [int(entry.split(":")[0]) for entry in found]
+    assert lines == [2, 3, 5, 6, 8, 8, 9, 9], found
 
 
 GO_FUNC = re.compile(r"^func (?:\([^)]*\) )?(\w+)\(([^)]*)\)", re.MULTILINE)
