@@ -35,12 +35,16 @@ proto: setup
 	$(BIN)/python proto/generate.py
 	$(BIN)/python -m scripts.go_contract
 	$(BIN)/python -m scripts.golden_grpc
+	$(BIN)/python -m scripts.golden_metrics
 
 # tests/golden/grpc/: gRPC frames and refusals' trailers as the Python front end writes them,
 # which the gateway's Go tests and tests/gateway/test_golden_frames.py compare byte for byte
 # (the latter fails when the files are not what scripts/golden_grpc.py writes now).
+# tests/golden/metrics/: prometheus-client's multiprocess files for the gateway's series,
+# which the gateway's Go tests write alike (tests/gateway/test_golden_metrics.py: current).
 golden: setup
 	$(BIN)/python -m scripts.golden_grpc
+	$(BIN)/python -m scripts.golden_metrics
 
 export: setup
 	$(BIN)/python -m export --name mha --embed-dim 512 --num-heads 8 --out $(MODELS) --if-missing

@@ -3,7 +3,9 @@ package main
 // The gateway's series in prometheus-client's multiprocess files (mmap_dict.py's layout),
 // so the supervisor's /metrics sums them with every Python process's: a 4-byte used size,
 // 4 bytes of padding, then entries of a 4-byte key length, the JSON key padded to 8 bytes,
-// a float64 value and a float64 timestamp. Names, help texts and buckets come from the
+// a float64 value and a float64 timestamp, in files named by their kind (frontend_gen.go)
+// and process; tests/golden/metrics/ holds prometheus-client's own files, which
+// metrics_golden_test.go writes byte for byte. Names, help texts and buckets come from the
 // Python front end (service/observability/metrics.py is their one definition).
 
 import (
