@@ -70,6 +70,7 @@ NUMBER_TYPES = {
     "BAD_METADATA": "string",
     "ILLEGAL_HEADER_KEY": "string",
     "INTERNAL_ERROR": "string",
+    "UNEXPECTED_PAYLOAD_FORMAT": "int",
     "SHOWN_MORE": "int",
 }
 # The messages the gateway reads or writes by hand, by their Go name (a nested message by its

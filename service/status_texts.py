@@ -66,3 +66,8 @@ ILLEGAL_HEADER_KEY = "Illegal header key: {name}"
 # (standard alphabet, '=' padding optional, unused bits zero); {name} is the header's name.
 BAD_BINARY_HEADER = "Error parsing '{name}' metadata: illegal base64 encoding"
 TOO_MANY_PINGS = "too_many_pings"  # the debug data of a GOAWAY for pinging too often
+
+# A message whose compressed-flag byte is neither 0 nor 1 (gRPC defines no other): the gateway
+# ends the call INTERNAL in grpc-go's words. gRPC core, serving the Python front end without
+# the gateway, has no answer of its own (docs/architecture.md, "Where it differs").
+UNEXPECTED_PAYLOAD_FORMAT = "grpc: received unexpected payload format {flag}"

@@ -85,6 +85,11 @@ func badBinaryHeader(name string) string {
 	return fmt.Sprintf("Error parsing '%s' metadata: illegal base64 encoding", name)
 }
 
+// unexpectedPayloadFormat formats status_texts.UNEXPECTED_PAYLOAD_FORMAT.
+func unexpectedPayloadFormat(flag int) string {
+	return fmt.Sprintf("grpc: received unexpected payload format %d", flag)
+}
+
 // shownMore formats text.SHOWN_MORE.
 func shownMore(more int) string {
 	return fmt.Sprintf("... (%d more characters)", more)

@@ -97,6 +97,10 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			writeStatus(w, codeDeadlineExceeded, deadlineExceeded)
 			return
 		}
+		if ok && read[0] > 1 { // a flag byte gRPC gives no meaning: INTERNAL, as grpc-go answers
+			writeStatus(w, codeInternal, unexpectedPayloadFormat(int(read[0])))
+			return
+		}
 		var request *inferRequest
 		if ok {
 			request = parse(message)
@@ -197,19 +201,23 @@ var buffers = sync.Pool{New: func() any { return new([]byte) }}
 const maxPooledBuffer = 1 << 20
 
 // readUnary reads one uncompressed message of at most maxReceive bytes and the end of the
-// body; ok false (with what was read) for anything else.
+// body; ok false (with what was read) for anything else. A whole message whose flag byte is
+// neither 0 nor 1 is ok too, at once (read[0] is its flag): the caller refuses it.
 func (g *gateway) readUnary(body io.Reader) (read, message []byte, ok bool) {
 	var prefix [6]byte
 	if n, err := io.ReadFull(body, prefix[:5]); err != nil {
 		return prefix[:n], nil, false
 	}
 	length := int64(binary.BigEndian.Uint32(prefix[1:5]))
-	if prefix[0] != 0 || length > g.maxReceive {
+	if prefix[0] == 1 || length > g.maxReceive {
 		return prefix[:5], nil, false
 	}
 	buffer, complete := readMessage(body, prefix[:5], int(length))
 	if !complete {
 		return buffer, nil, false
+	}
+	if prefix[0] != 0 {
+		return buffer, buffer[5:], true
 	}
 	n, err := body.Read(prefix[5:])
 	for n == 0 && err == nil {

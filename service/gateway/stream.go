@@ -15,6 +15,8 @@ package main
 //   - the call's deadline is every message's; a call that ends early (cancelled, client
 //     gone, deadline) drops its messages in the worker before compute;
 //   - on shutdown a stream stops reading, answers what it read, and ends UNAVAILABLE.
+// A message whose compressed-flag byte is neither 0 nor 1 ends the call INTERNAL, as grpc-go
+// ends it (gRPC core would read nothing after it and end the call OK).
 
 import (
 	"bytes"
@@ -88,6 +90,14 @@ type streamAnswer struct {
 type pythonFailed struct{ status, message string }
 
 func (p pythonFailed) Error() string { return "python: grpc-status " + p.status }
+
+// streamRefused is the gateway ending a stream with an error of its own.
+type streamRefused struct {
+	code    int
+	message string // as written, before percent-encoding
+}
+
+func (r streamRefused) Error() string { return r.message }
 
 func (g *gateway) serveStream(w http.ResponseWriter, r *http.Request, method *streamMethod) {
 	fp := g.fast
@@ -179,6 +189,7 @@ func (s *stream) write(w http.ResponseWriter) {
 // status is how the call ends: its code and grpc-message (already percent-encoded).
 func (s *stream) status() (int, string) {
 	var failure pythonFailed
+	var refused streamRefused
 	cause := context.Cause(s.ctx)
 	s.mu.Lock()
 	closed := s.closed // by shutdown, while the call was live: Python's part may then end torn
@@ -188,6 +199,8 @@ func (s *stream) status() (int, string) {
 		return codeDeadlineExceeded, grpcMessage(deadlineExceeded)
 	case closed:
 		return codeUnavailable, grpcMessage(streamClosed)
+	case errors.As(cause, &refused):
+		return refused.code, grpcMessage(refused.message)
 	case errors.As(cause, &failure):
 		code, err := strconv.Atoi(failure.status)
 		if err != nil {
@@ -261,18 +274,23 @@ func (s *stream) read(body io.Reader) {
 			return
 		}
 		taken := false
-		if prefix[0] == 0 {
+		switch prefix[0] {
+		case 0:
 			taken = s.take(buffer)
-		} else {
+		case 1:
 			// The compressed flag in a call that declared no encoding (a compressed call
 			// is Python's whole): gRPC core reads the message as it is, so Python's part
 			// answers it as the Python front end would, and the stream goes on.
 			taken = s.forward(bytes.NewReader(buffer))
 			recycle(buffer)
+		default:
+			// A flag byte gRPC gives no meaning: the call ends INTERNAL once the message is
+			// whole, as grpc-go ends it. gRPC core would read nothing of the call after it
+			// and end it OK, so it is never handed on.
+			recycle(buffer)
+			s.end(streamRefused{codeInternal, unexpectedPayloadFormat(int(prefix[0]))})
 		}
-		if !taken || prefix[0] > 1 {
-			// A flag neither 0 nor 1 is a framing error to gRPC core, which reads nothing
-			// of the stream after it (and answers the message itself as it happens to).
+		if !taken {
 			return
 		}
 	}
