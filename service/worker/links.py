@@ -128,6 +128,7 @@ class FrontendLink:
     def _received(self, received: list[Message]) -> None:
         for message in received:
             self._dispatch(message)
+        self._batcher.run_due()  # every request of this read queued: batch them now
 
     def _lost(self, error: BaseException | None) -> None:
         if self._closed.done():
