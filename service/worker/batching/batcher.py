@@ -82,12 +82,13 @@ class _Queue:
     runner: Runner
     with_weights: bool
     items: deque[Ticket] = field(default_factory=deque)
+    rows: int = 0  # sequences queued: the items' n, summed as they come and go
     # Its latest batch's cost per sequence and longest sequence: predicts the next one's.
     seconds_per_sequence: float | None = None
     measured_length: int = 0
 
     def sequences(self) -> int:
-        return sum(item.embeddings.shape[0] for item in self.items)
+        return self.rows
 
 
 # Called exactly once with a request's outcome: its Result, or the error that ends it
@@ -156,7 +157,9 @@ def _compute(
         bool(np.isfinite(out).all()) and (w is None or bool(np.isfinite(w).all()))
         for out, w in parts
     ]
-    padding = padding_ratio([s[0] for s in shapes], [s[1] for s in shapes])
+    padding = (
+        0.0 if len(shapes) == 1 else padding_ratio([s[0] for s in shapes], [s[1] for s in shapes])
+    )
     if is_large_batch(embeddings, with_weights):
         del embeddings, mask, output, weights
         release_free_memory()
@@ -296,6 +299,7 @@ class Batcher:
             if deadline < self._next_deadline:
                 self._next_deadline = deadline
         queue.items.append(ticket)
+        queue.rows += embeddings.shape[0]
         self._arrivals += 1
         self._count(1, embeddings.nbytes)
         self._kick()
@@ -472,7 +476,9 @@ class Batcher:
         ticket.state = COMPUTING
         if ticket.deadline is not None:
             self._deadlines -= 1
-        ticket.queue.items.remove(ticket)
+        queue = ticket.queue
+        queue.items.remove(ticket)
+        queue.rows -= ticket.embeddings.shape[0]
         self._count(-1, -ticket.embeddings.nbytes)
 
     def _dropped(self, ticket: Ticket, reason: str) -> None:

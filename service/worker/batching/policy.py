@@ -59,6 +59,9 @@ def choose_batch(
 
 def merge(requests: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Stack [n_i, seq_i, d] arrays into one [sum n_i, max seq, d] batch and its padding mask."""
+    if len(requests) == 1:  # a batch of one: itself, nothing padded
+        alone = requests[0]
+        return alone, np.zeros(alone.shape[:2], dtype=bool)
     total = sum(r.shape[0] for r in requests)
     longest = max(r.shape[1] for r in requests)
     first = requests[0]
