@@ -81,11 +81,17 @@ def test_answers_go_into_the_callers_arrays_and_computing_ones_cannot_be_withdra
 
     async def body(batcher: Batcher) -> None:
         answers: dict[str, list[object]] = {"computing": [], "queued": []}
+        computed = asyncio.Event()
+
+        def on_computed(outcome: object) -> None:
+            answers["computing"].append(outcome)
+            computed.set()
+
         first_out = np.zeros((1, 3, 2), np.float32)
         computing = batcher.queue(
             runner,
             _x(3),
-            answers["computing"].append,
+            on_computed,
             with_weights=False,
             into=(first_out, None),
         )
@@ -95,8 +101,7 @@ def test_answers_go_into_the_callers_arrays_and_computing_ones_cannot_be_withdra
         assert batcher.withdraw(queued) is True
         assert [type(answer) for answer in answers["queued"]] == [asyncio.CancelledError]
         hold.set()
-        while not answers["computing"]:
-            await asyncio.sleep(0.001)
+        await asyncio.wait_for(computed.wait(), 5)
         [result] = answers["computing"]
         assert isinstance(result, Result)
         assert result.output is first_out
