@@ -326,8 +326,9 @@ class Settings:
     )
     grpc_compression: str = _doc(
         "compressed request messages: identity = refused (UNIMPLEMENTED, the client should send "
-        "them uncompressed); gzip = gzip and deflate accepted, inflated at most to the receive "
-        "limit (beyond it RESOURCE_EXHAUSTED), at the cost of that inflation's CPU per message",
+        "them uncompressed); gzip = gzip accepted (deflate refused as identity refuses it), "
+        "inflated at most to the receive limit (beyond it RESOURCE_EXHAUSTED), at the cost of "
+        "that inflation's CPU per message",
         default="identity",
     )
     restricted_api: tuple[str, ...] = _doc(

@@ -3,9 +3,7 @@
 Which encodings a call may declare (grpc-encoding) is gRPC core's to check: the server takes
 only those of --grpc-compression (transport/grpc_options.py), and core refuses a call that
 declares any other with UNIMPLEMENTED before any handler runs. With --grpc-compression identity
-every message is therefore plain, and nothing here looks at its bytes: a message whose first
-field is one this server does not know (field 15 opens with 78 xx, as a zlib stream does) is
-parsed, its unknown field ignored, as protobuf asks.
+every message is therefore plain, and nothing here looks at its bytes.
 
 gRPC core would inflate a compressed message in full and only then compare it with the receive
 limit (a 1 MiB gzip body of 1 GiB of zeros took +820..940 MiB at its peak). The server therefore
@@ -14,9 +12,13 @@ it came, and hands it over still compressed. With --grpc-compression gzip, Unpac
 with zlib, never past the receive limit.
 
 Core keeps each message's compressed flag to itself (a call that declares gzip may still send a
-message uncompressed), so a compressed one is recognised by its bytes: gzip's magic 1f 8b is
-never the start of a protobuf message (wire type 7 does not exist); a zlib header 78 xx is
-deflate only when the bytes inflate as one whole zlib stream, and otherwise a plain message.
+message uncompressed, as gRPC clients do when compressing would not make it smaller), and the
+flag alone says whether a message is compressed. A gzip one is told by its bytes all the same:
+gzip's magic 1f 8b opens every gzip stream and never a protobuf message (field 3 of wire type
+7, which does not exist), so no plain message is ever taken for one. That is why gzip is the
+only encoding taken: a deflate (zlib) stream opens with 78 xx, as a plain message whose first
+field is 15 does, and such a message may be a whole zlib stream too; only the flag tells them
+apart.
 """
 
 from __future__ import annotations
@@ -33,24 +35,14 @@ from service.text import shown
 log = logging.getLogger(__name__)
 
 GZIP_MAGIC = b"\x1f\x8b"
-ZLIB_CMF = 0x78  # deflate, 32 KiB window
 LOG_EVERY_S = 60.0
-MAX_REMEMBERED_PEERS = 4096
-INFLATE_STEP = 1 << 20  # one per client address; beyond it the oldest are forgotten
+MAX_REMEMBERED_PEERS = 4096  # one per client address; beyond it the oldest are forgotten
+INFLATE_STEP = 1 << 20
 
 
 def encoding_of(data: bytes) -> str | None:
-    """'gzip', 'deflate' or None (a plain protobuf message), from the first bytes. 'deflate'
-    only says the bytes may be a zlib stream: a plain message may open so too (field 15)."""
-    if data[:2] == GZIP_MAGIC:
-        return "gzip"
-    if len(data) >= 2 and data[0] == ZLIB_CMF and (data[0] << 8 | data[1]) % 31 == 0:
-        return "deflate"
-    return None
-
-
-class _NotZlib(Exception):
-    """The bytes that opened like a zlib stream are not one: a plain message."""
+    """'gzip' or None (a plain protobuf message), from the first bytes."""
+    return "gzip" if data[:2] == GZIP_MAGIC else None
 
 
 class RefusalLog:
@@ -110,8 +102,6 @@ class Unpacker:
             return data
         try:
             return self._inflate(data, encoding)
-        except _NotZlib:
-            return data  # a plain message whose first field is 15
         except ServingError as err:
             reason = "too_large" if isinstance(err, CompressedTooLarge) else "corrupt"
             metrics.COMPRESSION_REFUSALS.labels(reason).inc()
@@ -131,7 +121,7 @@ def _inflate_at_most(data: bytes, encoding: str, max_bytes: int) -> bytes | None
     """data inflated, or None as soon as more than max_bytes came out. In INFLATE_STEP
     pieces, joined only once the whole message is known to fit: zlib's own bounded
     decompress (and a growing buffer) would hold the limit twice over at the peak."""
-    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    inflater = zlib.decompressobj(wbits=31)  # gzip
     pieces: list[bytes] = []
     size = 0
     pending = data
@@ -146,12 +136,8 @@ def _inflate_at_most(data: bytes, encoding: str, max_bytes: int) -> bytes | None
             if not piece and not pending:
                 break  # the input ended before the compressed stream did
     except zlib.error as err:
-        if encoding == "deflate":
-            raise _NotZlib from err
         raise InvalidInput(f"the {encoding}-compressed request is corrupt: {err}") from err
     if not inflater.eof or inflater.unused_data:
-        if encoding == "deflate":
-            raise _NotZlib
         raise InvalidInput(
             f"the {encoding}-compressed request is truncated or has bytes after its end"
         )

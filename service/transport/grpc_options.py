@@ -41,8 +41,10 @@ MAX_CONCURRENT_STREAMS = 1024
 HANDSHAKE_TIMEOUT_MS = 10_000
 
 # --grpc-compression -> the encodings requests may declare, in gRPC core's order (bits of
-# grpc.compression_enabled_algorithms_bitset: identity 0, deflate 1, gzip 2).
-ACCEPTED_ENCODINGS = {"identity": ("identity",), "gzip": ("identity", "deflate", "gzip")}
+# grpc.compression_enabled_algorithms_bitset: identity 0, deflate 1, gzip 2). Never deflate:
+# core hides each message's compressed flag, and a deflate message cannot be told from a
+# plain one by its bytes (service/frontend/compression.py).
+ACCEPTED_ENCODINGS = {"identity": ("identity",), "gzip": ("identity", "gzip")}
 _ALGORITHM_BITS = {"identity": 1, "deflate": 2, "gzip": 4}
 
 

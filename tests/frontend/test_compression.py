@@ -1,16 +1,20 @@
 """Compressed requests: with --grpc-compression identity (the default) a call that declares an
-encoding is refused UNIMPLEMENTED by gRPC itself and no message is looked at; with gzip, gzip and
-deflate messages are recognised by their bytes (a zlib header only when the bytes inflate) and
-inflated never past the receive limit: a 1 GiB gzip bomb sent over raw HTTP/2 is refused with a
-peak RSS growth well under twice the receive limit, while honest gzip clients get their answers."""
+encoding is refused UNIMPLEMENTED by gRPC itself and no message is looked at; with gzip, gzip
+messages are recognised by gzip's magic bytes (which open no protobuf message), deflate is
+refused as by default (only the compressed flag, which gRPC core hides, tells a zlib stream from
+a plain message), and every plain message is read as it is; gzip is inflated never past the
+receive limit: a 1 GiB gzip bomb sent over raw HTTP/2 is refused with a peak RSS growth well
+under twice the receive limit, while honest gzip clients get their answers."""
 
 from __future__ import annotations
 
 import gzip
+import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
@@ -20,6 +24,7 @@ from service.client import attend_request
 from service.errors import CompressedTooLarge, InvalidInput, ServingError
 from service.frontend import compression
 from service.frontend.compression import RefusalLog, RefusedMessage, Unpacker, encoding_of
+from service.generated.attention.v1 import attention_pb2 as pb
 from tests.harness.h2_raw import RawGrpc, peak_rss_bytes, reset_peak_rss
 from tests.harness.server_process import ServerProcess, behind_gateway, child_pids, rss_bytes
 
@@ -27,6 +32,7 @@ from tests.harness.server_process import ServerProcess, behind_gateway, child_pi
 pytestmark = pytest.mark.usefixtures("grpc_gateway")
 
 ATTEND = "/attention.v1.AttentionService/Attend"
+ATTEND_STREAM = "/attention.v1.AttentionService/AttendStream"
 RECEIVE_LIMIT = 32 * 512 * 512 * 4 + (1 << 20)  # max batch x max seq x d x 4 + envelope
 BOMB_BYTES = 1 << 30
 
@@ -42,14 +48,34 @@ def _gzip_bomb(inflated: int = BOMB_BYTES) -> bytes:
     return b"".join(packer.compress(block) for _ in range(inflated >> 24)) + packer.flush()
 
 
+def _also_a_zlib_stream(message: bytes) -> bytes:
+    """message with unknown fields around it that make the whole one zlib stream as well."""
+    # 78 9c: a zlib header, and field 15 = 156 (a varint); 01: a final stored block, whose
+    # 2-byte length opens with 4a (field 9, bytes) and holds that field's size: the field
+    # takes the length's complement and filler. The stored data ends inside field 16 (bytes),
+    # whose last 4 bytes are the stream's Adler-32.
+    for size in range(2, 128):
+        stored = size * 256 + 0x4A
+        tail = stored - (size - 2) - len(message)  # field 16, less the Adler-32
+        if 3 <= tail < 127:
+            data = bytes(size - 2) + message + bytes([0x82, 0x01, tail + 1]) + bytes(tail - 3)
+            head = b"\x78\x9c\x01" + struct.pack("<HH", stored, stored ^ 0xFFFF)
+            return head + data + struct.pack(">I", zlib.adler32(data))
+    raise ValueError(f"no stored block fits a {len(message)}-byte message")
+
+
+def _request(request_id: str = "") -> bytes:
+    x = np.random.default_rng(0).standard_normal((3, 512), dtype=np.float32)
+    return attend_request(x, request_id=request_id).SerializeToString()
+
+
 def test_compressed_messages_are_recognised_by_their_first_bytes() -> None:
     message = _message()
     assert encoding_of(message) is None
     assert encoding_of(b"") is None
     assert encoding_of(gzip.compress(message)) == "gzip"
-    assert encoding_of(zlib.compress(message)) == "deflate"
-    for level in range(10):  # every level writes a valid zlib header
-        assert encoding_of(zlib.compress(message, level)) == "deflate"
+    for level in range(10):  # a zlib stream is no encoding taken: read as it is
+        assert encoding_of(zlib.compress(message, level)) is None
 
 
 def _refusal(unpacked: object) -> ServingError:
@@ -65,13 +91,24 @@ def test_identity_never_looks_at_the_bytes_and_gzip_inflates_within_the_limit() 
         assert identity(data) is data  # gRPC refuses calls that declare an encoding
     unpack = Unpacker("gzip", max_bytes=len(field_15))
     assert unpack(gzip.compress(message)) == message
-    assert unpack(zlib.compress(message)) == message
     assert unpack(message) == message
     for plain in (field_15, b"\x78\x20" + message, b"\x78\x9c\x01" + message):
-        assert unpack(plain) == plain  # does not inflate as a whole zlib stream: plain
+        assert unpack(plain) is plain
     assert isinstance(_refusal(unpack(gzip.compress(field_15 + b"x"))), CompressedTooLarge)
-    assert isinstance(_refusal(unpack(zlib.compress(field_15 + b"x"))), CompressedTooLarge)
     assert isinstance(_refusal(unpack(gzip.compress(message)[:-12])), InvalidInput)
+
+
+def test_a_plain_message_that_is_also_a_zlib_stream_is_read_as_it_is() -> None:
+    """Its flag says plain, and so it is: never inflated (the Python front end used to take
+    any message that inflates as one whole zlib stream for deflate, and refuse it)."""
+    message = _also_a_zlib_stream(_request("plain"))
+    inflater = zlib.decompressobj()
+    assert len(inflater.decompress(message)) > len(_request("plain"))
+    assert (inflater.eof, inflater.unused_data) == (True, b"")  # a whole zlib stream
+    parsed = pb.AttendRequest.FromString(message)
+    assert parsed.request_id == "plain"
+    assert parsed.embeddings == pb.AttendRequest.FromString(_request()).embeddings
+    assert Unpacker("gzip", max_bytes=len(message))(message) is message
 
 
 def test_refusals_are_logged_once_per_address_per_minute(
@@ -127,10 +164,35 @@ def test_by_default_compressed_requests_are_refused_by_grpc(
 
 def test_honest_gzip_clients_are_served(gzip_server: ServerProcess) -> None:
     plain = _infer(gzip_server.target)
-    for algorithm in ("gzip", "deflate"):
-        np.testing.assert_array_equal(
-            _infer(gzip_server.target, compression_algorithm=algorithm), plain
-        )
+    np.testing.assert_array_equal(_infer(gzip_server.target, compression_algorithm="gzip"), plain)
+    with pytest.raises(InferenceServerException) as refused:
+        _infer(gzip_server.target, compression_algorithm="deflate")
+    assert refused.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert "'deflate' is disabled" in refused.value.message()
+
+
+def test_plain_messages_are_read_as_they_are_with_gzip_taken(gzip_server: ServerProcess) -> None:
+    """A valid request whose bytes also form a whole zlib stream, sent uncompressed (and in a
+    call that declares gzip), is served, and in a stream its answer carries its id."""
+    message = _also_a_zlib_stream(_request("plain"))
+    connection = RawGrpc(gzip_server.grpc_port, read=True)
+    try:  # flag 0 in a call that declares gzip, as gRPC clients send what gzip cannot shrink
+        call = connection.call(ATTEND, message, metadata={"grpc-encoding": "gzip"})
+        state = connection.wait(call)
+    finally:
+        connection.close()
+    assert state.headers.get("grpc-status") == "0", state
+    with grpc.insecure_channel(gzip_server.target) as channel:
+        for compression in (None, grpc.Compression.Gzip):
+            attend = channel.unary_unary(ATTEND)
+            answer = pb.AttendResponse.FromString(attend(message, compression=compression))
+            assert (answer.request_id, list(answer.output.shape)) == ("plain", [3, 512])
+            stream = channel.stream_stream(ATTEND_STREAM)
+            sent = [message, _also_a_zlib_stream(_request("next"))]
+            replies = stream(iter(sent), compression=compression, timeout=30)
+            answers = [pb.AttendStreamResponse.FromString(reply) for reply in replies]
+            assert sorted(a.request_id for a in answers) == ["next", "plain"], answers
+            assert all(a.HasField("response") for a in answers), answers
 
 
 def test_a_gzip_bomb_is_refused_before_it_is_inflated(gzip_server: ServerProcess) -> None:
