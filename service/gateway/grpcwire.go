@@ -224,9 +224,11 @@ var acceptEncoding = "identity"
 //     HTTP/2 allows it: INTERNAL, "Illegal header key: <name>";
 //   - a header it parses into a typed value (te, grpc-timeout, grpc-encoding, ...: coreParsed)
 //     with a value it cannot parse, or a binary one (-bin) that is not base64: INTERNAL,
-//     "Error parsing '<name>' metadata". A te other than "trailers" never gets here:
-//     net/http answers it HTTP 400 (RFC 9113 8.2.2: the request is malformed), which gRPC
-//     clients read as INTERNAL too; an empty one does;
+//     "Error parsing '<name>' metadata". A te other than "trailers", or two te headers,
+//     never get here: net/http's HTTP/2 server answers the request HTTP 400 itself, before
+//     any handler and with no hook to do otherwise (RFC 9113 8.2.2: any other te makes the
+//     request malformed; gRPC clients read the 400 as INTERNAL, core's status for it too;
+//     docs/architecture.md, "Where it differs"). An empty te does get here;
 //   - core names the first such header of the block; net/http hands the headers over without
 //     their order, so with several the gateway names an illegal key first, then a header of
 //     coreParsed in its order, then a binary one, each kind by name (docs/architecture.md,
