@@ -1,6 +1,6 @@
 """What the tests and the benchmarks both need to drive a real server: a free port on
-loopback, the server's command line, polling for a condition instead of sleeping for it, and
-its /metrics read as samples."""
+loopback (or one that never answers), the server's command line, polling for a condition
+instead of sleeping for it, and its /metrics read as samples."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import socket
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +26,16 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+@contextmanager
+def silent_listener(backlog: int = 64) -> Iterator[int]:
+    """A port on 127.0.0.1 that takes connections (into the kernel's backlog) and never
+    answers: a peer that hangs."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(backlog)
+        yield int(listener.getsockname()[1])
 
 
 def loopback_server(repository: Path | str) -> list[str]:
@@ -48,14 +59,20 @@ def loopback_server(repository: Path | str) -> list[str]:
 
 
 def wait_for(
-    condition: Callable[[], object], *, what: str = "the condition", timeout_s: float = 60.0
+    condition: Callable[[], object],
+    *,
+    what: str | Callable[[], str] = "the condition",
+    timeout_s: float = 60.0,
+    poll_s: float = POLL_S,
 ) -> float:
-    """Poll until condition() is true; the seconds it took. TimeoutError names what."""
+    """Poll until condition() is true; the seconds it took. TimeoutError names what (a callable:
+    what it says when the time is up, such as the state reached)."""
     started = time.monotonic()
     while not condition():
         if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"{what}: not reached within {timeout_s:g}s")
-        time.sleep(POLL_S)
+            said = what() if callable(what) else what
+            raise TimeoutError(f"{said}: not reached within {timeout_s:g}s")
+        time.sleep(poll_s)
     return time.monotonic() - started
 
 

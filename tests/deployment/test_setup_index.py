@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness import free_port, silent_listener
 from scripts import torch_index
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,19 +70,14 @@ def index_without_torch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
 
 @pytest.fixture
 def refusing_index() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/simple"  # closed: connections are refused
+    return f"http://127.0.0.1:{free_port()}/simple"  # closed: connections are refused
 
 
 @pytest.fixture
 def silent_index() -> Iterator[str]:
     """Accepts connections (the kernel's backlog) and never answers."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(8)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/simple"
+    with silent_listener() as port:
+        yield f"http://127.0.0.1:{port}/simple"
 
 
 def _probe(index: str) -> tuple[torch_index.Decision, float]:

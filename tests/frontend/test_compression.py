@@ -25,8 +25,15 @@ from service.errors import CompressedTooLarge, InvalidInput, ServingError
 from service.frontend import compression
 from service.frontend.compression import RefusalLog, RefusedMessage, Unpacker, encoding_of
 from service.generated.attention.v1 import attention_pb2 as pb
-from tests.harness.h2_raw import RawGrpc, peak_rss_bytes, reset_peak_rss
-from tests.harness.server_process import ServerProcess, behind_gateway, child_pids, rss_bytes
+from tests.harness.h2_raw import RawGrpc
+from tests.harness.server_process import (
+    ServerProcess,
+    behind_gateway,
+    child_pids,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
 
 # The gateway drains (and hands compressed calls on) in code of its own: both ways.
 pytestmark = pytest.mark.usefixtures("grpc_gateway")
@@ -216,7 +223,7 @@ def test_a_gzip_bomb_is_refused_before_it_is_inflated(gzip_server: ServerProcess
         "attention_compressed_requests_refused_total", reason="too_large"
     ) == pytest.approx(1)
     x = np.zeros((2, 512), dtype=np.float32)
-    connection = RawGrpc(gzip_server.grpc_port, read=True)  # honest calls are still served
+    connection = RawGrpc(gzip_server.grpc_port)  # honest calls are still served
     try:
         ok = connection.wait(connection.call(ATTEND, attend_request(x).SerializeToString()))
     finally:

@@ -8,11 +8,12 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from bench.harness import wait_for
 from service.client import attend_request
 from service.frontend.delivery import GRPC_LOGGER, GrpcDisconnectFilter
 from tests.harness.h2_raw import RawGrpc
@@ -64,14 +65,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, grpc_gateway: str) -> Itera
         yield process
 
 
-def _poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise TimeoutError(what)
-        time.sleep(0.01)
-
-
 def test_resets_after_the_answer_count_cancelled_without_tracebacks(
     server: ServerProcess,
 ) -> None:
@@ -80,23 +73,23 @@ def test_resets_after_the_answer_count_cancelled_without_tracebacks(
     ok = server.metric("attention_requests_total", api="attention", code="OK")
     cancelled = server.metric("attention_requests_total", api="attention", code="CANCELLED")
     batches = server.metric("attention_batch_size_sequences_count")
-    connection = RawGrpc(server.grpc_port, window=1)  # the answer cannot go out
+    connection = RawGrpc(server.grpc_port, window=1, read=False)  # the answer cannot go out
     try:
         for done in range(1, RESETS + 1):
             stream = connection.call(ATTEND, message)
-            _poll(
+            wait_for(
                 lambda done=done: (
                     server.metric("attention_undelivered_answer_bytes") > 0
                     and server.metric("attention_batch_size_sequences_count") >= batches + done
                 ),
-                10,
-                "the answer was not computed",
+                timeout_s=10,
+                what="the answer computed",
             )
             connection.reset(stream)
-            _poll(
+            wait_for(
                 lambda: server.metric("attention_undelivered_answer_bytes") == 0,
-                10,
-                "the reset call still holds its answer",
+                timeout_s=10,
+                what="the reset call's answer let go",
             )
     finally:
         connection.close()

@@ -572,7 +572,7 @@ def test_an_input_in_shared_memory_still_counts_its_answer_against_the_budget(
         gone = shm_server.metric("attention_requests_total", code="RESOURCE_EXHAUSTED") - refused
         return held, gone
 
-    slow = RawGrpc(shm_server.grpc_port, window=1)  # reads nothing of the answers
+    slow = RawGrpc(shm_server.grpc_port, window=1, read=False)  # reads nothing of the answers
     try:
         for _ in range(calls):
             slow.call("/attention.v1.AttentionService/Attend", request)

@@ -5,14 +5,14 @@ throughout, and every answer that was never delivered counts CANCELLED, not OK."
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
+from bench.harness import wait_for
 from service.catalog import BatchCaps, ModelRegistry, ModelSpec, ModelView
 from service.client import AttentionClient, attend_request
 from service.errors import AnswersBacklogged, ModelNotFound
@@ -83,14 +83,6 @@ def test_a_request_for_a_model_not_served_reserves_no_answer(name: str, version:
     assert plane.answer_bytes(request) == 4 * 512 * 4
 
 
-def _poll(condition: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise TimeoutError(what())
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def server(mha_repository: Path, grpc_gateway: str) -> Iterator[ServerProcess]:
     with ServerProcess(mha_repository) as process:
@@ -128,7 +120,7 @@ def test_slow_readers_stay_within_the_budget(server: ServerProcess) -> None:
     computed = _sequences_computed(server)
     refused = server.metric("attention_requests_total", code="RESOURCE_EXHAUSTED")
     message = _weights_call()
-    slow = [RawGrpc(server.grpc_port, window=1) for _ in range(6)]
+    slow = [RawGrpc(server.grpc_port, window=1, read=False) for _ in range(6)]
     calls = [(c, c.call(ATTEND, message)) for c in slow for _ in range(3)]
     try:
 
@@ -137,11 +129,11 @@ def test_slow_readers_stay_within_the_budget(server: ServerProcess) -> None:
             gone = server.metric("attention_requests_total", code="RESOURCE_EXHAUSTED")
             return held + gone - refused >= len(calls)
 
-        _poll(
+        wait_for(
             settled,
-            120,
-            lambda: (
-                "slow calls neither refused nor computed: "
+            timeout_s=120,
+            what=lambda: (
+                "every slow call refused or computed; so far "
                 f"{_sequences_computed(server) - computed} sequences computed, "
                 f"{server.metric('attention_requests_total', code='RESOURCE_EXHAUSTED') - refused} "
                 f"refused; {_gauges(server)}; {[c.ended_by for c in slow]}"
@@ -152,7 +144,7 @@ def test_slow_readers_stay_within_the_budget(server: ServerProcess) -> None:
         growth = server_rss_bytes(server) - before
         assert 0 < held_bytes <= BUDGET
         assert growth <= BUDGET + MARGIN, f"RSS grew {growth >> 20} MiB"
-        refusals = [c.streams[s] for c, s in calls if c.streams[s].headers.get("grpc-status")]
+        refusals = [c.replies[s] for c, s in calls if c.replies[s].headers.get("grpc-status")]
         assert refusals, "nothing was refused at the bound"
         assert all(r.headers["grpc-status"] == "8" for r in refusals)
         assert "--max-undelivered-bytes" in refusals[0].headers["grpc-message"]
@@ -168,10 +160,10 @@ def test_slow_readers_stay_within_the_budget(server: ServerProcess) -> None:
     finally:
         for connection in slow:
             connection.close()
-    _poll(
+    wait_for(
         lambda: server.metric("attention_undelivered_answer_bytes") == 0,
-        30,
-        lambda: "the budget was not given back after the slow clients left",
+        timeout_s=30,
+        what="the budget given back after the slow clients left",
     )
     assert server.metric("attention_requests_total", code="CANCELLED") - cancelled == held
     assert server.metric("attention_requests_total", code="OK") == ok  # none of them OK
@@ -183,24 +175,24 @@ def test_slow_streams_share_the_same_budget(server: ServerProcess) -> None:
     before = server_rss_bytes(server)  # front ends and worker: where answers wait
     refusals = server.metric("attention_undelivered_refusals_total")
     message = _weights_call()
-    slow = [RawGrpc(server.grpc_port, window=1) for _ in range(4)]
+    slow = [RawGrpc(server.grpc_port, window=1, read=False) for _ in range(4)]
     try:
         streams = [(c, c.call(ATTEND_STREAM, message, end=False)) for c in slow for _ in range(3)]
         for connection, stream_id in streams:
             connection.send_message(stream_id, message)
-        _poll(
+        wait_for(
             lambda: server.metric("attention_undelivered_refusals_total") > refusals,
-            120,
-            lambda: "no stream message was refused at the bound",
+            timeout_s=120,
+            what="a stream message refused at the bound",
         )
-        _poll(
+        wait_for(
             lambda: (
                 server.metric("attention_queue_depth_requests") == 0
                 and server.metric("attention_inflight_requests", api="attention_stream")
                 <= server.metric("attention_undelivered_answer_bytes") / (2 * 72 << 20) + 1
             ),
-            120,
-            lambda: "stream messages still computing",
+            timeout_s=120,
+            what="no stream message computing",
         )
         assert server.metric("attention_undelivered_answer_bytes") <= BUDGET
         growth = server_rss_bytes(server) - before
@@ -208,8 +200,8 @@ def test_slow_streams_share_the_same_budget(server: ServerProcess) -> None:
     finally:
         for connection in slow:
             connection.close()
-    _poll(
+    wait_for(
         lambda: server.metric("attention_undelivered_answer_bytes") == 0,
-        30,
-        lambda: "the budget was not given back after the slow streams left",
+        timeout_s=30,
+        what="the budget given back after the slow streams left",
     )

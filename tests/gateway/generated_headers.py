@@ -7,7 +7,7 @@ import base64
 
 from hypothesis import strategies as st
 
-from tests.harness.raw_calls import Headers
+from tests.harness.h2_raw import Headers
 
 GRPC_TIMEOUTS = [
     "30S",

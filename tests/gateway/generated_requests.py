@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from tests.harness.raw_calls import Message
+from tests.harness.h2_raw import Message
 
 D = 512  # the mha model's embed_dim
 MAX_BATCH, MAX_SEQ = 2, 8  # the servers' --max-batch-size and --max-seq-len

@@ -30,7 +30,7 @@ from tests.gateway.generated_requests import (
     infer_requests,
     messages,
 )
-from tests.harness.raw_calls import Headers, Message, Reply, exchange
+from tests.harness.h2_raw import Headers, Message, Reply, exchange
 from tests.harness.server_process import ServerProcess, behind_gateway
 
 ATTEND = "/attention.v1.AttentionService/Attend"

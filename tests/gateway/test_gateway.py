@@ -3,20 +3,17 @@ Attend calls itself and hands everything else to the Python front end. Real serv
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import h2.config
-import h2.connection
 import h2.events
-import hyperframe.frame
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
@@ -293,7 +290,7 @@ def test_a_stream_with_a_message_over_the_size_bound_ends_as_the_python_front_en
 def test_a_malformed_deadline_fails_only_its_own_call(gateway: ServerProcess) -> None:
     """A grpc-timeout gRPC cannot parse is answered INTERNAL, as gRPC's server answers it;
     calls after it (which the gateway hands to Python on one shared connection) still work."""
-    connection = RawGrpc(gateway.grpc_port, read=True)
+    connection = RawGrpc(gateway.grpc_port)
     try:
         stream = connection.call(
             "/inference.GRPCInferenceService/ModelMetadata", b"", metadata={"grpc-timeout": "abc"}
@@ -412,47 +409,21 @@ def test_connections_past_their_age_are_sent_away_gracefully(model_repository: P
         assert goaway.error_code == 0, goaway  # NO_ERROR: graceful
 
 
-def _call_until_goaway(port: int, give_up_s: float) -> hyperframe.frame.GoAwayFrame:
-    """Paced ServerLive calls on one connection until the server sends GOAWAY (read from the
-    raw frames: h2 refuses the frames of calls still answered after one)."""
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
+def _call_until_goaway(port: int, give_up_s: float) -> h2.events.ConnectionTerminated:
+    """Paced ServerLive calls on one connection until the server sends GOAWAY."""
+    connection = RawGrpc(port)
     give_up = time.monotonic() + give_up_s
-    with socket.create_connection(("127.0.0.1", port), timeout=give_up_s) as sock:
-        received = b""
-        while time.monotonic() < give_up:
-            stream = conn.get_next_available_stream_id()
-            conn.send_headers(
-                stream,
-                [
-                    (":method", "POST"),
-                    (":scheme", "http"),
-                    (":authority", "127.0.0.1"),
-                    (":path", "/inference.GRPCInferenceService/ServerLive"),
-                    ("content-type", "application/grpc"),
-                    ("te", "trailers"),
-                ],
-            )
-            conn.send_data(stream, b"\0\0\0\0\0", end_stream=True)
-            sock.sendall(conn.data_to_send())
-            ended = False
-            while not ended:
-                chunk = sock.recv(1 << 16)
-                assert chunk, "the connection closed without a GOAWAY"
-                received += chunk
-                while len(received) >= 9:
-                    frame, length = hyperframe.frame.Frame.parse_frame_header(received[:9])
-                    if len(received) < 9 + length:
-                        break
-                    body, received = received[9 : 9 + length], received[9 + length :]
-                    frame.parse_body(memoryview(body))
-                    if isinstance(frame, hyperframe.frame.GoAwayFrame):
-                        return frame
-                    for event in conn.receive_data(frame.serialize()):
-                        ended = ended or isinstance(event, h2.events.StreamEnded)
-                    sock.sendall(conn.data_to_send())
+    try:
+        while connection.goaway is None and time.monotonic() < give_up:
+            assert not connection.closed.is_set(), f"ended without a GOAWAY: {connection.ended_by}"
+            stream = connection.open("/inference.GRPCInferenceService/ServerLive", b"\0" * 5)
+            with contextlib.suppress(ConnectionError):  # the GOAWAY came before its answer
+                connection.wait(stream, give_up_s)
             time.sleep(0.05)  # paced calls, until the age passes
-    raise AssertionError("no GOAWAY within the time given")
+    finally:
+        connection.close()
+    assert connection.goaway is not None, "no GOAWAY within the time given"
+    return connection.goaway
 
 
 def test_the_gateway_serves_the_port_when_inference_keys_are_checked(

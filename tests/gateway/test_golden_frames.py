@@ -192,7 +192,7 @@ def refusing_port() -> Iterator[int]:
 def test_grpc_core_puts_each_refusal_on_the_wire_as_golden(name: str, refusing_port: int) -> None:
     """The Python front end's server (gRPC core) writes grpc-status and grpc-message exactly
     as trailers.json has them (and as the gateway writes them)."""
-    client = RawGrpc(refusing_port, read=True)
+    client = RawGrpc(refusing_port)
     try:
         state = client.wait(client.call(f"/golden.Refusals/{name}", b""))
     finally:

@@ -18,7 +18,7 @@ from service.client import attend_request
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2pb
 from service.status_texts import BAD_METADATA, DEADLINE_EXCEEDED, ILLEGAL_HEADER_KEY
-from tests.harness.raw_calls import Headers, Message, Reply, exchange
+from tests.harness.h2_raw import Headers, Message, Reply, exchange
 from tests.harness.server_process import ServerProcess, behind_gateway
 
 pytestmark = pytest.mark.usefixtures("grpc_gateway")

@@ -8,17 +8,10 @@ advertise. Raw HTTP/2, to a real server."""
 from __future__ import annotations
 
 import gzip
-import socket
-import struct
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
 import numpy as np
 import pytest
 
@@ -27,7 +20,7 @@ from service.frontend.handlers import MORE_THAN_ONE_REQUEST, NO_REQUEST
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2pb
 from service.status_texts import BAD_TE, BAD_TIMEOUT
-from tests.harness.h2_raw import RawGrpc
+from tests.harness.h2_raw import RawGrpc, Reply, call, framed
 from tests.harness.server_process import ServerProcess, behind_gateway
 
 pytestmark = pytest.mark.usefixtures("grpc_gateway")
@@ -42,145 +35,6 @@ INTERNAL, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED = 13, 4, 8, 12
 INVALID_ARGUMENT = 3
 # --max-batch-size 1 x --max-seq-len 16 x d 512 float32, and the 1 MiB envelope.
 RECEIVE_LIMIT = 16 * 512 * 4 + (1 << 20)
-# gRPC's mapping of an HTTP status without grpc-status to the code a client reports
-# (doc/http-grpc-status-mapping.md); anything else is UNKNOWN.
-HTTP_TO_GRPC = {400: 13, 401: 16, 403: 7, 404: 12, 429: 14, 502: 14, 503: 14, 504: 14}
-
-
-@dataclass
-class Answer:
-    headers: dict[str, str] = field(default_factory=dict)  # response headers and trailers
-    body: bytes = b""
-    ended: bool = False
-    reset: int | None = None  # RST_STREAM's error code
-
-    @property
-    def code(self) -> int | str:
-        """The status a gRPC client reads from this answer ("reset" for a stream reset with
-        none; a server resets a call the client has not half-closed after its status)."""
-        if "grpc-status" in self.headers:
-            return int(self.headers["grpc-status"])
-        if self.reset is not None:
-            return "reset"
-        return HTTP_TO_GRPC.get(int(self.headers[":status"]), 2)
-
-    @property
-    def message(self) -> str:
-        return self.headers.get("grpc-message", "")
-
-    def messages(self) -> list[bytes]:
-        found, rest = [], self.body
-        while len(rest) >= 5:
-            _, length = struct.unpack(">BI", rest[:5])
-            found.append(rest[5 : 5 + length])
-            rest = rest[5 + length :]
-        return found
-
-
-class Raw:
-    """One HTTP/2 connection that sends what gRPC clients do not: any te and grpc-timeout
-    headers, any body (within the first flow-control window)."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        config = h2.config.H2Configuration(
-            client_side=True, validate_outbound_headers=False, normalize_outbound_headers=False
-        )
-        self.conn = h2.connection.H2Connection(config)
-        self.conn.initiate_connection()
-        self.sock.sendall(self.conn.data_to_send())
-
-    def call(
-        self,
-        path: str,
-        body: bytes,
-        *,
-        te: str | None = "trailers",
-        headers: Sequence[tuple[str, str]] = (),
-        end: bool = True,
-        wait_s: float = 20,
-    ) -> Answer:
-        """end: the body ends the client's half of the call (else the call stays open)."""
-        stream = self.conn.get_next_available_stream_id()
-        request = [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", path),
-            (":authority", "127.0.0.1"),
-            ("content-type", "application/grpc"),
-        ]
-        if te is not None:
-            request.append(("te", te))
-        self.conn.send_headers(stream, [*request, *headers])
-        if not body and end:
-            self.conn.end_stream(stream)
-        answer = Answer()
-        unsent = memoryview(body)
-        give_up = time.monotonic() + wait_s
-        while not answer.ended and answer.reset is None:
-            unsent = self._send(stream, unsent, end)
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"{path}: no answer within {wait_s}s ({answer})")
-            self._receive(stream, answer, give_up)
-        return answer
-
-    def _send(self, stream: int, unsent: memoryview, end: bool) -> memoryview:
-        """What the flow-control windows let out of unsent; the rest."""
-        while unsent:
-            room = min(
-                self.conn.local_flow_control_window(stream),
-                len(unsent),
-                self.conn.max_outbound_frame_size,
-            )
-            if room <= 0:
-                break  # the server's window update comes with the next events
-            last = end and room == len(unsent)
-            try:
-                self.conn.send_data(stream, bytes(unsent[:room]), end_stream=last)
-            except h2.exceptions.StreamClosedError:
-                return unsent[:0]  # answered before the body was all sent
-            unsent = unsent[room:]
-        self.sock.sendall(self.conn.data_to_send())
-        return unsent
-
-    def _receive(self, stream: int, answer: Answer, give_up: float) -> None:
-        self.sock.settimeout(max(0.01, give_up - time.monotonic()))
-        try:
-            data = self.sock.recv(1 << 20)
-        except TimeoutError:
-            return
-        if not data:
-            raise ConnectionError(f"the server closed the connection ({answer})")
-        for event in self.conn.receive_data(data):
-            if getattr(event, "stream_id", None) != stream:
-                continue
-            if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
-                answer.headers.update({k.decode(): v.decode() for k, v in event.headers})
-            elif isinstance(event, h2.events.DataReceived):
-                answer.body += event.data
-                self.conn.acknowledge_received_data(event.flow_controlled_length, stream)
-            elif isinstance(event, h2.events.StreamEnded):
-                answer.ended = True
-            elif isinstance(event, h2.events.StreamReset):
-                answer.reset = event.error_code
-        self.sock.sendall(self.conn.data_to_send())
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def framed(message: bytes, *, flag: int = 0, declared: int | None = None) -> bytes:
-    return struct.pack(">BI", flag, len(message) if declared is None else declared) + message
-
-
-def call(port: int, path: str, body: bytes, **kwargs: object) -> Answer:
-    """One call on a connection of its own (gRPC core's header table cannot carry a fault
-    from one call to the next)."""
-    raw = Raw(port)
-    try:
-        return raw.call(path, body, **kwargs)  # type: ignore[arg-type]
-    finally:
-        raw.close()
 
 
 def attend(request_id: str = "", seq: int = 3) -> bytes:
@@ -201,8 +55,8 @@ def infer(request_id: str = "", seq: int = 3) -> bytes:
 UNARY = {ATTEND: attend(), MODEL_INFER: infer(), SERVER_LIVE: b"", HEALTH_CHECK: b""}
 
 
-def answered_ok(answer: Answer, path: str) -> None:
-    assert answer.code == 0, (path, answer)
+def answered_ok(answer: Reply, path: str) -> None:
+    assert answer.client_code == 0, (path, answer)
     assert len(answer.messages()) == 1, (path, answer)
     if path == ATTEND:
         assert len(pb.AttendResponse.FromString(answer.messages()[0]).output.data) == 3 * 512 * 4
@@ -244,7 +98,7 @@ def test_the_compressed_flag_in_a_call_with_no_encoding_leaves_the_stream_going(
         + framed(attend("d"))
     )
     answer = call(port, ATTEND_STREAM, body)
-    assert answer.code == 0, answer
+    assert answer.client_code == 0, answer
     replies = [pb.AttendStreamResponse.FromString(m) for m in answer.messages()]
     by_id = {reply.request_id: reply for reply in replies}
     assert sorted(by_id) == ["", "a", "b", "d"], replies
@@ -255,7 +109,7 @@ def test_the_compressed_flag_in_a_call_with_no_encoding_leaves_the_stream_going(
     assert "not a valid AttendRequest" in by_id[""].error.message
     body = framed(infer("a")) + framed(infer("b"), flag=1) + framed(infer("c"))
     answer = call(port, MODEL_STREAM_INFER, body)
-    assert answer.code == 0, answer
+    assert answer.client_code == 0, answer
     replies = [v2pb.ModelStreamInferResponse.FromString(m) for m in answer.messages()]
     assert sorted(r.infer_response.id for r in replies) == ["a", "b", "c"], replies
     assert not any(r.error_message for r in replies), replies
@@ -278,7 +132,7 @@ def test_a_message_opening_with_an_unknown_field_15_is_served(
         body = framed(field_15 + attend("a")) + framed(field_15 + attend("b"))
         answer = call(port, ATTEND_STREAM, body)
         replies = [pb.AttendStreamResponse.FromString(m) for m in answer.messages()]
-        assert answer.code == 0, answer
+        assert answer.client_code == 0, answer
         assert sorted(r.request_id for r in replies) == ["a", "b"], replies
         assert all(r.HasField("response") for r in replies), replies
 
@@ -296,7 +150,7 @@ def test_a_grpc_timeout_grpc_core_refuses_is_answered_internal(
     timeouts = [("grpc-timeout", value) for value in values]
     for path, request in UNARY.items():
         answer = call(plain_server.grpc_port, path, framed(request), headers=timeouts)
-        assert (answer.code, answer.message) == (INTERNAL, BAD_TIMEOUT), (path, answer)
+        assert (answer.client_code, answer.message) == (INTERNAL, BAD_TIMEOUT), (path, answer)
 
 
 @pytest.mark.parametrize(
@@ -324,7 +178,7 @@ def test_of_several_grpc_timeouts_the_last_counts(
         started = time.monotonic()
         answer = call(plain_server.grpc_port, path, framed(request), headers=timeouts, end=False)
         took = time.monotonic() - started
-        assert answer.code == DEADLINE_EXCEEDED, (path, answer)
+        assert answer.client_code == DEADLINE_EXCEEDED, (path, answer)
         assert after_s <= took < after_s + 1.5, (path, took)
 
 
@@ -335,11 +189,11 @@ def test_te_is_checked_as_grpc_core_checks_it(plain_server: ServerProcess) -> No
     gateway sees the call: gRPC clients read that as INTERNAL too, as they read core's."""
     port = plain_server.grpc_port
     for path, request in UNARY.items():
-        assert call(port, path, framed(request), te=None).code == "reset", path
+        assert call(port, path, framed(request), te=None).client_code == "reset", path
         answer = call(port, path, framed(request), te="")
-        assert (answer.code, answer.message) == (INTERNAL, BAD_TE), (path, answer)
+        assert (answer.client_code, answer.message) == (INTERNAL, BAD_TE), (path, answer)
         for te in ("gzip", "Trailers", "trailers, deflate"):
-            assert call(port, path, framed(request), te=te).code == INTERNAL, (path, te)
+            assert call(port, path, framed(request), te=te).client_code == INTERNAL, (path, te)
 
 
 def test_malformed_headers_leave_the_gateways_connection_serving(
@@ -350,12 +204,13 @@ def test_malformed_headers_leave_the_gateways_connection_serving(
     architecture page), so this holds where the gateway is in front."""
     if grpc_gateway == "off":
         pytest.skip("gRPC core's own fault without the gateway (docs/architecture.md)")
-    raw = Raw(plain_server.grpc_port)
+    raw = RawGrpc(plain_server.grpc_port)
     try:
         for headers, te in (([("grpc-timeout", "1.5S")], "trailers"), ([], ""), ([], "gzip")):
-            assert raw.call(SERVER_LIVE, framed(b""), headers=headers, te=te).code == INTERNAL
+            refused = raw.wait(raw.open(SERVER_LIVE, framed(b""), headers=headers, te=te))
+            assert refused.client_code == INTERNAL, refused
             for path, request in UNARY.items():
-                answered_ok(raw.call(path, framed(request)), path)
+                answered_ok(raw.wait(raw.open(path, framed(request))), path)
     finally:
         raw.close()
 
@@ -377,7 +232,7 @@ def test_a_unary_call_without_a_whole_message_is_answered_internal(
     hands on no message that the body ended inside of, so each is a call with none."""
     for path, request in UNARY.items():
         answer = call(plain_server.grpc_port, path, body(request))  # type: ignore[operator]
-        assert (answer.code, answer.message) == (INTERNAL, NO_REQUEST), (path, answer)
+        assert (answer.client_code, answer.message) == (INTERNAL, NO_REQUEST), (path, answer)
 
 
 def test_a_unary_call_with_more_than_one_message_is_answered_internal(
@@ -388,7 +243,7 @@ def test_a_unary_call_with_more_than_one_message_is_answered_internal(
     for path, request in UNARY.items():
         for body in (framed(request) * 2, framed(request) + framed(b"")):
             answer = call(plain_server.grpc_port, path, body)
-            assert (answer.code, answer.message) == (INTERNAL, MORE_THAN_ONE_REQUEST), path
+            assert (answer.client_code, answer.message) == (INTERNAL, MORE_THAN_ONE_REQUEST), path
 
 
 def test_bytes_after_a_unary_message_that_are_no_whole_message_are_not_seen(
@@ -403,7 +258,7 @@ def test_bytes_after_a_unary_message_that_are_no_whole_message_are_not_seen(
 def test_a_unary_message_over_the_receive_limit_is_resource_exhausted(
     plain_server: ServerProcess,
 ) -> None:
-    connection = RawGrpc(plain_server.grpc_port, read=True)
+    connection = RawGrpc(plain_server.grpc_port)
     try:
         state = connection.wait(connection.call(ATTEND, bytes(RECEIVE_LIMIT + 1)))
     finally:
@@ -437,7 +292,7 @@ def test_answers_advertise_the_encodings_the_server_takes(
                 headers=[("grpc-encoding", encoding)],
             )
             if server is plain_server or encoding == "deflate":
-                assert answer.code == UNIMPLEMENTED, (encoding, answer)
+                assert answer.client_code == UNIMPLEMENTED, (encoding, answer)
                 assert f"'{encoding}' is disabled" in answer.message, answer
             else:
                 answered_ok(answer, ATTEND)
@@ -507,10 +362,10 @@ def test_a_binary_header_that_is_not_base64_is_internal_on_every_method(
         for value, valid in BINARY_VALUES.items():
             answer = call(port, path, framed(request), headers=[("x-key-bin", value)])
             if valid:
-                assert answer.code == 0, (path, value, answer)
+                assert answer.client_code == 0, (path, value, answer)
             else:
                 expected = "Error parsing 'x-key-bin' metadata: illegal base64 encoding"
-                assert (answer.code, answer.message) == (INTERNAL, expected), (path, value)
+                assert (answer.client_code, answer.message) == (INTERNAL, expected), (path, value)
 
 
 def test_repeated_cookie_headers_are_counted_one_by_one(plain_server: ServerProcess) -> None:
@@ -518,13 +373,13 @@ def test_repeated_cookie_headers_are_counted_one_by_one(plain_server: ServerProc
     each as gRPC core does, so neither serves a block over the bound (210 cookies of 44
     bytes: 17,000 bytes by core's count, 9,400 if counted as one header)."""
     cookies = [("cookie", f"c{i:03d}={'v' * 38}") for i in range(210)]
-    raw = Raw(plain_server.grpc_port)
+    raw = RawGrpc(plain_server.grpc_port)
     try:
         # First a call that lets the connection's SETTINGS be acknowledged: gRPC core bounds
         # a header block only from then on.
-        assert raw.call(SERVER_LIVE, framed(b"")).code == 0
-        answer = raw.call(ATTEND, framed(attend()), headers=cookies)
+        assert raw.wait(raw.open(SERVER_LIVE, framed(b""))).client_code == 0
+        answer = raw.wait(raw.open(ATTEND, framed(attend()), headers=cookies))
     finally:
         raw.close()
-    assert answer.code == RESOURCE_EXHAUSTED, answer
+    assert answer.client_code == RESOURCE_EXHAUSTED, answer
     assert answer.message.startswith("received metadata size exceeds hard limit"), answer

@@ -48,6 +48,17 @@ def rss_bytes(pid: int) -> int:
     return _status_kib(pid, "VmRSS")["VmRSS"] * 1024
 
 
+def peak_rss_bytes(pid: int) -> int:
+    """VmHWM: the most RSS since start or since reset_peak_rss."""
+    return _status_kib(pid, "VmHWM")["VmHWM"] * 1024
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start VmHWM again from the current RSS (Linux: writing 5 to clear_refs)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:
+        refs.write("5")
+
+
 def server_rss_bytes(server: ServerProcess) -> int:
     """The whole server's resident memory: every process's own pages, and the shared memory
     its front ends and worker both map counted once (the largest process's share of it)."""

@@ -4,7 +4,6 @@ and calls Python answers alike; an unreachable collector costs the requests noth
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -15,13 +14,14 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 
+from bench.harness import silent_listener
 from export.pipeline import ExportRequest, run_export
 from service.client import attend_request
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2
 from tests.harness.h2_raw import RawGrpc
 from tests.harness.otlp_receiver import OtlpReceiver, attributes
-from tests.harness.server_process import ServerProcess, behind_gateway
+from tests.harness.server_process import ServerProcess, behind_gateway, rss_bytes
 
 pytestmark = pytest.mark.usefixtures("grpc_gateway")
 D, H = 64, 4
@@ -170,7 +170,7 @@ def test_a_tracestate_that_is_not_utf8_loses_no_span(traced) -> None:
     request = grpc_service_pb2.ModelInferRequest(model_name="small")
     request.inputs.add(name="embeddings", datatype="FP32", shape=[1, 2, D])
     request.raw_input_contents.append(np.ones((1, 2, D), np.float32).tobytes())
-    client = RawGrpc(int(server.target.rsplit(":", 1)[1]), read=True)
+    client = RawGrpc(int(server.target.rsplit(":", 1)[1]))
     try:
         for trace_id, state in ((junk, b"a=\xff\xfe"), (after, b"a=1")):
             metadata = {"traceparent": _traceparent(trace_id), "tracestate": state}
@@ -313,19 +313,10 @@ def test_stream_gets_a_span_per_message(traced) -> None:
     assert len({m.span_id for m in messages}) == 2
 
 
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_an_unresponsive_collector_neither_slows_nor_grows_the_server(repository: Path) -> None:
     # A collector that accepts connections and never answers: each export waits its timeout.
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(64)
-        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    with silent_listener() as port:
+        endpoint = f"http://127.0.0.1:{port}"
         flags = ("--default-model", "small", "--tracing", "on", "--tracing-max-queue-spans", "64")
         env = {**_otel_env(endpoint), "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "16"}
         with ServerProcess(repository, *flags, env=env) as server:
@@ -345,9 +336,9 @@ def test_an_unresponsive_collector_neither_slows_nor_grows_the_server(repository
                 return slowest
 
             burst(100)  # the span queue is full from here on
-            settled = _rss_bytes(server.process.pid)
+            settled = rss_bytes(server.process.pid)
             slowest = burst(400)
-            grown = _rss_bytes(server.process.pid) - settled
+            grown = rss_bytes(server.process.pid) - settled
             client.close()
             assert slowest < 1.0, f"a request took {slowest:.2f}s with the collector hanging"
             assert grown < 32 << 20, f"RSS grew {grown >> 20} MiB over 400 traced requests"
