@@ -37,7 +37,7 @@ from service.frontend.rpc import (
 )
 from service.frontend.status import code_for
 from service.observability import logs, metrics
-from service.status_texts import STREAM_CLOSED
+from service.status_texts import DEADLINE_EXCEEDED, STREAM_CLOSED
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,10 @@ async def serve_stream(
     max_pending_bytes: int = DEFAULT_PENDING_BYTES,
 ) -> None:
     """Answer every request of the stream; return (status OK) once the client has half-closed
-    and every answer is written, or end with UNAVAILABLE once the server shuts down."""
+    and every answer is written, or end with UNAVAILABLE once the server shuts down, or with
+    DEADLINE_EXCEEDED when the call's deadline passed first (its messages may have been
+    answered DEADLINE_EXCEEDED before gRPC's own timer ended the call: it ends so all the
+    same, as it does when the timer comes first)."""
     closer = calls.closer
     if closer is not None and closer.closing:
         await context.abort(grpc.StatusCode.UNAVAILABLE, STREAM_CLOSED)
@@ -109,6 +112,9 @@ async def serve_stream(
             closer.discard(stream)
     if stream.closed:
         await context.abort(grpc.StatusCode.UNAVAILABLE, STREAM_CLOSED)
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED)
 
 
 class _CallEnded(Exception):

@@ -199,6 +199,10 @@ func (s *stream) status() (int, string) {
 		return codeDeadlineExceeded, grpcMessage(deadlineExceeded)
 	case closed:
 		return codeUnavailable, grpcMessage(streamClosed)
+	case cause == nil && !s.deadline.IsZero() && !time.Now().Before(s.deadline):
+		// Past the deadline before its timer fired: a call whose deadline has passed ends
+		// DEADLINE_EXCEEDED, whatever was answered before (as the Python front end ends it).
+		return codeDeadlineExceeded, grpcMessage(deadlineExceeded)
 	case errors.As(cause, &refused):
 		return refused.code, grpcMessage(refused.message)
 	case errors.As(cause, &failure):

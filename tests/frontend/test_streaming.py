@@ -4,6 +4,7 @@ back-pressure, cancellation, shutdown; tritonclient's stream API unchanged."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import shutil
 import signal
@@ -27,6 +28,8 @@ from service.frontend.streaming import StreamCalls, serve_stream
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.settings import Settings
+from service.status_texts import DEADLINE_EXCEEDED
+from service.transport.wire import WireMessage
 from tests.harness.reference import attend_alone, layer_for
 from tests.harness.server_process import REPO_ROOT, ServerProcess
 
@@ -613,3 +616,60 @@ def test_an_unexpected_error_is_internal_logged_and_the_stream_goes_on(
     logged = [r for r in caplog.records if "internal error in attention_stream" in r.getMessage()]
     assert len(logged) == 2
     assert all(r.exc_info is not None for r in logged)
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _PastItsDeadline:
+    """A call's context, its deadline passed while its messages were answered, before gRPC's
+    own timer ended the call (the worker may notice a passed deadline first)."""
+
+    def __init__(self, remaining_s: float) -> None:
+        self.remaining_s = remaining_s
+        self.written: list[bytes] = []  # the answers, serialized
+        self.ended: tuple[grpc.StatusCode, str] | None = None  # None: returned, status OK
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def time_remaining(self) -> float:
+        return self.remaining_s
+
+    async def write(self, message: WireMessage) -> None:
+        self.written.append(b"".join(message.chunks))
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.ended = (code, details)
+        raise _Aborted
+
+
+@pytest.mark.parametrize(
+    ("remaining_s", "ended"),
+    [(-0.001, (grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED)), (5, None)],
+)
+def test_a_stream_whose_deadline_has_passed_ends_deadline_exceeded(
+    remaining_s: float, ended: tuple[grpc.StatusCode, str] | None
+) -> None:
+    """A call whose deadline passed ends DEADLINE_EXCEEDED, whatever its messages' answers
+    (here one answered before it ended); it ended OK when gRPC's timer came too late."""
+
+    async def requests() -> AsyncIterator[pb.AttendRequest]:
+        yield pb.AttendRequest(request_id="a")
+
+    async def answer(request: pb.AttendRequest, context: object) -> pb.AttendStreamResponse:
+        return pb.AttendStreamResponse(request_id=request.request_id)
+
+    calls = StreamCalls(
+        api="attention_stream",
+        answer=answer,
+        failure=lambda request, code, message: pb.AttendStreamResponse(),
+        model_label=lambda request: "_unknown",
+        request_id=lambda request: request.request_id,
+    )
+    context = _PastItsDeadline(remaining_s)
+    with contextlib.suppress(_Aborted):
+        asyncio.run(serve_stream(calls, requests(), context, max_inflight=2))  # type: ignore[arg-type]
+    assert context.ended == ended
+    assert [pb.AttendStreamResponse.FromString(m).request_id for m in context.written] == ["a"]
