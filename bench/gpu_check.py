@@ -18,7 +18,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from bench import gpu_probe
-from bench.harness import loopback_server
+from bench.harness import loopback_server, metric_samples
 from bench.launcher import Service
 from service.worker.engine import cuda, fused
 from service.worker.engine.cuda import CPU, CUDA, CudaOptions
@@ -305,17 +304,10 @@ ROLES = ("supervisor", "worker", "frontend-0")
 
 def system_series(metrics_port: int) -> dict[str, dict[str, float]]:
     """The server's attention_gpu_* and attention_process_* samples: {name: {labels: value}}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=30) as answer:
-        text = answer.read().decode()
     found: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith(("attention_gpu_", "attention_process_")):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                found.setdefault(sample.name, {})[labels] = sample.value
+    for (name, labels), value in metric_samples(f"http://127.0.0.1:{metrics_port}/metrics").items():
+        if name.startswith(("attention_gpu_", "attention_process_")):
+            found.setdefault(name, {})[",".join(f"{k}={v}" for k, v in labels)] = value
     return found
 
 

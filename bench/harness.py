@@ -76,16 +76,25 @@ def wait_for(
     return time.monotonic() - started
 
 
-def metric_samples(url: str, timeout_s: float = 30.0) -> Samples:
-    """Every sample /metrics at url exposes now. The timeout is generous: a scrape waits for a
-    core while the worker computes large batches."""
+def metrics_text(url: str, timeout_s: float = 30.0) -> str:
+    """The exposition /metrics at url serves now. The timeout is generous: a scrape waits for
+    a core while the worker computes large batches."""
     with urllib.request.urlopen(url, timeout=timeout_s) as reply:
-        text = reply.read().decode()
+        return reply.read().decode()
+
+
+def parse_samples(text: str) -> Samples:
+    """Every sample of a Prometheus text exposition."""
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def metric_samples(url: str, timeout_s: float = 30.0) -> Samples:
+    """Every sample /metrics at url exposes now."""
+    return parse_samples(metrics_text(url, timeout_s))
 
 
 def metric_sum(samples: Samples, name: str, **labels: str) -> float:

@@ -4,12 +4,10 @@ whose responses carry no timing)."""
 
 from __future__ import annotations
 
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from bench.harness import metrics_text, parse_samples
 from bench.stats import bucket_counts, histogram_delta, histogram_mean
 
 HISTOGRAMS = {
@@ -34,27 +32,26 @@ def parse(text: str) -> Snapshot:
     """The histograms in HISTOGRAMS, summed over their label sets (models)."""
     wanted = {name: key for key, name in HISTOGRAMS.items()}
     snapshot: Snapshot = {key: HistogramSnapshot() for key in HISTOGRAMS}
-    for family in text_string_to_metric_families(text):
-        key = wanted.get(family.name)
+    for (name, labels), value in parse_samples(text).items():
+        family, _, part = name.rpartition("_")
+        key = wanted.get(family)
         if key is None:
             continue
         histogram = snapshot[key]
-        for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                le = sample.labels["le"]
-                histogram.buckets[le] = histogram.buckets.get(le, 0.0) + sample.value
-            elif sample.name.endswith("_sum"):
-                histogram.sum += sample.value
-            elif sample.name.endswith("_count"):
-                histogram.count += sample.value
+        if part == "bucket":
+            le = dict(labels)["le"]
+            histogram.buckets[le] = histogram.buckets.get(le, 0.0) + value
+        elif part == "sum":
+            histogram.sum += value
+        elif part == "count":
+            histogram.count += value
     return snapshot
 
 
 def scrape(url: str, timeout_s: float = 5.0) -> Snapshot | None:
     """None when the URL does not answer (a peer server without these metrics)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
-            return parse(reply.read().decode())
+        return parse(metrics_text(url, timeout_s))
     except OSError:
         return None
 

@@ -8,7 +8,6 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.harness import wait_for
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from tests.harness.server_process import ServerProcess
@@ -53,14 +53,6 @@ def _health(channel: grpc.Channel) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise TimeoutError(what)
-        time.sleep(0.005)
-
-
 def _logged_at(log: str, text: str) -> float:
     """The wall-clock time of the first log line holding text."""
     line = next(line for line in log.splitlines() if text in line)
@@ -78,11 +70,11 @@ def test_drain_goes_not_serving_then_unavailable_and_finishes_what_it_accepted(
         server.wait_metric("attention_queue_depth_requests", 5)
         started = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
-        _wait_until(lambda: _health(channel) == "NOT_SERVING", "health stayed SERVING")
+        wait_for(lambda: _health(channel) == "NOT_SERVING", what="NOT_SERVING")
         assert time.monotonic() - started < 1.0  # at once, not after the drain
         late = stub.Attend.future(_request(), timeout=30)  # still accepted while NOT_SERVING
         server.wait_metric("attention_queue_depth_requests", 6)
-        _wait_until(lambda: "refusing new requests" in server.log, "never refused")
+        wait_for(lambda: "refusing new requests" in server.log, what="refusals")
         assert time.monotonic() - started >= 1.4  # the whole NOT_SERVING period first
         with pytest.raises(grpc.RpcError) as refused:
             stub.Attend(_request(), timeout=10)
@@ -118,7 +110,7 @@ def test_clients_under_load_see_ok_then_unavailable_never_cancelled(small_only: 
         threads = [threading.Thread(target=client) for _ in range(4)]
         for thread in threads:
             thread.start()
-        _wait_until(lambda: len(codes) >= 20, "no answers")
+        wait_for(lambda: len(codes) >= 20, what="20 answers")
         started = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         signalled.set()

@@ -25,10 +25,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness import free_port
+from bench.harness import Samples, free_port, metric_samples, metric_sum, wait_for
 from service.client import AttentionClient
+from tests.harness.prometheus import query as query_prometheus
 
 # The first build on a fresh machine takes minutes (torch in the export stage).
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
@@ -72,14 +72,6 @@ def _report(request: pytest.FixtureRequest, line: str) -> None:
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(f"\n[container] {line}", flush=True)
-
-
-def _poll(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise TimeoutError(what)
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +141,7 @@ class Container:
 
     def wait_healthy(self) -> None:
         try:
-            _poll(self.healthy, "HEALTHCHECK never passed", timeout_s=120)
+            wait_for(self.healthy, what="a passing HEALTHCHECK", timeout_s=120, poll_s=0.1)
         except TimeoutError:
             raise AssertionError(self.logs()) from None
 
@@ -195,23 +187,8 @@ def container(image: str) -> Iterator[Container]:
         _podman("rm", "--force", "--time", "0", box.name, check=False)
 
 
-def _scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def _served(metrics: dict[tuple[str, frozenset], float], api: str) -> float:
-    return sum(
-        value
-        for (name, labels), value in metrics.items()
-        if name == "attention_requests_total"
-        and {("api", api), ("code", "OK"), ("model", "mha")} <= labels
-    )
+def _served(metrics: Samples, api: str) -> float:
+    return metric_sum(metrics, "attention_requests_total", api=api, code="OK", model="mha")
 
 
 def test_image_runs_non_root_read_only_and_serves_both_apis(
@@ -286,11 +263,11 @@ def test_image_runs_non_root_read_only_and_serves_both_apis(
         rest.close()
     np.testing.assert_allclose(over_rest.as_numpy("output")[0], ours.output, rtol=1e-4, atol=1e-5)
 
-    metrics = _scrape(container.metrics_port)
+    metrics = metric_samples(f"http://127.0.0.1:{container.metrics_port}/metrics")
     assert _served(metrics, "attention") >= 4  # the CLI's three and ours
     assert _served(metrics, "v2") >= 1
     assert _served(metrics, "rest") >= 1
-    assert metrics[("attention_model_ready", frozenset({("model", "mha"), ("version", "1")}))] == 1
+    assert metrics[("attention_model_ready", (("model", "mha"), ("version", "1")))] == 1
 
 
 @dataclass
@@ -331,7 +308,7 @@ def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(
     threads = [threading.Thread(target=load.run, daemon=True) for _ in range(6)]
     for thread in threads:
         thread.start()
-    _poll(lambda: len(load.ok) >= 12, "no load got through", timeout_s=60)
+    wait_for(lambda: len(load.ok) >= 12, what="12 answers under load", timeout_s=60, poll_s=0.1)
     signalled = time.monotonic()
     _podman("kill", "--signal", "TERM", container.name)
     exit_code = _podman("wait", container.name, timeout_s=60)
@@ -349,15 +326,6 @@ def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(
     assert drained >= 1
     assert exit_code == "0", container.logs()
     assert "draining" in container.logs()
-
-
-def _prometheus_query(base: str, promql: str) -> list[dict]:
-    url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            return json.load(reply)["data"]["result"]
-    except OSError:
-        return []  # not up yet
 
 
 def test_compose_pair_prometheus_scrapes_the_server_and_loads_the_alerts(
@@ -405,11 +373,13 @@ def test_compose_pair_prometheus_scrapes_the_server_and_loads_the_alerts(
         base = f"http://127.0.0.1:{port}"
 
         def scraped(query: str, value: str = "1") -> Callable[[], bool]:
-            return lambda: [r["value"][1] for r in _prometheus_query(base, query)] == [value]
+            return lambda: [r["value"][1] for r in query_prometheus(base, query)] == [value]
 
         try:
-            _poll(scraped('up{job="attention"}'), "Prometheus never scraped the server", 120)
-            _poll(scraped('attention_model_ready{model="mha"}'), "model never ready", 60)
+            wait_for(scraped('up{job="attention"}'), what="a scrape", timeout_s=120, poll_s=0.1)
+            wait_for(
+                scraped('attention_model_ready{model="mha"}'), what="a ready model", poll_s=0.1
+            )
         except TimeoutError as err:
             logs = Container(f"{name}-prometheus", 0, 0).logs()
             raise AssertionError(f"{err}\n{logs[-3000:]}") from None
@@ -421,7 +391,7 @@ def test_compose_pair_prometheus_scrapes_the_server_and_loads_the_alerts(
             rules[:] = [rule for group in groups for rule in group["rules"]]
             return len(rules) == 7 and all(rule["health"] == "ok" for rule in rules)
 
-        _poll(evaluated, "alerts.yml not loaded and evaluated", 60)
+        wait_for(evaluated, what="alerts.yml loaded and evaluated", poll_s=0.1)
         firing = [r["name"] for r in rules if r["state"] == "firing"]
         assert "AttentionServerDown" not in firing
         assert "AttentionModelNotReady" not in firing

@@ -22,6 +22,7 @@ import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from bench.harness import wait_for
 from service.client import AsyncAttentionClient, AttendError, AttendResult, AttentionClient
 from service.frontend.handlers import add_servicer
 from service.frontend.streaming import StreamCalls, serve_stream
@@ -97,18 +98,8 @@ class HeldOpen:
         self._closed.set()
 
 
-def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise TimeoutError(what)
-        time.sleep(0.01)
-
-
 def _queue_empty(server: ServerProcess) -> None:
-    _wait_until(
-        lambda: server.metric("attention_queue_depth_requests") == 0, "queue depth stayed > 0"
-    )
+    wait_for(lambda: server.metric("attention_queue_depth_requests") == 0, what="an empty queue")
 
 
 # -- AttendStream ---------------------------------------------------------------------------
@@ -401,9 +392,9 @@ def test_a_cancelled_stream_leaves_nothing_queued(parked: ServerProcess) -> None
             held.close()
         _queue_empty(parked)
         parked.wait_metric("attention_requests_dropped_total", dropped + 20, reason="cancelled")
-        _wait_until(
+        wait_for(
             lambda: parked.metric("attention_inflight_requests", api="attention_stream") == 0,
-            "streamed requests still counted in flight",
+            what="no streamed request in flight",
         )
         # Healthy: a request that fills a batch alone is computed at once.
         full = stub.Attend(_request(np.ones((64, 2, D), np.float32)), timeout=TIMEOUT_S)
@@ -443,9 +434,9 @@ def test_a_v2_client_that_goes_away_leaves_nothing_queued(parked: ServerProcess)
         client.wait()
     _queue_empty(parked)
     parked.wait_metric("attention_requests_dropped_total", dropped + 20, reason="cancelled")
-    _wait_until(
+    wait_for(
         lambda: parked.metric("attention_inflight_requests", api="v2_stream") == 0,
-        "streamed requests still counted in flight",
+        what="no streamed request in flight",
     )
     with AttentionClient(parked.target) as attention:
         assert attention.is_serving()

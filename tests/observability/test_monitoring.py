@@ -6,12 +6,8 @@ that scrapes a real server, each finding the series it names."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,33 +15,22 @@ import numpy as np
 import pytest
 import yaml
 
-from bench.harness import free_port
+from bench.harness import metrics_text, wait_for
 from service.client import AttentionClient
+from tests.harness.prometheus import PROMTOOL, need, scraping
 from tests.harness.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "monitoring"
-PROMTOOL = shutil.which("promtool")
-PROMETHEUS = shutil.which("prometheus")
-# CI installs Debian's prometheus package (promtool included) and sets this.
-REQUIRED = os.environ.get("ATTENTION_REQUIRE_PROMETHEUS") == "1"
 # Series that exist only where their hardware does (a GPU): checked by bench/gpu.sh there.
 HARDWARE_ONLY = re.compile(r"\battention_gpu_")
 # Grafana's own variables, as Grafana would expand them for a 1-minute range.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
 
 
-def _need(binary: str | None, name: str) -> str:
-    if binary is None:
-        if REQUIRED:
-            pytest.fail(f"{name} is not installed (apt-get install prometheus)")
-        pytest.skip(f"{name} not installed; .ci/run installs Debian's prometheus package")
-    return binary
-
-
 def _promtool(*args: str, cwd: Path = ROOT, stdin: str | None = None) -> str:
     done = subprocess.run(
-        [_need(PROMTOOL, "promtool"), *args],
+        [need(PROMTOOL, "promtool"), *args],
         cwd=cwd,
         input=stdin,
         capture_output=True,
@@ -120,44 +105,8 @@ def _autoscaling_queries() -> list[str]:
 @pytest.fixture(scope="module")
 def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus scraping the session's server every second."""
-    binary = _need(PROMETHEUS, "prometheus")
-    folder = tmp_path_factory.mktemp("prometheus-monitoring")
-    config = folder / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s}\n"
-        "scrape_configs:\n"
-        "  - job_name: attention\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{server.metrics_port}']}}]\n"
-    )
-    address = f"127.0.0.1:{free_port()}"
-    process = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={folder / 'data'}",
-            f"--web.listen-address={address}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(folder / "log").open("w"),
-    )
-    try:
-        # Ready before the first query: on a busy machine it took longer than the test's
-        # first promtool call, which then failed with "connection refused".
-        give_up = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, (folder / "log").read_text()
-            try:
-                with urllib.request.urlopen(f"http://{address}/-/ready", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < give_up, "Prometheus not ready after 60 s"
-            time.sleep(0.1)
-        yield f"http://{address}"
-    finally:
-        process.terminate()
-        process.wait(30)
+    with scraping(server.metrics_port, tmp_path_factory.mktemp("prometheus-monitoring")) as base:
+        yield base
 
 
 def _instant(base: str, promql: str) -> list[dict]:
@@ -174,18 +123,16 @@ def test_every_query_runs_on_real_metrics_and_finds_its_series(
     with AttentionClient(server.target) as client:
         for seq in (4, 8, 16):
             client.attend(np.ones((seq, 32), np.float32), model="causal")
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
+    text = metrics_text(f"http://127.0.0.1:{server.metrics_port}/metrics")
     # The exposition itself passes promtool's lint (names, units, help).
-    _promtool("check", "metrics", stdin=text.decode())
+    _promtool("check", "metrics", stdin=text)
     # Sampled series, and families declared with no sample yet (no drop has happened).
-    exposed = set(re.findall(r"^(\w+)|^# TYPE (\w+)", text.decode(), re.M))
+    exposed = set(re.findall(r"^(\w+)|^# TYPE (\w+)", text, re.M))
     exposed = {name for pair in exposed for name in pair if name}
 
     # Two scrapes after the traffic, so rate() over 1m has points to work with.
-    give_up = time.monotonic() + 60
-    while not _instant(prometheus, 'sum(increase(attention_requests_total{model="causal"}[1m]))'):
-        assert time.monotonic() < give_up, "Prometheus never scraped the traffic"
-        time.sleep(0.2)
+    traffic = 'sum(increase(attention_requests_total{model="causal"}[1m]))'
+    wait_for(lambda: _instant(prometheus, traffic), what=traffic, timeout_s=60, poll_s=0.2)
     # Dashboards and autoscaling must find data; alerts must run (they are empty when quiet).
     expect_data = _dashboard_queries() + _autoscaling_queries()
     for query in expect_data + _alert_queries():

@@ -8,33 +8,21 @@ import subprocess
 import sys
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness import Samples, parse_samples
 from service.observability.gpu_metrics import GpuCollector
 from service.observability.process_metrics import ProcessCollector, read_stat
+from tests.harness.server_process import rss_bytes
 
 
-def _samples(collector: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _samples(collector: Any) -> Samples:
     """What a scrape of a registry holding collector shows (through the exposition format)."""
     registry = CollectorRegistry()
     registry.register(collector)
-    text = generate_latest(registry).decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def _vm_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    return parse_samples(generate_latest(registry).decode())
 
 
 def test_cpu_and_memory_of_each_process_by_role() -> None:
@@ -59,7 +47,7 @@ def test_cpu_and_memory_of_each_process_by_role() -> None:
     assert set(cpu) == set(memory) == {"supervisor", "worker"}  # a gone pid has no series
     own_cpu = os.times()
     assert 0 < cpu["supervisor"] <= own_cpu.user + own_cpu.system + 0.02
-    assert 0.5 < memory["supervisor"] / _vm_rss(os.getpid()) < 2
+    assert 0.5 < memory["supervisor"] / rss_bytes(os.getpid()) < 2
     assert memory["worker"] > 1 << 20
 
 
