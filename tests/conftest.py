@@ -9,16 +9,16 @@ import pytest
 
 from export.pipeline import ExportRequest, ExportResult, run_export
 from service.client import AttentionClient
+from tests.harness.gateway_modes import GATEWAY_MODES, mode_id
 from tests.harness.server_process import ServerProcess
+
 
 # The gRPC port served by the native gateway, then by the Python front end itself: both must
 # answer every call alike. A module opts in with
 #     pytestmark = pytest.mark.usefixtures("grpc_gateway")
-# and every server it starts (fixtures and tests alike) runs once in each mode.
-GATEWAY_MODES = ("on", "off")
-
-
-@pytest.fixture(scope="module", params=GATEWAY_MODES, ids=lambda mode: f"gateway-{mode}")
+# and every server it starts (fixtures and tests alike) runs once in each mode
+# (tests.harness.gateway_modes.OFF_WHEN_HEAVY: the second only in the heavy run).
+@pytest.fixture(scope="module", params=GATEWAY_MODES, ids=mode_id)
 def grpc_gateway(request: pytest.FixtureRequest) -> Iterator[str]:
     """The --grpc-gateway mode of every server this module starts (through the environment,
     which ServerProcess passes on)."""
@@ -47,7 +47,7 @@ def small_export(tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
     return run_export(ExportRequest(name="small", embed_dim=64, num_heads=4, out=root))
 
 
-@pytest.fixture(scope="session", params=GATEWAY_MODES, ids=lambda mode: f"gateway-{mode}")
+@pytest.fixture(scope="session", params=GATEWAY_MODES, ids=mode_id)
 def server(model_repository: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     """One server with default settings (bar a short queue delay) for the read-only tests,
     its gRPC port served by the gateway, then by Python."""

@@ -47,8 +47,9 @@ HARDWARE_ONLY = re.compile(r"^attention_gpu_")
 
 
 @pytest.fixture(scope="module")
-def rest_server(model_repository: Path) -> Iterator[ServerProcess]:
-    """The default server with its REST port open."""
+def rest_server(model_repository: Path, grpc_gateway: str) -> Iterator[ServerProcess]:
+    """The default server with its REST port open, in each gateway mode (the pages' gRPC
+    examples work with the gateway in front and without it)."""
     with ServerProcess(model_repository, http=True) as process:
         yield process
 

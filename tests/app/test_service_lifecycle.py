@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,8 +18,9 @@ from bench.harness import loopback_server
 from service.client import AttentionClient
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from tests.harness.gateway_modes import OFF_WHEN_HEAVY
 from tests.harness.providers import serving_provider
-from tests.harness.server_process import ServerProcess, worker_pid
+from tests.harness.server_process import ServerProcess, gateway_mode, worker_pid
 
 D = 64  # the "small" model keeps these tests quick
 PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64")  # requests wait in the queue
@@ -118,7 +118,10 @@ def test_sigterm_under_load_finishes_accepted_requests_and_exits_zero(
     assert "draining" in server.log
 
 
-def test_health_goes_from_not_serving_to_serving_after_warm_up(model_repository: Path) -> None:
+@OFF_WHEN_HEAVY  # the gateway refuses calls until ready by itself; ~12 s a mode
+def test_health_goes_from_not_serving_to_serving_after_warm_up(
+    model_repository: Path, grpc_gateway: str
+) -> None:
     """Front ends bind before the worker is warm: health says NOT_SERVING and calls are
     refused with UNAVAILABLE until it is. The worker is held (SIGSTOP) inside its batch-cap
     measurement, so the window cannot close before the checks."""
@@ -146,6 +149,7 @@ def test_health_goes_from_not_serving_to_serving_after_warm_up(model_repository:
         server.kill()
 
 
+@pytest.mark.usefixtures("grpc_gateway")  # the gateway answers from the served set it is sent
 def test_broken_models_are_skipped_and_the_rest_served(
     model_repository: Path, tmp_path: Path
 ) -> None:
@@ -173,29 +177,15 @@ def test_empty_repository_fails_fast_with_a_clear_message(tmp_path: Path) -> Non
 
 
 def test_a_taken_port_fails_fast(server: ServerProcess, model_repository: Path) -> None:
+    env = {**os.environ, "ATTENTION_GRPC_GATEWAY": gateway_mode(server)}  # the gateway binds too
     for flag, port in (("--grpc-port", server.grpc_port), ("--metrics-port", server.metrics_port)):
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "service",
-                "--model-repository",
-                str(model_repository),
-                "--host",
-                "127.0.0.1",
-                "--grpc-port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--http-port",
-                "0",
-                flag,
-                str(port),
-            ],
+            [*loopback_server(model_repository), flag, str(port)],
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
+            env=env,
         )
         assert done.returncode == 1, done.stderr
         assert "cannot bind" in done.stderr

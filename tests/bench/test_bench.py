@@ -60,7 +60,7 @@ from export.pipeline import ExportRequest, run_export
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
-from tests.harness.server_process import ServerProcess, child_pids
+from tests.harness.server_process import ServerProcess, child_pids, in_mode
 
 # -- statistics --------------------------------------------------------------------------------
 
@@ -1079,7 +1079,15 @@ def echo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
         yield server
 
 
-def test_real_server_serves_the_echo_model_exactly(echo_server: ServerProcess) -> None:
+@pytest.fixture(scope="module")
+def echo_server_in_mode(echo_server: ServerProcess, grpc_gateway: str) -> Iterator[ServerProcess]:
+    """The echo server in each gateway mode (the runs of the load generator below, which test
+    the bench's own code, take it in one)."""
+    with in_mode(echo_server, grpc_gateway) as server:
+        yield server
+
+
+def test_real_server_serves_the_echo_model_exactly(echo_server_in_mode: ServerProcess) -> None:
     x = np.random.default_rng(1).standard_normal((2, 7, 16), dtype=np.float32)
     request = v2.ModelInferRequest(
         model_name="mha",
@@ -1094,7 +1102,7 @@ def test_real_server_serves_the_echo_model_exactly(echo_server: ServerProcess) -
         ],
         raw_input_contents=[x.tobytes()],
     )
-    with grpc.insecure_channel(echo_server.target) as channel:
+    with grpc.insecure_channel(echo_server_in_mode.target) as channel:
         stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
         reply = stub.ModelInfer(request, timeout=30)
         metadata = stub.ModelMetadata(v2.ModelMetadataRequest(name="mha"), timeout=30)
@@ -1104,7 +1112,7 @@ def test_real_server_serves_the_echo_model_exactly(echo_server: ServerProcess) -
     assert contents["output"] == x.tobytes()  # the input, bit for bit
     assert contents["attention_weights"] == bytes(2 * 2 * 7 * 7 * 4)
     assert [i.name for i in metadata.inputs] == ["embeddings"]
-    assert "served without a load-time check" in echo_server.log  # no golden.npz: said so
+    assert "served without a load-time check" in echo_server_in_mode.log  # no golden.npz: said so
 
 
 @pytest.mark.parametrize(
@@ -1169,6 +1177,7 @@ def test_loadgen_against_echo_server_writes_json(
         assert sum(sizes.values()) == result["requests"]
 
 
+# One mode: bench.worker_alone talks to the worker, never to the gRPC port.
 def test_the_worker_alone_is_driven_over_its_own_channel(model_repository: Path) -> None:
     """bench.worker_alone connects as one more front end and measures the worker's CPU."""
     with ServerProcess(model_repository) as server:

@@ -88,33 +88,33 @@ def test_long_sequences_stay_readable(tmp_path: Path) -> None:
 
 
 def test_client_plots_and_saves_what_the_server_returned(
-    tmp_path: Path, model_repository: Path
+    tmp_path: Path, server: ServerProcess
 ) -> None:
+    """Against conftest's server, in each gateway mode."""
     png, npz = tmp_path / "weights.png", tmp_path / "answer.npz"
-    with ServerProcess(model_repository, "--batch-cap-budget-s", "0") as server:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "service.client",
-                "--target",
-                server.target,
-                "--model",
-                "small",
-                "--seq",
-                "6",
-                "--weights",
-                "--plot",
-                str(png),
-                "--save",
-                str(npz),
-                "--tokens",
-                "a b c d e f",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "service.client",
+            "--target",
+            server.target,
+            "--model",
+            "small",
+            "--seq",
+            "6",
+            "--weights",
+            "--plot",
+            str(png),
+            "--save",
+            str(npz),
+            "--tokens",
+            "a b c d e f",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "wrote" in done.stdout
     saved = np.load(npz)
     assert saved["output"].shape == (6, 64)

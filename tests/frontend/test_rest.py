@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from export.pipeline import ExportRequest, run_export
 from tests.harness.reference import attend_alone, layer_for
-from tests.harness.server_process import ServerProcess
+from tests.harness.server_process import ServerProcess, in_mode
 
 D, H = 64, 4
 MAX_BATCH, MAX_SEQ = 4, 16
@@ -45,6 +45,14 @@ def server(repository: Path) -> Iterator[ServerProcess]:
     with ServerProcess(repository, *flags, http=True) as process:
         yield process
     assert process.process.returncode == 0, process.log
+
+
+@pytest.fixture(scope="module")
+def grpc_server(server: ServerProcess, grpc_gateway: str) -> Iterator[ServerProcess]:
+    """The server in each gateway mode, for the answers compared over gRPC (REST is the
+    Python front end's in both)."""
+    with in_mode(server, grpc_gateway) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +108,7 @@ def test_health_metadata_config_stats_and_repository(
 
 @pytest.mark.parametrize("binary", [True, False])
 def test_tritonclient_http_infers_as_torch_and_grpc(
-    server: ServerProcess, http: triton_http.InferenceServerClient, binary: bool
+    grpc_server: ServerProcess, http: triton_http.InferenceServerClient, binary: bool
 ) -> None:
     x = _embeddings(2, 7)
     tensor = triton_http.InferInput("embeddings", list(x.shape), "FP32")
@@ -114,7 +122,7 @@ def test_tritonclient_http_infers_as_torch_and_grpc(
     np.testing.assert_allclose(result.as_numpy("output"), expected_output, atol=1e-4)
     np.testing.assert_allclose(result.as_numpy("attention_weights"), expected_weights, atol=1e-5)
     assert result.get_response()["id"] == "r-1"
-    grpc_client = triton_grpc.InferenceServerClient(server.target)
+    grpc_client = triton_grpc.InferenceServerClient(grpc_server.target)
     grpc_tensor = triton_grpc.InferInput("embeddings", list(x.shape), "FP32")
     grpc_tensor.set_data_from_numpy(x)
     over_grpc = grpc_client.infer("small", [grpc_tensor]).as_numpy("output")

@@ -25,7 +25,7 @@ import tritonclient.grpc as triton_grpc
 
 from service.frontend.rest.routes import ROUTES
 from service.frontend.restricted import GROUPS
-from tests.harness.server_process import ServerProcess, child_pids, server_rss_bytes
+from tests.harness.server_process import ServerProcess, child_pids, in_mode, server_rss_bytes
 
 D, H = 512, 8  # mha_repository's model, as deployed
 JSON_REQUEST_BOUND = 24 << 20  # below the body limit (32 x 512 x 512 x 4 + 1 MiB)
@@ -418,7 +418,18 @@ def test_a_404_with_the_metadata_key_lists_them_but_ready_never_does(
     status, headers, raw = _request(server, "GET", "/v2/models/nope/ready", headers=key)
     assert status == 404
     assert "serves" not in _error(headers, raw)  # as gRPC's ModelReady: only "not ready"
-    client = triton_grpc.InferenceServerClient(server.target)
+
+
+@pytest.fixture(scope="module")
+def grpc_server(server: ServerProcess, grpc_gateway: str) -> Iterator[ServerProcess]:
+    """The server in each gateway mode, for its gRPC call (REST is the Python front end's in
+    both)."""
+    with in_mode(server, grpc_gateway) as process:
+        yield process
+
+
+def test_grpc_model_ready_says_false_for_a_model_not_served(grpc_server: ServerProcess) -> None:
+    client = triton_grpc.InferenceServerClient(grpc_server.target)
     assert client.is_model_ready("nope") is False
     client.close()
 

@@ -20,7 +20,7 @@ from service.generated.attention.v1 import attention_pb2_grpc
 from service.memory.budget import TRIM_AFTER_BATCH_BYTES, is_large_batch
 from tests.harness.providers import serving_provider
 from tests.harness.reference import attend_alone, cpu_session, layer_for
-from tests.harness.server_process import ServerProcess, behind_gateway
+from tests.harness.server_process import ServerProcess, behind_gateway, gateway_mode
 
 D, H = 512, 8
 
@@ -284,7 +284,8 @@ def test_round_robin_spreads_requests_over_every_backend(
     def served(backend: ServerProcess) -> float:
         return backend.metric("attention_requests_total", model="mha", api="attention", code="OK")
 
-    with ServerProcess(model_repository, "--batch-cap-budget-s", "0") as other:
+    mode = {"ATTENTION_GRPC_GATEWAY": gateway_mode(server)}  # both backends alike
+    with ServerProcess(model_repository, "--batch-cap-budget-s", "0", env=mode) as other:
         before = [served(server), served(other)]
         target = f"ipv4:127.0.0.1:{server.grpc_port},127.0.0.1:{other.grpc_port}"
         with AttentionClient(target, load_balancing="round_robin") as balanced:

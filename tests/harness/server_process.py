@@ -8,6 +8,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench.harness import Samples, free_port, loopback_server, metric_samples, metric_sum
@@ -28,6 +30,24 @@ def child_pids(server: ServerProcess) -> dict[str, int]:
 def behind_gateway(server: ServerProcess) -> bool:
     """Whether the native gRPC gateway serves this server's gRPC port (its start is logged)."""
     return any(name.endswith("-gateway") for name in child_pids(server))
+
+
+def gateway_mode(server: ServerProcess) -> str:
+    """The --grpc-gateway mode server runs in, as the grpc_gateway fixture names it."""
+    return "on" if behind_gateway(server) else "off"
+
+
+@contextmanager
+def in_mode(server: ServerProcess, mode: str) -> Iterator[ServerProcess]:
+    """server where it runs in that gateway mode already, else one started as it was (the same
+    repository, flags and environment) in that mode: for the one gRPC test of a module whose
+    other tests need a server in one mode only."""
+    if gateway_mode(server) == mode:
+        yield server
+        return
+    env = {**server.env, "ATTENTION_GRPC_GATEWAY": mode}
+    with ServerProcess(server.repository, *server.flags, env=env, http=server.http) as other:
+        yield other
 
 
 def worker_pid(server: ServerProcess) -> int:
@@ -84,6 +104,7 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         http: bool = False,
     ):
+        self.repository, self.flags, self.env, self.http = model_repository, flags, env or {}, http
         # --http-port 0 means no HTTP/REST endpoint, so a test that wants one is given a port
         # the kernel just handed out (and took back): free, and not reused at once.
         http_port = free_port() if http else 0

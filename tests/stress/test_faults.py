@@ -174,6 +174,7 @@ def test_a_failing_engine_call_fails_its_own_batch_alone(
     assert all(f"request_id='r{i}'" in logged for i in range(4))
 
 
+@pytest.mark.usefixtures("grpc_gateway")  # calls the gateway answers itself, with and without
 def test_a_model_file_unreadable_after_start_does_not_stop_the_server(
     model_repository: Path, tmp_path: Path, figures
 ) -> None:

@@ -11,12 +11,18 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from bench.harness import wait_for
 from service.app import run_dir
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from tests.harness.gateway_modes import OFF_WHEN_HEAVY
 from tests.harness.server_process import ServerProcess, child_pids, worker_pid
+
+# A worker, front end or supervisor that dies, hangs or is cancelled mid-call: the gateway
+# has code of its own for each, so every test runs with it in front and without it.
+pytestmark = pytest.mark.usefixtures("grpc_gateway")
 
 D = 64
 # Requests park in the queue (a long batch delay), so they are surely in flight at the kill.
@@ -155,7 +161,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_hung_worker_is_killed_by_the_watchdog_and_restarted(model_repository: Path) -> None:
+@OFF_WHEN_HEAVY  # ~4 s a mode (the watchdog's 2 s and a restart)
+def test_a_hung_worker_is_killed_by_the_watchdog_and_restarted(
+    model_repository: Path, grpc_gateway: str
+) -> None:
     """SIGSTOP stands in for a worker whose event loop hangs: its calls fail, not wait."""
     flags = (*PARKED, "--watchdog-timeout-s", "2")
     with ServerProcess(model_repository, *flags) as server:

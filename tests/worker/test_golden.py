@@ -98,6 +98,7 @@ def test_corrupt_golden_file_is_refused(tmp_path: Path, repository: Path, half: 
         )
 
 
+@pytest.mark.usefixtures("grpc_gateway")  # the gateway answers from the served set it is sent
 def test_server_refuses_what_does_not_reproduce_and_serves_the_rest(repository: Path) -> None:
     with ServerProcess(repository, "--default-model", "good") as server:
         with AttentionClient(server.target) as client:

@@ -16,6 +16,7 @@ import pytest
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
+from tests.harness.gateway_modes import OFF_WHEN_HEAVY
 from tests.harness.server_process import ServerProcess, server_rss_bytes
 
 MIB = 1 << 20
@@ -38,6 +39,7 @@ def small_only(model_repository: Path, tmp_path_factory: pytest.TempPathFactory)
     return root
 
 
+@pytest.mark.usefixtures("grpc_gateway")  # the gateway refuses by bytes in code of its own
 def test_a_burst_of_maximum_requests_is_refused_by_bytes(small_only: Path) -> None:
     """Ten maximum-size requests (4 MiB each) against a 10 MiB bound: two wait, the rest
     are refused at once with RESOURCE_EXHAUSTED naming the bound; nothing is lost. The front
@@ -70,6 +72,7 @@ def test_a_burst_of_maximum_requests_is_refused_by_bytes(small_only: Path) -> No
     assert all(f"max_queue_bytes={10 * MIB}" in detail for detail in details), details
 
 
+# One mode: the bound is the worker's, read from its log; no call is made.
 def test_the_default_byte_bound_comes_from_the_memory_limit(small_only: Path) -> None:
     with ServerProcess(small_only, "--batch-cap-budget-s", "0") as server:
         logged = re.search(r"queue bounds: \d+ requests, (\d+) bytes", server.log)
@@ -78,8 +81,9 @@ def test_the_default_byte_bound_comes_from_the_memory_limit(small_only: Path) ->
     assert 341 * MIB < default_queue_bytes(4 << 30) < 342 * MIB  # a 4 GiB pod: ten 32 MiB requests
 
 
+@OFF_WHEN_HEAVY  # ~35 s a mode
 def test_resident_memory_returns_to_a_plateau_under_repeated_bursts(
-    model_repository: Path,
+    model_repository: Path, grpc_gateway: str
 ) -> None:
     """Mixed bursts on the d=512 model, large batches with weights among them. Before: the
     arena kept the largest batch (1.2 GiB after one [32, 512, 512]) and a second identical

@@ -51,7 +51,8 @@ def test_messages_lose_the_repository_path(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(layout: Path) -> Iterator[ServerProcess]:
+def server(layout: Path, grpc_gateway: str) -> Iterator[ServerProcess]:
+    """In each gateway mode: the gateway hands these calls on, and their answers back."""
     flags = ("--model-control-mode", "explicit", "--load-model", "mha")
     with ServerProcess(layout, *flags) as process:
         yield process
