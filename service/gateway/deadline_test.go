@@ -22,3 +22,23 @@ func TestAStreamPastItsDeadlineEndsDeadlineExceeded(t *testing.T) {
 		}
 	}
 }
+
+func TestAStreamPastItsDeadlineWritesNoMoreAnswers(t *testing.T) {
+	// A message's own deadline timer (in compute) can fire before the call's context's: its
+	// DEADLINE_EXCEEDED then ends the call, it is not an answer to write.
+	ctx, end := context.WithCancelCause(context.Background())
+	defer end(nil)
+	for deadline, want := range map[time.Time]bool{
+		time.Now().Add(-time.Millisecond): true,
+		time.Now().Add(time.Hour):         false,
+		{}:                                false, // none
+	} {
+		if got := (&stream{ctx: ctx, deadline: deadline}).ended(); got != want {
+			t.Errorf("deadline %v: ended() = %v, want %v", deadline, got, want)
+		}
+	}
+	end(nil)
+	if !(&stream{ctx: ctx}).ended() {
+		t.Error("a stream whose context has ended is not ended()")
+	}
+}

@@ -152,7 +152,7 @@ func (s *stream) write(w http.ResponseWriter) {
 	started, broken := false, false
 	for a := range s.answers {
 		// Once the call has ended (deadline, Python's part failed) what is left is dropped.
-		broken = broken || s.ctx.Err() != nil
+		broken = broken || s.ended()
 		if !broken {
 			if !started {
 				h := w.Header()
@@ -184,6 +184,13 @@ func (s *stream) write(w http.ResponseWriter) {
 	if !started {
 		w.WriteHeader(http.StatusOK) // trailers-only
 	}
+}
+
+// ended says whether the call is over: its context ended, or its deadline has passed before
+// the context's timer fired (a message's own deadline timer in compute can fire first, and
+// its DEADLINE_EXCEEDED is the call's end, not an answer to write; Python writes none).
+func (s *stream) ended() bool {
+	return s.ctx.Err() != nil || (!s.deadline.IsZero() && !time.Now().Before(s.deadline))
 }
 
 // status is how the call ends: its code and grpc-message (already percent-encoded).
@@ -401,7 +408,7 @@ func (s *stream) answer(req *inferRequest, p *plan, buffer []byte, answerBytes i
 	case o.code == codeOK:
 		a.segments, a.free, a.hold, a.count = s.method.ok(req, o.segments), o.takeFree(), o.hold, count
 		o.hold = nil
-	case s.ctx.Err() != nil: // the call has ended: nothing is written
+	case s.ended(): // the call has ended: nothing is written
 		count(o.code)
 		o.release()
 		s.written(answerBytes)
