@@ -97,6 +97,16 @@ def metric_samples(url: str, timeout_s: float = 30.0) -> Samples:
     return parse_samples(metrics_text(url, timeout_s))
 
 
+def status_kib(pid: int, *fields: str) -> dict[str, int]:
+    """Fields of /proc/<pid>/status that are counted in KiB (VmRSS, RssAnon, VmHWM, ...)."""
+    values = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in fields:
+            values[name] = int(rest.split()[0])
+    return values
+
+
 def metric_sum(samples: Samples, name: str, **labels: str) -> float:
     """Sum of the samples of name whose labels include the given ones."""
     return sum(

@@ -90,8 +90,12 @@ class Service:
         metrics_port: int = 0,
         env: dict[str, str] | None = None,
         cwd: Path = REPO_ROOT,
+        new_session: bool = True,
     ) -> None:
+        """new_session: its own session and process group (a benchmark's server, killed with
+        its whole group if it will not stop); else the caller's (a test's server)."""
         self.name = name
+        self._own_session = new_session
         self.grpc_port, self.metrics_port = grpc_port, metrics_port
         self.http_port = 0  # our server's HTTP/REST port, from its log (0: none)
         self.lines: list[str] = []
@@ -103,7 +107,7 @@ class Service:
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=new_session,
         )
         if grpc_port:
             self._bound.set()
@@ -173,7 +177,10 @@ class Service:
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)  # its own session: it and its workers
+                if self._own_session:
+                    os.killpg(self.process.pid, signal.SIGKILL)  # it and its workers
+                else:
+                    self.process.kill()  # its children end with it
                 self.process.wait()
 
     def __enter__(self) -> Service:

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.cputime import family_cpu_s
-from bench.harness import Samples, loopback_server, metric_samples, metric_sum
+from bench.harness import Samples, loopback_server, metric_samples, metric_sum, status_kib
 from bench.launcher import Pinning, Service, cpu_set
 from bench.stats import percentile
 
@@ -66,12 +66,7 @@ def pin_self(pinning: Pinning) -> None:
 
 
 def _status_kib(pid: int) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("RssAnon", "RssFile", "RssShmem"):
-            fields[name] = int(value.split()[0])
-    return fields
+    return status_kib(pid, "RssAnon", "RssFile", "RssShmem")
 
 
 def rss_mib(pid: int) -> float:
@@ -130,7 +125,13 @@ class RssSampler:
     def peak_mib(self) -> float:
         return max((mib for _, mib in self.samples), default=math.nan)
 
+    @property
+    def growth_mib(self) -> float:
+        """The peak over the first sample (taken as the sampler is entered)."""
+        return self.peak_mib - self.samples[0][1] if self.samples else math.nan
+
     def __enter__(self) -> RssSampler:
+        self.samples.append((time.monotonic(), rss_mib(self.pid)))  # before what it watches
         self._thread.start()
         return self
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 
+from bench.stress.common import MIB, RssSampler
 from service.frontend.rest.routes import ROUTES
 from service.frontend.restricted import GROUPS
 from tests.harness.server_process import ServerProcess, child_pids, in_mode, server_rss_bytes
@@ -128,33 +129,6 @@ class Probe:
         return max(self.latencies)
 
 
-class PeakMemory:
-    """The server's whole process tree's resident memory, polled while something runs."""
-
-    def __init__(self, server: ServerProcess) -> None:
-        self._server = server
-        self.base = server_rss_bytes(server)
-        self.peak = self.base
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._done.wait(0.02):
-            self.peak = max(self.peak, server_rss_bytes(self._server))
-
-    def __enter__(self) -> PeakMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(30)
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
-
-
 def _binary_infer(n: int, outputs: list[str]) -> tuple[bytes, dict[str, str]]:
     """A legal infer body: [n, 512, 512] as a binary tensor, outputs asked for as JSON."""
     x = np.random.default_rng(n).standard_normal((n, 512, D), dtype=np.float32)
@@ -195,7 +169,7 @@ def test_a_json_answer_past_its_bound_is_refused_before_compute(server: ServerPr
     frontends = {name: pid for name, pid in child_pids(server).items() if "frontend" in name}
     batches = server.metric("attention_batches_total")
     body, headers = _binary_infer(12, ["output", "attention_weights"])
-    with Probe(server) as probe, PeakMemory(server) as memory:
+    with Probe(server) as probe, RssSampler(server.pid, period_s=0.02) as memory:
         status, reply_headers, raw = _request(server, "POST", INFER, body, headers)
     assert status == 400, raw[:300]
     message = _error(reply_headers, raw)
@@ -204,7 +178,7 @@ def test_a_json_answer_past_its_bound_is_refused_before_compute(server: ServerPr
     assert "--max-json-answer-bytes" in message
     assert "binary_data" in message
     assert server.metric("attention_batches_total") == batches  # refused before compute
-    assert memory.growth < 64 << 20, memory.growth  # the request's own 12 MiB, no answer
+    assert memory.growth_mib < 64, memory.growth_mib  # the request's own 12 MiB, no answer
     assert probe.slowest_s < PROBE_STALL_S
     current = {name: pid for name, pid in child_pids(server).items() if "frontend" in name}
     assert current == frontends, "no front end was restarted"
@@ -215,7 +189,7 @@ def test_a_json_answer_within_its_bound_never_holds_the_loop(server: ServerProce
     bound (main held the loop 2.3 s for it). Its memory stays within what the budget counts:
     twice the estimate (docs/security.md)."""
     body, headers = _binary_infer(1, ["output", "attention_weights"])
-    with Probe(server) as probe, PeakMemory(server) as memory:
+    with Probe(server) as probe, RssSampler(server.pid, period_s=0.02) as memory:
         status, reply_headers, raw = _request(server, "POST", INFER, body, headers)
     assert status == 200, raw[:300]
     assert reply_headers["Content-Type"] == "application/json"
@@ -226,7 +200,7 @@ def test_a_json_answer_within_its_bound_never_holds_the_loop(server: ServerProce
     np.testing.assert_allclose(rows.sum(axis=1), 1.0, atol=1e-4)  # softmax rows, all there
     assert probe.slowest_s < PROBE_STALL_S, probe.slowest_s
     estimate = (512 * D + H * 512 * 512) * 26
-    assert memory.growth < 2 * estimate, memory.growth
+    assert memory.growth_mib * MIB < 2 * estimate, memory.growth_mib
 
 
 def test_a_json_body_past_its_bound_is_refused(server: ServerProcess) -> None:
