@@ -9,11 +9,13 @@ import pytest
 
 from bench.stress import fuzz, vanish
 from bench.stress.common import ServerSpec
+from tests.harness.gateway_modes import OFF_WHEN_HEAVY
 from tests.harness.server_process import ServerProcess
 
 
+@OFF_WHEN_HEAVY  # ~14 s a mode; ServerSpec's server takes the mode from the environment
 def test_vanished_calls_are_dropped_before_compute_and_leave_nothing(
-    model_repository: Path, tmp_path: Path, figures
+    model_repository: Path, tmp_path: Path, figures, grpc_gateway: str
 ) -> None:
     """Hundreds of calls expire in the queue, are cancelled there, or leave with their stream:
     the dropped counter counts each, none is computed, the queue empties, memory plateaus,

@@ -9,6 +9,10 @@ import pytest
 
 from bench.stress import drain, overload, soak
 from bench.stress.common import ServerSpec
+from tests.harness.gateway_modes import OFF_WHEN_HEAVY
+
+# Each scenario (4-11 s) with the gateway in front by default, without it in the heavy run:
+# the servers ServerSpec starts take the grpc_gateway fixture's mode from the environment.
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +22,10 @@ def mha_only(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -
     return root
 
 
-def test_overload_refuses_the_excess_quickly_and_recovers(mha_only: Path, figures) -> None:
+@OFF_WHEN_HEAVY
+def test_overload_refuses_the_excess_quickly_and_recovers(
+    mha_only: Path, figures, grpc_gateway: str
+) -> None:
     """3x the measured capacity for a few seconds: accepted calls all finish OK within their
     deadline, the excess gets RESOURCE_EXHAUSTED, health stays SERVING, the queue drains and
     resident memory comes back."""
@@ -42,7 +49,10 @@ def test_overload_refuses_the_excess_quickly_and_recovers(mha_only: Path, figure
     assert result["failed_checks"] == [], result
 
 
-def test_sigterm_with_64_busy_callers_loses_nothing(mha_only: Path, figures) -> None:
+@OFF_WHEN_HEAVY
+def test_sigterm_with_64_busy_callers_loses_nothing(
+    mha_only: Path, figures, grpc_gateway: str
+) -> None:
     """NOT_SERVING first, every accepted call answered, new calls UNAVAILABLE, exit 0 within
     the grace period; a second SIGTERM mid-drain is logged and changes nothing."""
     config = drain.DrainConfig(
@@ -62,7 +72,10 @@ def test_sigterm_with_64_busy_callers_loses_nothing(mha_only: Path, figures) -> 
     assert result["failed_checks"] == [], result
 
 
-def test_short_soak_answers_every_request_as_documented(mha_only: Path, figures) -> None:
+@OFF_WHEN_HEAVY
+def test_short_soak_answers_every_request_as_documented(
+    mha_only: Path, figures, grpc_gateway: str
+) -> None:
     """3000 mixed requests over both APIs (lengths 8..64, 10% with weights, 5% bad). The
     slope is reported; a run this short only bounds growth (python -m bench.stress soak
     measures the slope over 100k)."""
