@@ -11,10 +11,12 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
 POLL_S = 0.02
+T = TypeVar("T")
 
 # (sample name, its labels sorted) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -74,6 +76,29 @@ def wait_for(
             raise TimeoutError(f"{said}: not reached within {timeout_s:g}s")
         time.sleep(poll_s)
     return time.monotonic() - started
+
+
+def poll_until(
+    read: Callable[[], T],
+    accept: Callable[[T], object],
+    *,
+    what: str | Callable[[T], str],
+    timeout_s: float = 60.0,
+    poll_s: float = POLL_S,
+) -> T:
+    """read() until accept() takes what it returns; that value. TimeoutError names what, with
+    the last value read (a callable what: its words for that value)."""
+    last: list[T] = []
+
+    def accepted() -> bool:
+        last[:] = [read()]
+        return bool(accept(last[0]))
+
+    def said() -> str:
+        return what(last[0]) if callable(what) else f"{what} (last read: {last[0]!r})"
+
+    wait_for(accepted, what=said, timeout_s=timeout_s, poll_s=poll_s)
+    return last[0]
 
 
 def metrics_text(url: str, timeout_s: float = 30.0) -> str:

@@ -19,6 +19,7 @@ import tritonclient.http as triton_http
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from bench.harness import wait_for
 from export.pipeline import ExportRequest, run_export
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
@@ -586,10 +587,11 @@ def test_an_input_in_shared_memory_still_counts_its_answer_against_the_budget(
         assert answer <= shm_server.metric("attention_undelivered_answer_bytes") <= per_connection
     finally:
         slow.close()
-    give_up = time.monotonic() + 30
-    while shm_server.metric("attention_undelivered_answer_bytes") > 0:
-        assert time.monotonic() < give_up, "the budget was not given back"
-        time.sleep(0.05)
+    wait_for(
+        lambda: shm_server.metric("attention_undelivered_answer_bytes") == 0,
+        what="the budget given back",
+        timeout_s=30,
+    )
 
 
 def test_rest_answers_nobody_reads_stay_within_the_budget(
@@ -655,10 +657,11 @@ def test_rest_answers_nobody_reads_stay_within_the_budget(
     finally:
         for connection in sockets:
             connection.close()
-    give_up = time.monotonic() + 30
-    while shm_server.metric("attention_undelivered_answer_bytes") > 0:
-        assert time.monotonic() < give_up, "the budget was not given back"
-        time.sleep(0.05)
+    wait_for(
+        lambda: shm_server.metric("attention_undelivered_answer_bytes") == 0,
+        what="the budget given back",
+        timeout_s=30,
+    )
 
 
 def _param(parameters, name: str, kind: str, value) -> None:

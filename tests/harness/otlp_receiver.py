@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 
@@ -11,6 +10,8 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
+
+from bench.harness import poll_until
 
 
 class _Service(trace_service_pb2_grpc.TraceServiceServicer):
@@ -50,15 +51,16 @@ class OtlpReceiver:
     def wait_for(
         self, done: Callable[[list[trace_pb2.Span]], bool], timeout_s: float = 20
     ) -> list[trace_pb2.Span]:
-        give_up = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                spans = list(self._spans)
-            if done(spans):
-                return spans
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"spans received: {[s.name for s in spans]}")
-            time.sleep(0.02)
+        return poll_until(
+            self._received,
+            done,
+            what=lambda spans: f"spans received: {[s.name for s in spans]}",
+            timeout_s=timeout_s,
+        )
+
+    def _received(self) -> list[trace_pb2.Span]:
+        with self._lock:
+            return list(self._spans)
 
     def __enter__(self) -> OtlpReceiver:
         self._server.start()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import free_port, wait_for
+from bench.harness import free_port, poll_until, wait_for
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -92,11 +92,6 @@ def poll(
     base: str, promql: str, predicate: Callable[[Result], object], timeout_s: float = 60
 ) -> Result:
     """Query until predicate(result) holds (Prometheus scrapes every second); that result."""
-    results: list[Result] = [[]]
-
-    def holds() -> bool:
-        results[0] = query(base, promql)
-        return bool(predicate(results[0]))
-
-    wait_for(holds, what=lambda: f"{promql} -> {results[0]}", timeout_s=timeout_s, poll_s=0.2)
-    return results[0]
+    return poll_until(
+        lambda: query(base, promql), predicate, what=promql, timeout_s=timeout_s, poll_s=0.2
+    )

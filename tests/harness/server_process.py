@@ -15,8 +15,8 @@ from bench.harness import (
     loopback_server,
     metric_samples,
     metric_sum,
+    poll_until,
     status_kib,
-    wait_for,
 )
 from bench.launcher import REPO_ROOT as REPO_ROOT  # the tests' cwd for what they run
 from bench.launcher import Service
@@ -130,17 +130,13 @@ class ServerProcess(Service):
         self, name: str, at_least: float, timeout_s: float = 30, **labels: str
     ) -> float:
         """Poll /metrics until the metric reaches a value."""
-        values = [0.0]
-
-        def reached() -> bool:
-            values[0] = self.metric(name, **labels)
-            return values[0] >= at_least
-
-        def said() -> str:
-            return f"{name}{labels} at {at_least} (it stayed at {values[0]})"
-
-        wait_for(reached, what=said, timeout_s=timeout_s, poll_s=0.01)
-        return values[0]
+        return poll_until(
+            lambda: self.metric(name, **labels),
+            lambda value: value >= at_least,
+            what=f"{name}{labels} at {at_least}",
+            timeout_s=timeout_s,
+            poll_s=0.01,
+        )
 
     def terminate(self, timeout_s: float = 60) -> int:
         if self.process.poll() is None:

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
+from bench.harness import wait_for
 from export.pipeline import ExportRequest, run_export
 from service.client import AttentionClient
 from service.generated.inference import grpc_service_pb2 as v2
@@ -129,11 +130,11 @@ class Load:
         self._client.close()
 
     def wait(self, what: Callable[[], bool], timeout_s: float = 30) -> None:
-        give_up = time.monotonic() + timeout_s
-        while not what():
+        def done() -> bool:
             assert not self.failures, self.failures[:3]
-            assert time.monotonic() < give_up, f"timed out waiting; {len(self.answers)} answers"
-            time.sleep(0.01)
+            return what()
+
+        wait_for(done, what=lambda: f"{len(self.answers)} answers", timeout_s=timeout_s)
 
     def answered_since(self, moment: float) -> int:
         return sum(1 for _, received, *_ in list(self.answers) if received > moment)
