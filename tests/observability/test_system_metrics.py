@@ -27,9 +27,13 @@ def _samples(collector: Any) -> Samples:
 
 def test_cpu_and_memory_of_each_process_by_role() -> None:
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
     try:
+        assert child.stdout is not None
+        child.stdout.readline()  # its interpreter is up: sampled earlier, it is still exec'ing
         pids = {"supervisor": os.getpid(), "worker": child.pid, "gateway-0": 2**22 + 7}
         samples = _samples(ProcessCollector(lambda: pids))
     finally:
