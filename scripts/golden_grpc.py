@@ -17,7 +17,6 @@ not be able to tell which of the two answered.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import struct
@@ -32,6 +31,7 @@ import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from scripts import golden_files
 from service import status_texts
 from service.catalog import BatchCaps, ModelSpec, ModelView
 from service.errors import QueueFull, ServingError, ShuttingDown
@@ -536,29 +536,13 @@ def _json(value: object) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail when a file differs")
-    parser.add_argument(
-        "--out", type=Path, default=GOLDEN, help="the folder (default: %(default)s)"
+    return golden_files.main(
+        argv,
+        description=__doc__.splitlines()[0],
+        default_out=GOLDEN,
+        render=render,
+        module="scripts.golden_grpc",
     )
-    args = parser.parse_args(argv)
-    files = render()
-    if args.check:
-        stale = sorted(
-            {name for name, data in files.items() if _read(args.out / name) != data}
-            | {path.name for path in args.out.glob("*") if path.name not in files}
-        )
-        for name in stale:
-            sys.stderr.write(f"{args.out / name} differs: run python -m scripts.golden_grpc\n")
-        return 1 if stale else 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        (args.out / name).write_bytes(data)
-    return 0
-
-
-def _read(path: Path) -> bytes | None:
-    return path.read_bytes() if path.exists() else None
 
 
 if __name__ == "__main__":
