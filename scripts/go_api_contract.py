@@ -17,11 +17,10 @@ scripts/go_contract.py writes it with the other generated Go (make proto) and ch
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 
 import numpy as np
 
-from scripts.go_wire_contract import go_name
+from scripts.go_wire_contract import comment_lines, const_block, go_name
 from service.dataplane import MAX_REGION_NAME_CHARS
 from service.frontend import attention_servicer, shm_tensors, v2_codec
 from service.generated.attention.v1 import attention_pb2
@@ -112,28 +111,9 @@ def parameters() -> dict[str, str]:
     }
 
 
-def _comment(text: str) -> list[str]:
-    return [f"// {line}" for line in text.splitlines()]
-
-
-def _const_block(constants: Mapping[str, object], comment: str) -> list[str]:
-    width = max(map(len, constants))
-    values = {
-        name: json.dumps(value) if isinstance(value, str) else str(value)
-        for name, value in constants.items()
-    }
-    return [
-        *_comment(comment),
-        "const (",
-        *(f"\t{name:<{width}} = {value}" for name, value in values.items()),
-        ")",
-        "",
-    ]
-
-
 def _string_set(name: str, words: frozenset[str], comment: str) -> list[str]:
     entries = ", ".join(f"{json.dumps(word)}: true" for word in sorted(words))
-    return [*_comment(comment), f"var {name} = map[string]bool{{{entries}}}", ""]
+    return [*comment_lines(comment), f"var {name} = map[string]bool{{{entries}}}", ""]
 
 
 def _dtypes() -> list[str]:
@@ -197,17 +177,17 @@ def render() -> str:
         "",
         "package main",
         "",
-        *_const_block(
+        *const_block(
             method_paths(), "The gRPC methods answered here (their services' descriptors)."
         ),
-        *_const_block(tensor_names(), "V2's tensor names (v2_codec.py)."),
-        *_const_block(
+        *const_block(tensor_names(), "V2's tensor names (v2_codec.py)."),
+        *const_block(
             {"weightsDatatype": v2_codec.V2_NAME_OF[weights], "weightsNumpy": weights.str},
             "The attention weights' dtype, whatever the model's (v2_codec.WEIGHTS_DTYPE).",
         ),
         *_dtypes(),
         *_attention_datatype(),
-        *_const_block(
+        *const_block(
             parameters(), "The V2 tensor parameters that name a client's region (shm_tensors.py)."
         ),
         *_string_set(

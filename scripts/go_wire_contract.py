@@ -78,12 +78,12 @@ def go_name(name: str, prefix: str = "") -> str:
     return prefix + "".join(parts)
 
 
-def _comment(text: str) -> list[str]:
+def comment_lines(text: str) -> list[str]:
     """text as // lines (a line of text for each)."""
     return [f"// {line}" for line in text.splitlines()]
 
 
-def _const_block(constants: Mapping[str, object], comment: str) -> list[str]:
+def const_block(constants: Mapping[str, object], comment: str) -> list[str]:
     """A Go const block, aligned as gofmt aligns it; strings quoted."""
     width = max(map(len, constants))
     values = {
@@ -91,7 +91,7 @@ def _const_block(constants: Mapping[str, object], comment: str) -> list[str]:
         for name, value in constants.items()
     }
     return [
-        *_comment(comment),
+        *comment_lines(comment),
         "const (",
         *(f"\t{name:<{width}} = {value}" for name, value in values.items()),
         ")",
@@ -104,7 +104,7 @@ def _struct(name: str, comment: str, fields: Mapping[str, tuple[str, str]]) -> l
     name_width = max(map(len, fields))
     type_width = max(len(go_type) for go_type, _ in fields.values())
     return [
-        *_comment(comment),
+        *comment_lines(comment),
         f"type {name} struct {{",
         *(
             f"\t{field:<{name_width}} {go_type:<{type_width}} `json:{json.dumps(key)}`"
@@ -119,7 +119,7 @@ def _map(declaration: str, comment: str, entries: Mapping[str, str]) -> list[str
     """A Go map literal, one entry a line, its values aligned as gofmt aligns them."""
     width = max(map(len, entries)) + 1
     return [
-        *_comment(comment),
+        *comment_lines(comment),
         f"var {declaration}{{",
         *(f"\t{key + ':':<{width}} {value}," for key, value in entries.items()),
         "}",
@@ -185,11 +185,11 @@ def render() -> str:
         "",
         "package main",
         "",
-        *_const_block(
+        *const_block(
             {go_name(name, "message"): value for name, value in words(MessageType).items()},
             "The control messages' types, as the worker reads and writes them (keys.MessageType).",
         ),
-        *_const_block(
+        *const_block(
             {go_name(name, "key"): value for name, value in words(Key).items()},
             "The keys of their JSON objects (keys.Key).",
         ),
@@ -209,21 +209,21 @@ def render() -> str:
                 for name, go_type in MODEL_INFO.items()
             },
         ),
-        *_const_block(
+        *const_block(
             packed_constants(),
             "The packed messages' kinds and sizes (packed.py), the span record's\n"
             "(span_record.py), the largest control message (channel.py).",
         ),
-        *_const_block(
+        *const_block(
             _layout("infer", packed.INFER_FIELDS, packed.INFER),
             "Where each field of a packed INFER starts (packed.INFER_FIELDS); little-endian.",
         ),
-        *_const_block(
+        *const_block(
             _layout("done", packed.DONE_FIELDS, packed.DONE),
             "Where each field of a packed DONE starts (packed.DONE_FIELDS); little-endian.",
         ),
-        *_const_block(error_kinds(), "The worker's error kinds (service/ipc/messages.py)."),
-        *_const_block(status_codes(), "gRPC's status codes (grpc.StatusCode)."),
+        *const_block(error_kinds(), "The worker's error kinds (service/ipc/messages.py)."),
+        *const_block(status_codes(), "gRPC's status codes (grpc.StatusCode)."),
         *_map(
             "codeNames = map[int]string",
             "Each status code's name, as the metrics label it.",
@@ -235,8 +235,8 @@ def render() -> str:
             "maps it; any other kind is INTERNAL.",
             {f"kind{kind}": by_number[code] for kind, code in kind_codes().items()},
         ),
-        *_const_block(label_names(), "The label names of the gateway's series (metrics.py)."),
-        *_const_block(
+        *const_block(label_names(), "The label names of the gateway's series (metrics.py)."),
+        *const_block(
             {go_name(name, "api"): value for name, value in words(metrics.Api).items()},
             "The api label's values (metrics.Api).",
         ),

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from export.pipeline import ExportRequest, run_export
 from service.client import attend_request
-from tests.harness.h2_raw import RawGrpc, peak_rss_bytes, reset_peak_rss, rss_bytes
-from tests.harness.server_process import ServerProcess
+from tests.harness.h2_raw import RawGrpc
+from tests.harness.server_process import ServerProcess, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 ATTEND = "/attention.v1.AttentionService/Attend"
 ATTEND_STREAM = "/attention.v1.AttentionService/AttendStream"
