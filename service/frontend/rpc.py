@@ -13,14 +13,14 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from service.dataplane import ended_at_deadline
-from service.errors import ServingError
+from service.errors import DeadlineExpired, ServingError
 from service.frontend import caller
 from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, AnswerBudget, Reservation
 from service.frontend.handlers import Undecodable
 from service.frontend.status import SERVER_FAULTS, code_for
 from service.observability import logs, metrics, tracing
 from service.observability.metrics import Api
-from service.status_texts import INTERNAL_ERROR
+from service.status_texts import DEADLINE_EXCEEDED, INTERNAL_ERROR
 from service.text import shown
 from service.transport.wire import WireMessage
 
@@ -219,7 +219,11 @@ async def _deliver(
 def _admit(
     servicer: HoldsAnswers, request: Any, context: grpc.aio.ServicerContext, *, holds_answer: bool
 ) -> Reservation | None:
-    """Refuse what could not be decoded; reserve the answer's memory when it holds one."""
+    """Refuse a call already past its deadline (whatever its message, as the gateway does),
+    then what could not be decoded; reserve the answer's memory when it holds one."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExpired(DEADLINE_EXCEEDED)
     if isinstance(request, Undecodable):
         raise request.refuse(caller.peer(context))
     if not holds_answer or servicer.answers is None:
