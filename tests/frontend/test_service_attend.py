@@ -302,3 +302,35 @@ def test_the_shared_server_runs_in_both_gateway_modes(
 ) -> None:
     """conftest's server is started once with the gateway and once without it."""
     assert behind_gateway(server) == (request.node.callspec.params["server"] == "on")
+
+
+@pytest.mark.parametrize("others_length", [16, 40], ids=["same-length", "padded"])
+def test_a_batch_of_one_in_place_equals_the_same_sequence_batched(
+    server: ServerProcess, reference, others_length: int
+) -> None:
+    """A lone call runs as a batch of one on its own bytes (no merge copy); the same sequence
+    batched with others (of its length, or longer so that it is padded) gives the same answer
+    within 1e-5 relative, and both equal torch's."""
+    rng = np.random.default_rng(others_length)
+    x = rng.standard_normal((16, D), dtype=np.float32)
+    others = [rng.standard_normal((others_length, D), dtype=np.float32) for _ in range(23)]
+    with AttentionClient(server.target) as client:
+        alone = client.attend(x, request_id="alone")
+    assert alone.batch_size == 1
+
+    async def beside_others() -> list:
+        async with AsyncAttentionClient(server.target) as client:
+            return await asyncio.gather(
+                *(client.attend(y) for y in [*others[:11], x, *others[11:]])
+            )
+
+    # Concurrent calls batch together as a rule, but which batch x lands in is the
+    # scheduler's: a few tries until it shares one.
+    for _ in range(10):
+        batched = asyncio.run(beside_others())[11]
+        if batched.batch_size > 1:
+            break
+    assert batched.batch_size > 1, "x never shared a batch in 10 tries of 24 concurrent calls"
+    np.testing.assert_allclose(batched.output, alone.output, rtol=1e-5, atol=1e-6)
+    want_output, _ = attend_alone(reference, x)
+    np.testing.assert_allclose(alone.output, want_output, atol=1e-5, rtol=0)
