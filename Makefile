@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.installed
 
-.PHONY: setup gateway export serve test lint docs config-doc proto golden bench bench-peers demo clean
+.PHONY: setup gateway openloop export serve test lint docs config-doc proto golden bench bench-peers demo clean
 
 setup: $(STAMP)
 
@@ -26,10 +26,20 @@ $(STAMP): pyproject.toml constraints.txt
 # standard library only, so no module downloads.
 gateway: $(BIN)/attention-gateway
 
-GO := cd service/gateway && CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off $(abspath $(BIN))/go
+GO_ENV := CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off $(abspath $(BIN))/go
+GO := cd service/gateway && $(GO_ENV)
+# Every Go module here: make lint vets, gofmt-checks and tests each.
+GO_MODULES := service/gateway bench/openloop
 
 $(BIN)/attention-gateway: $(wildcard service/gateway/*.go) service/gateway/go.mod
 	$(GO) build -trimpath -o $(abspath $@) .
+
+# The open-loop gRPC load generator of the two-server overload scenario (bench/openloop/;
+# python -m bench.stress.overload_peers builds it with this target); standard library only.
+openloop: $(BIN)/openloop
+
+$(BIN)/openloop: $(wildcard bench/openloop/*.go) bench/openloop/go.mod
+	cd bench/openloop && $(GO_ENV) build -trimpath -o $(abspath $@) .
 
 proto: setup
 	$(BIN)/python proto/generate.py
@@ -58,10 +68,13 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy service export
 	@test -x $(BIN)/go || { echo "lint: no Go toolchain at $(BIN)/go (make setup installs it)"; exit 1; }
-	$(GO) vet ./...
-	@cd service/gateway && unformatted=$$($$($(abspath $(BIN))/go env GOROOT)/bin/gofmt -l .) && \
-		test -z "$$unformatted" || { echo "lint: gofmt failed or these need it: $$unformatted"; exit 1; }
-	$(GO) test -count=1 ./...
+	@for module in $(GO_MODULES); do \
+		echo "go vet, gofmt -l, go test in $$module"; \
+		(cd $$module && $(GO_ENV) vet ./...) || exit 1; \
+		unformatted=$$(cd $$module && $$($(abspath $(BIN))/go env GOROOT)/bin/gofmt -l .) && \
+			test -z "$$unformatted" || { echo "lint: gofmt failed or these need it in $$module: $$unformatted"; exit 1; }; \
+		(cd $$module && $(GO_ENV) test -count=1 ./...) || exit 1; \
+	done
 
 test: lint docs
 	$(BIN)/python -m pytest

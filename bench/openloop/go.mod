@@ -1,0 +1,3 @@
+module openloop
+
+go 1.24
