@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench import h2load
 from bench.harness import free_port
-from bench.launcher import REPO_ROOT, Service
+from bench.launcher import REPO_ROOT, Pinning, Service
 from bench.payloads import SHM
 from bench.report import (
     BESIDE_TRITON,
@@ -85,18 +85,32 @@ def config_name(queue_delay_us: int) -> str:
 
 def serve_command(r: Runner, python: Path, queue_delay_us: int) -> tuple[list[str], int]:
     """The pinned command of one configuration, and the gRPC port it will listen on."""
-    pinning, c = r.config.pinning, r.config
+    c = r.config
+    return triton_command(python, c.pinning, c.model_path, c.model, c.embed_dim, queue_delay_us)
+
+
+def triton_command(
+    python: Path,
+    pinning: Pinning,
+    model_path: Path,
+    model: str,
+    embed_dim: int,
+    queue_delay_us: int,
+    max_queue_size: int = 0,
+) -> tuple[list[str], int]:
+    """Triton serving model_path as model, pinned, its batcher's queue bounded to
+    max_queue_size requests (0: unbounded, Triton's default); and its gRPC port."""
     grpc_port = free_port()
     command = [
         *pinning.prefix(pinning.server_cpus),
         str(python),
         str(SERVE),
         "--model",
-        str(c.model_path),
+        str(model_path),
         "--name",
-        c.model,
+        model,
         "--embed-dim",
-        str(c.embed_dim),
+        str(embed_dim),
         "--threads",
         str(pinning.server_threads or 1),
         "--max-batch-size",
@@ -109,6 +123,7 @@ def serve_command(r: Runner, python: Path, queue_delay_us: int) -> tuple[list[st
         str(free_port()),
         "--metrics-port",
         str(free_port()),
+        *(["--max-queue-size", str(max_queue_size)] if max_queue_size else []),
     ]
     return command, grpc_port
 

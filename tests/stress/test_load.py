@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.stress import drain, overload, soak
+from bench import openloop
+from bench.stress import drain, overload, overload_peers, soak
 from bench.stress.common import ServerSpec
 from tests.harness.gateway_modes import OFF_WHEN_HEAVY
 
@@ -47,6 +48,45 @@ def test_overload_refuses_the_excess_quickly_and_recovers(
     result = overload.run(config)
     figures(result)
     assert result["failed_checks"] == [], result
+
+
+@OFF_WHEN_HEAVY
+def test_go_open_loop_overload_counts_add_up(
+    mha_only: Path, figures, grpc_gateway: str, tmp_path: Path
+) -> None:
+    """The two-server overload scenario on this server alone, briefly, with the Go load
+    generator (bench/openloop/): every call it was due to send was sent and answered, OK or
+    refused with RESOURCE_EXHAUSTED for the full queue (8 deep at 3x capacity), the readiness
+    probe answered ready throughout, and a call after the burst is OK."""
+    openloop.build()
+    config = overload_peers.PeerOverloadConfig(
+        model_repository=mha_only,
+        queue_size=8,
+        warmup_s=0.3,
+        capacity_s=1.0,
+        capacity_concurrency=16,
+        overload_s=2.0,
+        connections=4,
+        probe_every_s=0.1,
+        settle_timeout_s=5.0,
+    )
+    spec = ServerSpec(
+        repository=mha_only, flags=("--max-queue-size", str(config.queue_size)), measure_caps=False
+    )
+    service = spec.start("openloop")
+    try:
+        result = overload_peers.measure(
+            service, config, tmp_path, refusal=overload_peers.OURS_REFUSAL
+        )
+    finally:
+        service.stop()
+    figures(result)
+    counts = {key: result[key] for key in ("calls", "ok", "refused", "probes", "probes_not_ok")}
+    assert min(counts["ok"], counts["refused"], counts["probes"]) > 0, result
+    assert counts["ok"] + counts["refused"] == counts["calls"], result
+    assert (result["other_answers"], counts["probes_not_ok"]) == ({}, 0), result
+    assert all("queue full" in message for message in result["refused_messages"]), result
+    assert (result["valid_call_after"], result["server_alive"]) == ("OK", True), result
 
 
 @OFF_WHEN_HEAVY

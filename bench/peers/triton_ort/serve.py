@@ -2,13 +2,16 @@
 triton.py with the Triton virtualenv's interpreter, so it imports nothing from this repository.
 
     python serve.py --model PATH --name mha --embed-dim 512 --threads 1 \
-        --max-batch-size 32 --max-queue-delay-us 1000 --grpc-port N --http-port N --metrics-port N
+        --max-batch-size 32 --max-queue-delay-us 1000 [--max-queue-size 64] \
+        --grpc-port N --http-port N --metrics-port N
 
 Triton's C++ gRPC front end and dynamic batcher; the graph runs in this process's Python
 callable with one ONNX Runtime session. The input is declared [-1, d] under max_batch_size, so
 a request is [n, seq, d] with any seq, and the batcher merges only requests of equal shape
 (no ragged batching: that would need the callable to pad and mask, which is our server's
-job, not the peer's). Triton's system shared memory is open to clients, as in Triton itself."""
+job, not the peer's). Triton's system shared memory is open to clients, as in Triton itself.
+--max-queue-size bounds the dynamic batcher's queue (its default queue policy); Triton refuses
+a request that finds it full."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 from pytriton.decorators import batch
-from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+from pytriton.model_config import DynamicBatcher, ModelConfig, QueuePolicy, Tensor
 from pytriton.triton import DEFAULT_PROTECTED_ENDPOINTS, Triton, TritonConfig, TritonSecurityConfig
 
 
@@ -54,6 +57,7 @@ def main() -> int:
     add("--threads", type=int, default=1)
     add("--max-batch-size", type=int, default=32)
     add("--max-queue-delay-us", type=int, default=0)
+    add("--max-queue-size", type=int, default=0, help="requests queued at most (0: unbounded)")
     add("--grpc-port", type=int, required=True)
     add("--http-port", type=int, required=True)
     add("--metrics-port", type=int, required=True)
@@ -85,7 +89,12 @@ def main() -> int:
             outputs=[Tensor(name="output", dtype=np.float32, shape=(-1, d))],
             config=ModelConfig(
                 max_batch_size=args.max_batch_size,
-                batcher=DynamicBatcher(max_queue_delay_microseconds=args.max_queue_delay_us),
+                batcher=DynamicBatcher(
+                    max_queue_delay_microseconds=args.max_queue_delay_us,
+                    default_queue_policy=QueuePolicy(max_queue_size=args.max_queue_size)
+                    if args.max_queue_size
+                    else None,
+                ),
             ),
             strict=False,
         )
