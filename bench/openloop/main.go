@@ -23,6 +23,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -245,12 +246,13 @@ func probe(c *client, start time.Time, every time.Duration, stop <-chan struct{}
 	}
 }
 
+// percentile is the nearest-rank percentile of sorted values (0 when there are none).
 func percentile(sorted []int64, p float64) int64 {
 	if len(sorted) == 0 {
 		return 0
 	}
-	rank := int(p / 100 * float64(len(sorted)-1))
-	return sorted[rank]
+	rank := min(max(int(math.Ceil(p/100*float64(len(sorted)))), 1), len(sorted))
+	return sorted[rank-1]
 }
 
 func summarize(s *summary, calls, probes []record) {
