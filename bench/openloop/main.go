@@ -29,6 +29,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -66,7 +67,8 @@ type summary struct {
 	LagP50Us    int64          `json:"lag_p50_us"`
 	LagP99Us    int64          `json:"lag_p99_us"`
 	LagMaxUs    int64          `json:"lag_max_us"`
-	Late        int            `json:"late"` // calls that started more than 1 ms after their time
+	Late        int            `json:"late"`  // calls that started more than 1 ms after their time
+	CPUS        float64        `json:"cpu_s"` // the generator's own CPU time (user + system)
 }
 
 type outcome struct {
@@ -246,6 +248,15 @@ func probe(c *client, start time.Time, every time.Duration, stop <-chan struct{}
 	}
 }
 
+// cpuSeconds is the CPU time this process has used so far (0 where it cannot be read).
+func cpuSeconds() float64 {
+	var usage syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &usage) != nil {
+		return 0
+	}
+	return time.Duration(usage.Utime.Nano() + usage.Stime.Nano()).Seconds()
+}
+
 // percentile is the nearest-rank percentile of sorted values (0 when there are none).
 func percentile(sorted []int64, p float64) int64 {
 	if len(sorted) == 0 {
@@ -364,6 +375,7 @@ func run(target, path, bodyFile, mode string, rate float64, concurrency int,
 	close(stop)
 	probes := <-probed
 	summarize(&s, calls, probes)
+	s.CPUS = cpuSeconds()
 	if outFile != "" {
 		if err := write(outFile, slices.Concat(calls, probes), s); err != nil {
 			return err

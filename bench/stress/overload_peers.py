@@ -180,6 +180,9 @@ def burst_figures(
         "generator_lag_p99_ms": ms(lags, 99),
         "generator_lag_max_ms": max(lags, default=math.nan) * 1000,
         "generator_late_over_1ms": burst.summary.get("late", 0),
+        # The generator's CPU time over its run's wall time: what its core spent on the load.
+        "generator_cpu_share": burst.summary.get("cpu_s", math.nan)
+        / burst.summary.get("wall_s", math.nan),
     }
 
 
