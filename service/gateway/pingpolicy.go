@@ -35,36 +35,6 @@ type pingPolicy struct {
 	maxStrikes  int // 0: pings are never refused
 }
 
-// frameCursor follows frame boundaries through one direction of a connection.
-type frameCursor struct {
-	skip   int // bytes to pass before the next frame header: the rest of a payload
-	header [frameHeaderBytes]byte
-	have   int // bytes of the next header gathered so far
-}
-
-// feed walks p, calling onHeader at each complete frame header.
-func (c *frameCursor) feed(p []byte, onHeader func(h []byte)) {
-	consumed := 0
-	for consumed < len(p) {
-		if c.skip > 0 {
-			n := min(c.skip, len(p)-consumed)
-			c.skip -= n
-			consumed += n
-		} else {
-			n := copy(c.header[c.have:], p[consumed:])
-			c.have += n
-			consumed += n
-			if c.have == frameHeaderBytes {
-				c.have = 0
-				c.skip = int(c.header[0])<<16 | int(c.header[1])<<8 | int(c.header[2])
-				onHeader(c.header[:])
-			}
-		}
-	}
-}
-
-func (c *frameCursor) atBoundary() bool { return c.skip == 0 && c.have == 0 }
-
 // policedConn applies the ping policy to one HTTP/2 connection. Reads come from net/http's
 // one reading goroutine; writes (its frame writer) and the policy's state are under mu.
 type policedConn struct {
@@ -73,14 +43,15 @@ type policedConn struct {
 
 	prefaceSeen int         // bytes of the client preface checked so far
 	off         atomic.Bool // not HTTP/2 with prior knowledge or ALPN: nothing to police
-	in          frameCursor
-	held        []byte // the start of a frame header still arriving
-	pending     []byte // inspected, not yet read (a Read too small for a header)
+	inSkip      int         // bytes of the current inbound frame's payload still to pass
+	held        []byte      // the start of a frame header still arriving
+	pending     []byte      // inspected, not yet read (a Read too small for a header)
 	scratch     []byte
 
 	mu         sync.Mutex
-	out        frameCursor
-	lastPing   time.Time // zero: none since the last HEADERS or DATA sent
+	out        answerFrames
+	answers    heldAnswers // outbound bytes held back (coalesce.go)
+	lastPing   time.Time   // zero: none since the last HEADERS or DATA sent
 	strikes    int
 	lastStream uint32
 	goAwayOwed bool // strikes exceeded; GOAWAY goes at the next outbound frame boundary
@@ -95,9 +66,9 @@ func (c *policedConn) Read(p []byte) (int, error) {
 		return n, nil
 	case c.off.Load():
 		return c.Conn.Read(p)
-	case c.in.skip > 0 && len(c.held) == 0: // the rest of a payload: nothing to look at
-		n, err := c.Conn.Read(p[:min(len(p), c.in.skip)])
-		c.in.skip -= n
+	case c.inSkip > 0 && len(c.held) == 0: // the rest of a payload: nothing to look at
+		n, err := c.Conn.Read(p[:min(len(p), c.inSkip)])
+		c.inSkip -= n
 		return n, err
 	case len(p) < frameHeaderBytes: // too small to hold a header: read through scratch
 		if c.scratch == nil {
@@ -146,10 +117,10 @@ func (c *policedConn) inspect(p []byte) int {
 	kept = read
 	c.held = c.held[:0]
 	for read < len(p) {
-		if c.in.skip > 0 { // payload: passed on as it is
-			n := min(c.in.skip, len(p)-read)
+		if c.inSkip > 0 { // payload: passed on as it is
+			n := min(c.inSkip, len(p)-read)
 			copy(p[kept:], p[read:read+n])
-			c.in.skip -= n
+			c.inSkip -= n
 			read += n
 			kept += n
 			continue
@@ -167,7 +138,7 @@ func (c *policedConn) inspect(p []byte) int {
 		c.received(header)
 		copy(p[kept:], header)
 		kept += frameHeaderBytes
-		c.in.skip = length
+		c.inSkip = length
 	}
 	return kept
 }
@@ -218,12 +189,53 @@ func (c *policedConn) Write(p []byte) (int, error) {
 	if c.off.Load() {
 		return c.Conn.Write(p)
 	}
-	n, err := c.Conn.Write(p)
-	c.out.feed(p[:n], c.sent)
+	if c.answers.err != nil {
+		return 0, c.answers.err
+	}
+	if c.out.feed(p, c.sent) && c.answers.size()+len(p) <= holdBytes {
+		c.answers.keep(p, c.flushLate)
+		return len(p), nil
+	}
+	n, err := c.writeThrough(p)
 	if c.goAwayOwed && err == nil && c.out.atBoundary() {
 		c.sendAway()
 	}
 	return n, err
+}
+
+// writeThrough writes what is held and p, in one write when they fit the hold's buffer; n
+// counts p's bytes written. Under mu.
+func (c *policedConn) writeThrough(p []byte) (int, error) {
+	held := c.answers.size()
+	if held == 0 {
+		return c.Conn.Write(p)
+	}
+	defer c.answers.release()
+	buf := *c.answers.buf
+	if held+len(p) > cap(buf) {
+		if _, err := c.Conn.Write(buf); err != nil {
+			return 0, err
+		}
+		return c.Conn.Write(p)
+	}
+	buf = append(buf, p...)
+	*c.answers.buf = buf
+	n, err := c.Conn.Write(buf)
+	return max(0, n-held), err
+}
+
+// flushLate writes what is still held when the backstop fires; a failure closes the
+// connection (net/http took those bytes as written) and fails every later write.
+func (c *policedConn) flushLate() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.answers.size() == 0 || c.goneAway {
+		return
+	}
+	if _, err := c.writeThrough(nil); err != nil {
+		c.answers.err = err
+		_ = c.Conn.Close()
+	}
 }
 
 // sendAway writes GOAWAY (ENHANCE_YOUR_CALM, "too_many_pings") and closes; under mu, at an
@@ -239,7 +251,7 @@ func (c *policedConn) sendAway() {
 	copy(frame[17:], debug)
 	c.goneAway = true
 	_ = c.Conn.SetWriteDeadline(time.Now().Add(time.Second))
-	_, _ = c.Conn.Write(frame)
+	_, _ = c.writeThrough(frame)
 	_ = c.Conn.Close()
 }
 

@@ -137,11 +137,11 @@ func TestStrikesWithinTheLimitAndPingsAfterAnAnswerAreServed(t *testing.T) {
 	}
 }
 
-func TestFrameCursorFollowsFramesSplitAnywhere(t *testing.T) {
+func TestAnswerFramesFollowFramesSplitAnywhere(t *testing.T) {
 	stream := append(frame(frameData, 0, 1, make([]byte, 300)), frame(framePing, 0, 0, make([]byte, 8))...)
 	stream = append(stream, frame(frameHeaders, 0x4, 3, []byte{1, 2})...)
 	for cut := 1; cut < len(stream); cut++ {
-		var cursor frameCursor
+		var cursor answerFrames
 		var kinds []byte
 		seen := func(h []byte) { kinds = append(kinds, h[3]) }
 		cursor.feed(stream[:cut], seen)

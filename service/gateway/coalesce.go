@@ -1,0 +1,192 @@
+package main
+
+// Answers leave in as few writes as their gRPC messages allow.
+//
+// net/http's HTTP/2 server writes every DATA frame larger than its 4 KiB buffer with a write
+// of its own, from a goroutine of its own: a seq-128 answer (256 KiB in 16 KiB frames) took
+// 17 writes, and on loopback each write also runs the receiving side's TCP path on this core.
+// A gRPC client can do nothing with part of a message, so the bytes of a message that is not
+// yet whole are held back, and leave with everything held before them in one write: when the
+// message is whole, when any other frame is written (trailers, RST_STREAM, PING, SETTINGS,
+// GOAWAY), when holdBytes are held, or holdFor after the hold began at the latest.
+
+import (
+	"encoding/binary"
+	"sync"
+	"time"
+)
+
+const (
+	// Room for a whole seq-128 answer of the default model (256 KiB and its frame headers).
+	// A hold lasts only while the handler that wrote the message waits for its last frame,
+	// so what is held is part of an answer the undelivered-bytes bound already counts.
+	holdBytes = 320 << 10
+	// A backstop only: a message's bytes come from one handler write (net/http splits it
+	// into frames), so its last frame follows its first within microseconds.
+	holdFor = time.Millisecond
+	// Streams reset mid-message leave their message state behind; past this many the
+	// connection stops holding rather than track more.
+	maxHeldStreams  = 4096
+	grpcPrefixBytes = 5
+	flagEndStream   = 0x1
+	flagPadded      = 0x8
+	frameRSTStream  = 0x3
+)
+
+var holdBuffers = sync.Pool{New: func() any {
+	b := make([]byte, 0, holdBytes+32<<10) // room for the frame that makes a message whole
+	return &b
+}}
+
+// outMessage is where one stream's outbound bytes stand in its current gRPC message.
+type outMessage struct {
+	prefix [grpcPrefixBytes]byte
+	have   int // prefix bytes seen
+	left   int // message bytes after the prefix still to come
+}
+
+// answerFrames follows the frames a connection writes, their headers and the gRPC messages
+// in their DATA payloads, stream by stream.
+type answerFrames struct {
+	header    [frameHeaderBytes]byte
+	have      int // bytes of the next frame header gathered so far
+	left      int // payload bytes of the current frame still to come
+	kind      byte
+	flags     byte
+	stream    uint32
+	messages  map[uint32]*outMessage // streams in the middle of a message
+	untracked bool                   // something it cannot follow was written: hold nothing
+}
+
+// feed walks p, calling onHeader at each complete frame header; it reports whether p ends
+// inside a gRPC message that is not yet whole (in a DATA frame that does not end its stream).
+func (f *answerFrames) feed(p []byte, onHeader func(h []byte)) bool {
+	for len(p) > 0 {
+		if f.left == 0 && f.have < frameHeaderBytes {
+			n := copy(f.header[f.have:], p)
+			f.have += n
+			p = p[n:]
+			if f.have == frameHeaderBytes {
+				f.started(onHeader)
+			}
+			continue
+		}
+		n := min(f.left, len(p))
+		if f.kind == frameData && !f.untracked {
+			f.follow(p[:n])
+		}
+		f.left -= n
+		p = p[n:]
+		if f.left == 0 {
+			f.ended()
+		}
+	}
+	return f.midMessage()
+}
+
+func (f *answerFrames) started(onHeader func(h []byte)) {
+	onHeader(f.header[:])
+	f.left = int(f.header[0])<<16 | int(f.header[1])<<8 | int(f.header[2])
+	f.kind, f.flags = f.header[3], f.header[4]
+	f.stream = binary.BigEndian.Uint32(f.header[5:9]) & 0x7fffffff
+	if f.kind == frameData && f.flags&flagPadded != 0 {
+		f.untracked = true // net/http never pads; padding bytes would read as message bytes
+	}
+	if f.left == 0 {
+		f.ended()
+	}
+}
+
+// ended closes the current frame: the header of the next one comes.
+func (f *answerFrames) ended() {
+	f.have = 0
+	if f.flags&flagEndStream != 0 || f.kind == frameRSTStream {
+		delete(f.messages, f.stream)
+	}
+}
+
+// follow reads DATA payload bytes as gRPC messages: a 5-byte prefix, its length, the bytes.
+func (f *answerFrames) follow(p []byte) {
+	m := f.messages[f.stream]
+	for len(p) > 0 {
+		if m == nil {
+			if len(f.messages) >= maxHeldStreams {
+				f.untracked = true
+				return
+			}
+			if f.messages == nil {
+				f.messages = make(map[uint32]*outMessage)
+			}
+			m = &outMessage{}
+			f.messages[f.stream] = m
+		}
+		if m.have < grpcPrefixBytes {
+			n := copy(m.prefix[m.have:], p)
+			m.have += n
+			p = p[n:]
+			if m.have == grpcPrefixBytes {
+				m.left = int(binary.BigEndian.Uint32(m.prefix[1:]))
+			}
+		} else {
+			n := min(m.left, len(p))
+			m.left -= n
+			p = p[n:]
+		}
+		if m.have == grpcPrefixBytes && m.left == 0 {
+			delete(f.messages, f.stream)
+			m = nil
+		}
+	}
+}
+
+// midMessage: the bytes so far end inside a DATA frame's stream whose message is not whole.
+func (f *answerFrames) midMessage() bool {
+	if f.untracked || f.kind != frameData || f.flags&flagEndStream != 0 {
+		return false
+	}
+	if f.left == 0 && f.have > 0 { // part of the next frame's header: of unknown kind
+		return false
+	}
+	_, mid := f.messages[f.stream]
+	return mid
+}
+
+func (f *answerFrames) atBoundary() bool { return f.left == 0 && f.have == 0 }
+
+// heldAnswers is a connection's outbound bytes written by net/http but not yet to the socket.
+type heldAnswers struct {
+	buf   *[]byte // from holdBuffers while something is held
+	timer *time.Timer
+	err   error // a late flush failed: the connection is closed, writes fail with it
+}
+
+func (h *heldAnswers) size() int {
+	if h.buf == nil {
+		return 0
+	}
+	return len(*h.buf)
+}
+
+// keep holds p (copied: net/http reuses its buffer), starting the backstop with the hold.
+func (h *heldAnswers) keep(p []byte, flushLate func()) {
+	if h.buf == nil {
+		h.buf = holdBuffers.Get().(*[]byte)
+		if h.timer == nil {
+			h.timer = time.AfterFunc(holdFor, flushLate)
+		} else {
+			h.timer.Reset(holdFor)
+		}
+	}
+	*h.buf = append(*h.buf, p...)
+}
+
+// release gives the buffer back and stops the backstop.
+func (h *heldAnswers) release() {
+	if h.buf == nil {
+		return
+	}
+	h.timer.Stop()
+	*h.buf = (*h.buf)[:0]
+	holdBuffers.Put(h.buf)
+	h.buf = nil
+}
