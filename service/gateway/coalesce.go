@@ -5,10 +5,12 @@ package main
 // net/http's HTTP/2 server writes every DATA frame larger than its 4 KiB buffer with a write
 // of its own, from a goroutine of its own: a seq-128 answer (256 KiB in 16 KiB frames) took
 // 17 writes, and on loopback each write also runs the receiving side's TCP path on this core.
-// A gRPC client can do nothing with part of a message, so the bytes of a message that is not
-// yet whole are held back, and leave with everything held before them in one write: when the
+// A gRPC client can do nothing with an answer's headers alone or with part of a message, so
+// those are held back, and leave with everything held before them in one write: when the
 // message is whole, when any other frame is written (trailers, RST_STREAM, PING, SETTINGS,
-// GOAWAY), when holdBytes are held, or holdFor after the hold began at the latest.
+// WINDOW_UPDATE, GOAWAY), when holdBytes are held, or holdFor after the hold began at the
+// latest. An answer of one message then takes two writes: headers with the message, then
+// the trailers.
 
 import (
 	"encoding/binary"
@@ -58,8 +60,8 @@ type answerFrames struct {
 	untracked bool                   // something it cannot follow was written: hold nothing
 }
 
-// feed walks p, calling onHeader at each complete frame header; it reports whether p ends
-// inside a gRPC message that is not yet whole (in a DATA frame that does not end its stream).
+// feed walks p, calling onHeader at each complete frame header; it reports whether more of
+// what p is part of must come before a client can use it (moreToCome).
 func (f *answerFrames) feed(p []byte, onHeader func(h []byte)) bool {
 	for len(p) > 0 {
 		if f.left == 0 && f.have < frameHeaderBytes {
@@ -81,7 +83,7 @@ func (f *answerFrames) feed(p []byte, onHeader func(h []byte)) bool {
 			f.ended()
 		}
 	}
-	return f.midMessage()
+	return f.moreToCome()
 }
 
 func (f *answerFrames) started(onHeader func(h []byte)) {
@@ -139,16 +141,24 @@ func (f *answerFrames) follow(p []byte) {
 	}
 }
 
-// midMessage: the bytes so far end inside a DATA frame's stream whose message is not whole.
-func (f *answerFrames) midMessage() bool {
-	if f.untracked || f.kind != frameData || f.flags&flagEndStream != 0 {
+// moreToCome: the bytes so far end where a client can do nothing with them yet: in or after
+// an answer's HEADERS that do not end its stream (its messages or trailers follow), or inside
+// a gRPC message that is not whole.
+func (f *answerFrames) moreToCome() bool {
+	if f.untracked || f.flags&flagEndStream != 0 {
 		return false
 	}
 	if f.left == 0 && f.have > 0 { // part of the next frame's header: of unknown kind
 		return false
 	}
-	_, mid := f.messages[f.stream]
-	return mid
+	switch f.kind {
+	case frameHeaders:
+		return true
+	case frameData:
+		_, mid := f.messages[f.stream]
+		return mid
+	}
+	return false
 }
 
 func (f *answerFrames) atBoundary() bool { return f.left == 0 && f.have == 0 }

@@ -140,7 +140,8 @@ func TestOtherFramesAndStreamEndsAreNeverHeld(t *testing.T) {
 		"ping":       frame(framePing, 0, 0, make([]byte, 8)),
 		"rst_stream": frame(frameRSTStream, 0, 1, []byte{0, 0, 0, 8}),
 		"end_stream": frame(frameData, flagEndStream, 1, nil),
-		"headers":    frame(frameHeaders, 0x4, 5, []byte{0x88}),
+		"trailers":   frame(frameHeaders, flagEndStream|0x4, 1, []byte{0x88}),
+		"continued":  frame(0x9, 0x4, 5, []byte{0x88}),
 		"padded":     frame(frameData, flagPadded, 5, []byte{0, 0, 0, 0, 0, 9}),
 	} {
 		conn, socket := recorded()
@@ -149,6 +150,23 @@ func TestOtherFramesAndStreamEndsAreNeverHeld(t *testing.T) {
 		if count, all := socket.taken(); count != 1 || !bytes.Equal(all, append(bytes.Clone(part), next...)) {
 			t.Fatalf("%s: %d writes (want 1, the held frame with it)", name, count)
 		}
+	}
+}
+
+func TestAnswerHeadersLeaveWithTheFirstWholeMessage(t *testing.T) {
+	conn, socket := recorded()
+	headers := frame(frameHeaders, 0x4, 1, []byte{0x88, 0x5f})
+	message := dataFrames(1, grpcFrame(make([]byte, 20<<10)), 16<<10, false)
+	_, _ = conn.Write(headers)
+	_, _ = conn.Write(message[0])
+	if count, _ := socket.taken(); count != 0 {
+		t.Fatalf("%d writes before the message was whole", count)
+	}
+	_, _ = conn.Write(message[1])
+	count, all := socket.taken()
+	want := bytes.Join([][]byte{headers, message[0], message[1]}, nil)
+	if count != 1 || !bytes.Equal(all, want) {
+		t.Fatalf("%d writes (want 1: headers and message together)", count)
 	}
 }
 
