@@ -30,7 +30,7 @@ from bench import cputime
 from service.app import run_dir
 from service.ipc import channel
 from service.ipc.records import Done, Fail, Hello, InferRequest, Models
-from service.ipc.slab import Slab
+from service.ipc.slab import HEADER_BYTES, Slab
 from service.worker_socket import socket_path
 
 SLAB_BYTES = 64 << 20
@@ -87,8 +87,8 @@ class StandIn:
                     shape=(1, seq, embed_dim),
                     dtype="<f4",
                     deadline=time.monotonic() + 60,
-                    input_offset=2 * i * nbytes,
-                    output_offset=(2 * i + 1) * nbytes,
+                    input_offset=HEADER_BYTES + 2 * i * nbytes,
+                    output_offset=HEADER_BYTES + (2 * i + 1) * nbytes,
                 )
             )
         while waiting:
@@ -101,7 +101,7 @@ class StandIn:
     def fill(self, size: int, seq: int, embed_dim: int) -> None:
         values = np.random.default_rng(0).standard_normal((1, seq, embed_dim), np.float32)
         for i in range(size):
-            offset = 2 * i * seq * embed_dim * 4
+            offset = HEADER_BYTES + 2 * i * seq * embed_dim * 4
             np.copyto(self._slab.array(offset, values.shape, np.dtype("<f4")), values)
 
 

@@ -41,7 +41,7 @@ from service.ipc.records import (
     Sync,
     Synced,
 )
-from service.ipc.slab import Region, RegionAllocator, Slab
+from service.ipc.slab import HEADER_BYTES, Region, RegionAllocator, Slab, embedding_bytes
 from service.ipc.status_page import StatusView, page_path
 from service.memory.budget import release_free_memory
 from service.observability import tracing
@@ -65,6 +65,19 @@ class _Link:
 
     high_water: int = 0  # most bytes in use since the slab last gave its pages back
     idle_trim: asyncio.TimerHandle | None = None
+    sent_requests: int = 0  # INFERs sent on this link, and their embeddings' bytes
+    sent_bytes: int = 0
+
+    def unread(self) -> tuple[int, int]:
+        """INFERs (and their embeddings' bytes) sent that the worker has not read yet: on
+        their way to its queue, where its status page does not count them."""
+        read_requests, read_bytes = self.slab.read_counts()
+        return self.sent_requests - read_requests, self.sent_bytes - read_bytes
+
+    def send(self, request: InferRequest) -> None:
+        self.sent_requests += 1
+        self.sent_bytes += embedding_bytes(request.shape, request.dtype)
+        self.writer.send(request)
 
     def alloc(self, nbytes: int) -> Region:
         region = self.allocator.alloc(nbytes)
@@ -102,7 +115,7 @@ class _Link:
         self.idle_trim = None
         if self.allocator.used or not self.alive:
             return  # busy again: the next time the slab empties schedules another look
-        self.slab.release_pages(Region(0, self.slab.size))
+        self.slab.release_pages(Region(HEADER_BYTES, self.slab.capacity))
         release_free_memory()
         self.high_water = 0
 
@@ -262,7 +275,7 @@ class WorkerClient:
             slab.close()
             raise
         slab.close()  # the mapping stays; the worker holds its own descriptor now
-        return reader, _Link(slab, RegionAllocator(slab.size), channel.Writer(writer))
+        return reader, _Link(slab, RegionAllocator(slab.capacity), channel.Writer(writer))
 
     async def _read(self, reader: asyncio.StreamReader, link: _Link) -> None:
         messages_in = channel.Reader(reader)
@@ -340,8 +353,9 @@ class WorkerClient:
         link = self._usable_link()
         n, seq, d = embeddings.shape
         # Refused here, by the worker's own rule and words, before the tensor is copied or
-        # the worker asked; the worker still refuses what slips through between updates.
-        refusal = self._status.refusal(n * seq * d * model.spec.dtype.itemsize)
+        # the worker asked, counting what this link sent that the worker has not read yet;
+        # the worker still refuses what slips through between updates.
+        refusal = self._status.refusal(n * seq * d * model.spec.dtype.itemsize, *link.unread())
         if refusal is not None:
             raise QueueFull(refusal)
         targets = targets or {}
@@ -374,7 +388,7 @@ class WorkerClient:
             at=at,
         )
         link.calls[request_id] = call
-        link.writer.send(request)
+        link.send(request)
         self._enter()
         try:
             answer = await call.future

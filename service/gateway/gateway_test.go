@@ -116,7 +116,7 @@ func TestSlabFirstFitCoalesces(t *testing.T) {
 	defer s.unmap()
 	s.closeFd()
 	a, err := s.alloc([]int{100, 1000, 10})
-	if err != nil || a[0].offset != 0 || a[1].offset != 128 || a[2].offset != 1152 {
+	if h := slabHeaderBytes; err != nil || a[0].offset != h || a[1].offset != h+128 || a[2].offset != h+1152 {
 		t.Fatalf("%v %v", a, err)
 	}
 	if _, err := s.alloc([]int{4096}); err == nil {
@@ -125,7 +125,7 @@ func TestSlabFirstFitCoalesces(t *testing.T) {
 	s.release(a[1:2])
 	s.release(a[0:1])
 	s.release(a[2:3])
-	if len(s.free) != 1 || s.free[0] != (region{0, 4096}) || s.used != 0 {
+	if len(s.free) != 1 || s.free[0] != (region{slabHeaderBytes, 4096}) || s.used != 0 {
 		t.Fatalf("free list %v used %d", s.free, s.used)
 	}
 	if _, err := s.alloc([]int{5000}); err == nil || !err.(*slabError).tooSmall {

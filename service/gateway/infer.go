@@ -454,9 +454,11 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 		}
 	}()
 	// Refused here, by the worker's own rule and words, before the tensor is copied or the
-	// worker asked; the worker still refuses what slips through between two updates.
-	embeddingBytes := p.shape[0] * p.shape[1] * p.shape[2] * p.dtype.size
-	if refusal := fp.worker.status.refusal(uint64(embeddingBytes)); refusal != "" {
+	// worker asked, counting what this link sent that the worker has not read yet; the
+	// worker still refuses what slips through between two updates.
+	embeddingBytes := uint64(p.shape[0] * p.shape[1] * p.shape[2] * p.dtype.size)
+	unread, unreadBytes := l.unread()
+	if refusal := fp.worker.status.refusal(embeddingBytes, unread, unreadBytes); refusal != "" {
 		return failed(codeResourceExhausted, refusal)
 	}
 	hold, refusal := fp.answers.reserve(peer, p.answerBytes())
@@ -500,6 +502,8 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	fp.worker.nextID++
 	id := fp.worker.nextID
 	l.calls[id] = call
+	l.sentRequests++
+	l.sentBytes += embeddingBytes
 	l.mu.Unlock()
 	var message []byte
 	if p.inRegions() {

@@ -2,12 +2,15 @@ package main
 
 // The shared-memory slab this front end sends the worker: one memfd (no name to leak when
 // a process is killed), mapped here and there. Requests' tensors are copied into it once
-// from the received message; the worker writes each answer back into it.
+// from the received message; the worker writes each answer back into it. Its header is the
+// worker's: how many INFERs (and bytes of their embeddings) it has read from this link
+// (service/ipc/slab.py); tensors start after it.
 
 import (
 	"fmt"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 )
@@ -21,14 +24,17 @@ const (
 type region struct{ offset, size int }
 
 type slab struct {
-	fd   int
-	mem  []byte
-	mu   sync.Mutex
-	free []region // sorted by offset, coalesced
-	used int
+	fd       int
+	mem      []byte // the header, then capacity bytes for tensors
+	capacity int
+	mu       sync.Mutex
+	free     []region // sorted by offset, coalesced
+	used     int
 }
 
-func newSlab(size int, name string) (*slab, error) {
+// newSlab makes a slab with capacity bytes for tensors after its header.
+func newSlab(capacity int, name string) (*slab, error) {
+	size := slabHeaderBytes + capacity
 	cname := append([]byte(name), 0)
 	fd, _, errno := syscall.Syscall(sysMemfdCreate, uintptr(unsafe.Pointer(&cname[0])), 1 /* MFD_CLOEXEC */, 0)
 	if errno != 0 {
@@ -43,7 +49,7 @@ func newSlab(size int, name string) (*slab, error) {
 		syscall.Close(int(fd))
 		return nil, fmt.Errorf("mmap shared memory: %w", err)
 	}
-	return &slab{fd: int(fd), mem: mem, free: []region{{0, size}}}, nil
+	return &slab{fd: int(fd), mem: mem, capacity: capacity, free: []region{{slabHeaderBytes, capacity}}}, nil
 }
 
 // closeFd drops this process's descriptor once the worker has its own; the mapping stays.
@@ -90,8 +96,8 @@ func (s *slab) alloc(sizes []int) ([]region, error) {
 }
 
 func (s *slab) take(need int) (region, error) {
-	if need > len(s.mem) {
-		return region{}, &slabError{tooSmall: true, need: need, size: len(s.mem)}
+	if need > s.capacity {
+		return region{}, &slabError{tooSmall: true, need: need, size: s.capacity}
 	}
 	for i, block := range s.free {
 		if block.size >= need {
@@ -104,7 +110,7 @@ func (s *slab) take(need int) (region, error) {
 			return region{block.offset, need}, nil
 		}
 	}
-	return region{}, &slabError{need: need, used: s.used, size: len(s.mem)}
+	return region{}, &slabError{need: need, used: s.used, size: s.capacity}
 }
 
 func (s *slab) release(regions []region) {
@@ -162,6 +168,18 @@ func (s *slab) releaseIfEmpty() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.used == 0 {
-		s.releasePages(region{0, len(s.mem)})
+		s.releasePages(region{slabHeaderBytes, s.capacity}) // the header's page stays
+	}
+}
+
+// readCounts is what the worker has read from this link so far: INFERs and the bytes of
+// their embeddings (two loads that agree: a load racing the worker's write is taken again).
+func (s *slab) readCounts() (requests, nbytes uint64) {
+	at := func(offset int) *uint64 { return (*uint64)(unsafe.Pointer(&s.mem[offset])) }
+	for {
+		requests, nbytes = atomic.LoadUint64(at(slabReadRequestsOffset)), atomic.LoadUint64(at(slabReadBytesOffset))
+		if atomic.LoadUint64(at(slabReadRequestsOffset)) == requests && atomic.LoadUint64(at(slabReadBytesOffset)) == nbytes {
+			return requests, nbytes
+		}
 	}
 }

@@ -84,22 +84,24 @@ func (s *statusPage) fill() (queueFill, bool) {
 }
 
 // refusal is why the worker would refuse a request of nbytes of embeddings now ("" if it
-// would take it), by the rule of status_page.QueueFill.refusal.
-func (f queueFill) refusal(nbytes uint64) string {
-	if f.pending >= f.maxQueueSize {
-		return queueFullByCount(f.pending, f.maxQueueSize)
+// would take it), by the rule of status_page.QueueFill.refusal: what this front end sent
+// that the worker has not read yet (unread requests and bytes) reaches the queue first.
+func (f queueFill) refusal(nbytes, unread, unreadBytes uint64) string {
+	pending, pendingBytes := f.pending+unread, f.pendingBytes+unreadBytes
+	if pending >= f.maxQueueSize {
+		return queueFullByCount(pending, f.maxQueueSize)
 	}
-	if f.pending > 0 && f.pendingBytes+nbytes > f.maxQueueBytes {
-		return queueFullByBytes(f.pendingBytes, nbytes, f.maxQueueBytes)
+	if pending > 0 && pendingBytes+nbytes > f.maxQueueBytes {
+		return queueFullByBytes(pendingBytes, nbytes, f.maxQueueBytes)
 	}
 	return ""
 }
 
 // refusal reads the page: "" when it says nothing yet.
-func (s *statusPage) refusal(nbytes uint64) string {
+func (s *statusPage) refusal(nbytes, unread, unreadBytes uint64) string {
 	f, ok := s.fill()
 	if !ok {
 		return ""
 	}
-	return f.refusal(nbytes)
+	return f.refusal(nbytes, unread, unreadBytes)
 }

@@ -22,24 +22,35 @@ func TestGoldenStatusPage(t *testing.T) {
 	if !ok || fill != (queueFill{pending: 5, pendingBytes: 123456, maxQueueSize: 64, maxQueueBytes: 3 << 20}) {
 		t.Fatalf("fill = %+v, %v", fill, ok)
 	}
-	if got := page.refusal(3<<20 - 123456 + 1); got != "queue full: 123456 bytes waiting, this request adds 3022273 (max_queue_bytes=3145728); retry with backoff" {
+	if got := page.refusal(3<<20-123456+1, 0, 0); got != "queue full: 123456 bytes waiting, this request adds 3022273 (max_queue_bytes=3145728); retry with backoff" {
 		t.Fatalf("refusal by bytes = %q", got)
 	}
-	if got := page.refusal(1024); got != "" {
+	if got := page.refusal(1024, 0, 0); got != "" {
 		t.Fatalf("refusal with room = %q", got)
 	}
 	full := queueFill{pending: 64, maxQueueSize: 64, maxQueueBytes: 1 << 20}
-	if got := full.refusal(1); got != "queue full: 64 requests waiting (max_queue_size=64); retry with backoff" {
+	if got := full.refusal(1, 0, 0); got != "queue full: 64 requests waiting (max_queue_size=64); retry with backoff" {
 		t.Fatalf("refusal by count = %q", got)
 	}
-	if got := (queueFill{maxQueueSize: 4, maxQueueBytes: 10}).refusal(1 << 30); got != "" {
+	if got := (queueFill{maxQueueSize: 4, maxQueueBytes: 10}).refusal(1<<30, 0, 0); got != "" {
 		t.Fatalf("an empty queue refused: %q", got)
+	}
+	// What this front end sent that the worker has not read yet reaches the queue first.
+	room := queueFill{pending: 60, pendingBytes: 600, maxQueueSize: 64, maxQueueBytes: 1000}
+	if got := room.refusal(1, 4, 40); got != "queue full: 64 requests waiting (max_queue_size=64); retry with backoff" {
+		t.Fatalf("unread requests not counted: %q", got)
+	}
+	if got := room.refusal(300, 3, 200); got != "queue full: 800 bytes waiting, this request adds 300 (max_queue_bytes=1000); retry with backoff" {
+		t.Fatalf("unread bytes not counted: %q", got)
+	}
+	if got := (queueFill{maxQueueSize: 4, maxQueueBytes: 10}).refusal(1<<30, 1, 8); got == "" {
+		t.Fatal("a queue empty but for what is on its way refused nothing too large")
 	}
 }
 
 func TestNoStatusPageRefusesNothing(t *testing.T) {
 	page := newStatusPage(filepath.Join(t.TempDir(), "worker.sock"))
-	if got := page.refusal(1 << 40); got != "" {
+	if got := page.refusal(1<<40, 0, 0); got != "" {
 		t.Fatalf("refusal without a page = %q", got)
 	}
 }

@@ -54,6 +54,19 @@ type link struct {
 	wake  chan struct{}
 	alive bool
 	users int // requests using the slab; the last one after the link is lost unmaps it
+	// INFERs sent on this link and their embeddings' bytes, under mu; with what the worker
+	// has read (the slab's header), what is on its way to its queue.
+	sentRequests, sentBytes uint64
+}
+
+// unread is what this link sent that the worker has not read yet: INFERs and their
+// embeddings' bytes, which reach its queue before anything sent after them.
+func (l *link) unread() (requests, nbytes uint64) {
+	readRequests, readBytes := l.slab.readCounts()
+	l.mu.Lock()
+	sentRequests, sentBytes := l.sentRequests, l.sentBytes
+	l.mu.Unlock()
+	return sentRequests - min(readRequests, sentRequests), sentBytes - min(readBytes, sentBytes)
 }
 
 type worker struct {

@@ -10,9 +10,13 @@ regions give their pages back when freed.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
+import math
 import mmap
 import os
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +30,26 @@ PAGE = mmap.PAGESIZE
 # Freed regions this large give their pages back to the kernel (a weights answer at seq 512
 # is 8 MiB a sequence); smaller ones stay resident for the next request to reuse.
 RELEASE_BYTES = 1 << 20
+# The slab's first bytes are the worker's: how many INFER requests, and how many bytes of
+# their embeddings, it has read from this front end's link so far (little-endian unsigned
+# 64-bit counters, written by the worker after each read). With what it has sent, a front
+# end knows what is still on its way to the worker's queue, which the worker's status page
+# cannot show; refusing at the edge counts it. Tensors start after them.
+HEADER_BYTES = ALIGN
+READ_REQUESTS_OFFSET = 0
+READ_BYTES_OFFSET = 8
+_READ_COUNTS = struct.Struct("<QQ")
+
+
+@functools.lru_cache(maxsize=16)
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def embedding_bytes(shape: Sequence[int], dtype: str) -> int:
+    """What one request's embeddings count in the read counters: its shape's elements times
+    its dtype's size (numpy's name), the same on both ends of a link."""
+    return math.prod(shape) * _itemsize(dtype)
 
 
 class SlabTooSmall(QueueFull):
@@ -56,11 +80,12 @@ class Slab:
         self._map = mmap.mmap(fd, size)
 
     @classmethod
-    def create(cls, size: int, name: str) -> Slab:
+    def create(cls, capacity: int, name: str) -> Slab:
+        """A slab with capacity bytes for tensors, after its header."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, size)
-            return cls(fd, size)
+            os.ftruncate(fd, HEADER_BYTES + capacity)
+            return cls(fd, HEADER_BYTES + capacity)
         except BaseException:
             os.close(fd)
             raise
@@ -68,6 +93,23 @@ class Slab:
     @classmethod
     def attach(cls, fd: int) -> Slab:
         return cls(fd, os.fstat(fd).st_size)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes for tensors: all but the header."""
+        return self.size - HEADER_BYTES
+
+    def note_read(self, requests: int, nbytes: int) -> None:
+        """The worker: requests (and embedding bytes) read from this link so far."""
+        _READ_COUNTS.pack_into(self._map, READ_REQUESTS_OFFSET, requests, nbytes)
+
+    def read_counts(self) -> tuple[int, int]:
+        """The front end: what the worker has read so far (requests, embedding bytes), as two
+        reads that agree (a read racing the worker's write is taken again)."""
+        while True:
+            first = _READ_COUNTS.unpack_from(self._map, READ_REQUESTS_OFFSET)
+            if _READ_COUNTS.unpack_from(self._map, READ_REQUESTS_OFFSET) == first:
+                return first
 
     def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A numpy view of part of the slab (no copy)."""
@@ -88,13 +130,14 @@ class Slab:
 
 
 class RegionAllocator:
-    """First fit over a sorted free list, coalescing on free. Used by the front end alone,
-    on its event loop (no lock)."""
+    """First fit over a sorted free list, coalescing on free, over size bytes from base (a
+    slab's tensors start after its header). Used by the front end alone, on its event loop
+    (no lock)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, base: int = HEADER_BYTES) -> None:
         self.size = size
-        self._starts: list[int] = [0]  # free blocks, sorted by start
-        self._lengths: dict[int, int] = {0: size}
+        self._starts: list[int] = [base]  # free blocks, sorted by start
+        self._lengths: dict[int, int] = {base: size}
         self._taken: dict[int, int] = {}  # start -> length of each region handed out
         self.used = 0
 

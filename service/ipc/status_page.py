@@ -52,16 +52,17 @@ class QueueFill:
     max_queue_size: int
     max_queue_bytes: int
 
-    def refusal(self, nbytes: int) -> str | None:
+    def refusal(self, nbytes: int, unread: int = 0, unread_bytes: int = 0) -> str | None:
         """Why a request of nbytes of embeddings cannot be queued now; None if it can. An
-        empty queue takes any legal request, so no request is refused forever."""
-        if self.pending >= self.max_queue_size:
-            return QUEUE_FULL_BY_COUNT.format(
-                pending=self.pending, max_queue_size=self.max_queue_size
-            )
-        if self.pending and self.pending_bytes + nbytes > self.max_queue_bytes:
+        empty queue takes any legal request, so no request is refused forever. A front end
+        adds what it sent that the worker has not read yet (unread requests and bytes): they
+        reach the queue before this one."""
+        pending, pending_bytes = self.pending + unread, self.pending_bytes + unread_bytes
+        if pending >= self.max_queue_size:
+            return QUEUE_FULL_BY_COUNT.format(pending=pending, max_queue_size=self.max_queue_size)
+        if pending and pending_bytes + nbytes > self.max_queue_bytes:
             return QUEUE_FULL_BY_BYTES.format(
-                pending_bytes=self.pending_bytes,
+                pending_bytes=pending_bytes,
                 nbytes=nbytes,
                 max_queue_bytes=self.max_queue_bytes,
             )
@@ -127,11 +128,11 @@ class StatusView:
                 return QueueFill(*fields)
         return None
 
-    def refusal(self, nbytes: int) -> str | None:
-        """Why the worker would refuse a request of nbytes now, by the page; None if it
-        would take it (or the page says nothing yet)."""
+    def refusal(self, nbytes: int, unread: int = 0, unread_bytes: int = 0) -> str | None:
+        """Why the worker would refuse a request of nbytes now, by the page and what is on
+        its way (QueueFill.refusal); None if it would take it (or the page says nothing yet)."""
         fill = self.fill()
-        return None if fill is None else fill.refusal(nbytes)
+        return None if fill is None else fill.refusal(nbytes, unread, unread_bytes)
 
     def close(self) -> None:
         if self._map is not None:

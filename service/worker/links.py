@@ -35,7 +35,7 @@ from service.ipc.records import (
     ToFrontend,
     TraceTag,
 )
-from service.ipc.slab import Slab
+from service.ipc.slab import Slab, embedding_bytes
 from service.values import check_finite, in_model_dtype
 from service.worker.batching.batcher import Batcher, Result, Target, Ticket
 from service.worker.client_regions import ClientRegions, RegionWriter
@@ -78,6 +78,10 @@ class FrontendLink:
         self._submitted: dict[int, Ticket] = {}  # id -> its place in the batcher
         self._gone = False  # the front end went: answers are dropped, not sent
         self._tasks: set[asyncio.Task[None]] = set()
+        # INFERs read from this link so far, and their embeddings' bytes: published in the
+        # slab's header for the front end's edge refusals.
+        self._read_requests = 0
+        self._read_bytes = 0
         self._syncs: dict[int, asyncio.Future[None]] = {}
         self._sync_ids = itertools.count(1)
 
@@ -126,9 +130,24 @@ class FrontendLink:
         self._writer = channel.Writer(transport)
 
     def _received(self, received: list[Message]) -> None:
+        self._note_read(received)
         for message in received:
             self._dispatch(message)
         self._batcher.run_due()  # every request of this read queued: batch them now
+
+    def _note_read(self, received: list[Message]) -> None:
+        """Count the INFERs of this read before queueing them: a front end's edge check then
+        never counts one twice (unread, and in the queue), at worst neither for a moment."""
+        requests, nbytes = 0, 0
+        for message in received:
+            if isinstance(message, InferRequest):
+                requests += 1
+                with contextlib.suppress(TypeError, ValueError):  # malformed: refused later
+                    nbytes += embedding_bytes(message.shape, message.dtype)
+        if requests:
+            self._read_requests += requests
+            self._read_bytes += nbytes
+            self._slab.note_read(self._read_requests, self._read_bytes)
 
     def _lost(self, error: BaseException | None) -> None:
         if self._closed.done():

@@ -38,6 +38,8 @@ PARKED = (
     "--watchdog-timeout-s",
     "120",
 )
+# The same bounds, with batches that start at once.
+PROMPT = tuple("0" if flag == "60000" else flag for flag in PARKED)
 
 
 def _attend(seq: int = 8) -> pb.AttendRequest:
@@ -94,6 +96,46 @@ def test_a_full_queue_is_refused_without_asking_the_worker(stopped_worker) -> No
                     call()
                 assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, name
                 assert refused.value.details() == expected, name
+
+
+def test_requests_on_their_way_to_the_worker_count_as_queued(
+    model_repository: Path, grpc_gateway: str
+) -> None:
+    """With the worker stopped before anything is queued, what a front end sends it waits
+    unread in the link, where the status page cannot see it: the front end counts it, so the
+    request past the queue's bound is refused at once, in the worker's words, and the ones
+    sent are computed once the worker runs again."""
+    with (
+        ServerProcess(model_repository, *PROMPT) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        stub.Attend(_attend(), timeout=60)  # the status page is published
+        worker = worker_pid(server)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            sent = [stub.Attend.future(_attend(), timeout=120) for _ in range(QUEUE)]
+            server.wait_metric("attention_inflight_requests", QUEUE, api="attention")
+            v2_stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            # A call that overtook one of the four on its way in is sent too, and counted.
+            admitted, refused = 0, None
+            while refused is None and admitted < 3:
+                try:
+                    v2_stub.ModelInfer(_infer(), timeout=5)
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        refused = err
+                    admitted += refused is None
+            assert refused is not None, "every call was sent to the stopped worker"
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            waiting = QUEUE + admitted
+            assert refused.details() == (
+                f"queue full: {waiting} requests waiting (max_queue_size={QUEUE}); "
+                "retry with backoff"
+            )
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        assert [list(call.result(timeout=60).output.shape) for call in sent] == [[8, D]] * QUEUE
 
 
 def test_readiness_is_answered_while_the_worker_is_stopped(stopped_worker) -> None:
