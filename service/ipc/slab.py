@@ -15,7 +15,6 @@ import logging
 import math
 import mmap
 import os
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ RELEASE_BYTES = 1 << 20
 HEADER_BYTES = ALIGN
 READ_REQUESTS_OFFSET = 0
 READ_BYTES_OFFSET = 8
-_READ_COUNTS = struct.Struct("<QQ")
+_REQUESTS, _BYTES = READ_REQUESTS_OFFSET // 8, READ_BYTES_OFFSET // 8  # their 64-bit words
 
 
 @functools.lru_cache(maxsize=16)
@@ -78,6 +77,9 @@ class Slab:
         self.fd = fd
         self.size = size
         self._map = mmap.mmap(fd, size)
+        # The header's counters as aligned 64-bit words: numpy stores and loads each with one
+        # instruction, where struct packs byte by byte and a reader could see half a store.
+        self._read_counts = np.ndarray((2,), dtype="<u8", buffer=self._map, offset=0)
 
     @classmethod
     def create(cls, capacity: int, name: str) -> Slab:
@@ -101,14 +103,16 @@ class Slab:
 
     def note_read(self, requests: int, nbytes: int) -> None:
         """The worker: requests (and embedding bytes) read from this link so far."""
-        _READ_COUNTS.pack_into(self._map, READ_REQUESTS_OFFSET, requests, nbytes)
+        self._read_counts[_REQUESTS] = requests
+        self._read_counts[_BYTES] = nbytes
 
     def read_counts(self) -> tuple[int, int]:
         """The front end: what the worker has read so far (requests, embedding bytes), as two
         reads that agree (a read racing the worker's write is taken again)."""
+        counts = self._read_counts
         while True:
-            first = _READ_COUNTS.unpack_from(self._map, READ_REQUESTS_OFFSET)
-            if _READ_COUNTS.unpack_from(self._map, READ_REQUESTS_OFFSET) == first:
+            first = (int(counts[_REQUESTS]), int(counts[_BYTES]))
+            if (int(counts[_REQUESTS]), int(counts[_BYTES])) == first:
                 return first
 
     def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
