@@ -38,10 +38,10 @@ def _run(*args: str | Path, cwd: Path, timeout_s: float) -> str:
     return done.stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Python of a fresh virtualenv with the client extra installed from a copy of the
-    sources (not editable), checked to hold the client alone; installed once a module."""
+    sources (not editable), checked to hold the client alone; installed once a session (both gateway modes use it)."""
     tmp_path = tmp_path_factory.mktemp("client-install")
     source = tmp_path / "src"
     source.mkdir()
