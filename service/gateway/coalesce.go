@@ -10,7 +10,12 @@ package main
 // message is whole, when any other frame is written (trailers, RST_STREAM, PING, SETTINGS,
 // WINDOW_UPDATE, GOAWAY), when holdBytes are held, or holdFor after the hold began at the
 // latest. An answer of one message then takes two writes: headers with the message, then
-// the trailers.
+// the trailers. Nothing is held that needs the client's flow-control window to grow before
+// it can be made whole: the client grows it only for bytes it has received, so such a hold
+// would last until the backstop at every window's worth (a client with HTTP/2's default
+// 64 KiB windows took 10.7 ms instead of 5.3 ms for a seq-128 answer, 311 ms instead of 93 ms
+// for a seq-512 answer with weights). The connection follows the client's windows from the
+// SETTINGS and WINDOW_UPDATE frames it reads and the DATA frames it writes (flowWindows).
 
 import (
 	"encoding/binary"
@@ -33,6 +38,10 @@ const (
 	flagEndStream   = 0x1
 	flagPadded      = 0x8
 	frameRSTStream  = 0x3
+	// Flow control (RFC 9113 6.9): every window starts at 65535 bytes.
+	frameWindowUpdate    = 0x8
+	settingInitialWindow = 0x4
+	defaultWindow        = 65535
 )
 
 var holdBuffers = sync.Pool{New: func() any {
@@ -58,7 +67,59 @@ type answerFrames struct {
 	stream    uint32
 	messages  map[uint32]*outMessage // streams in the middle of a message
 	untracked bool                   // something it cannot follow was written: hold nothing
+	flow      flowWindows
 }
+
+// flowWindows is how many DATA bytes the client lets this side send, on the connection and
+// per stream, as far as the frames seen so far say. Its zero value is HTTP/2's start.
+type flowWindows struct {
+	connGranted, connSent int64 // the connection's window: defaultWindow + granted - sent
+	initialDelta          int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE - defaultWindow
+	// Streams the client opened or this side sent DATA on, until they end: WINDOW_UPDATE
+	// increments granted minus DATA bytes sent (a stream's window: initial + this).
+	streams map[uint32]int64
+}
+
+// room is how many more DATA bytes stream may take now without a WINDOW_UPDATE.
+func (w *flowWindows) room(stream uint32) int64 {
+	return min(defaultWindow+w.connGranted-w.connSent, defaultWindow+w.initialDelta+w.streams[stream])
+}
+
+func (w *flowWindows) track(stream uint32) bool {
+	if _, ok := w.streams[stream]; ok {
+		return true
+	}
+	if len(w.streams) >= maxHeldStreams {
+		return false
+	}
+	if w.streams == nil {
+		w.streams = make(map[uint32]int64)
+	}
+	w.streams[stream] = 0
+	return true
+}
+
+// opened: the client opened stream (its first HEADERS).
+func (f *answerFrames) opened(stream uint32) {
+	if !f.flow.track(stream) {
+		f.untracked = true
+	}
+}
+
+// windowUpdate: the client granted increment more bytes on stream (0: the connection).
+func (f *answerFrames) windowUpdate(stream uint32, increment int64) {
+	if stream == 0 {
+		f.flow.connGranted += increment
+	} else if _, open := f.flow.streams[stream]; open {
+		f.flow.streams[stream] += increment
+	}
+}
+
+// initialWindow: the client's SETTINGS_INITIAL_WINDOW_SIZE, which moves every stream's window.
+func (f *answerFrames) initialWindow(size int64) { f.flow.initialDelta = size - defaultWindow }
+
+// reset: the client reset stream.
+func (f *answerFrames) reset(stream uint32) { delete(f.flow.streams, stream) }
 
 // feed walks p, calling onHeader at each complete frame header; it reports whether more of
 // what p is part of must come before a client can use it (moreToCome).
@@ -94,6 +155,14 @@ func (f *answerFrames) started(onHeader func(h []byte)) {
 	if f.kind == frameData && f.flags&flagPadded != 0 {
 		f.untracked = true // net/http never pads; padding bytes would read as message bytes
 	}
+	if f.kind == frameData && f.left > 0 { // the whole frame counts against both windows
+		f.flow.connSent += int64(f.left)
+		if f.flow.track(f.stream) {
+			f.flow.streams[f.stream] -= int64(f.left)
+		} else {
+			f.untracked = true
+		}
+	}
 	if f.left == 0 {
 		f.ended()
 	}
@@ -104,6 +173,7 @@ func (f *answerFrames) ended() {
 	f.have = 0
 	if f.flags&flagEndStream != 0 || f.kind == frameRSTStream {
 		delete(f.messages, f.stream)
+		delete(f.flow.streams, f.stream)
 	}
 }
 
@@ -143,7 +213,8 @@ func (f *answerFrames) follow(p []byte) {
 
 // moreToCome: the bytes so far end where a client can do nothing with them yet: in or after
 // an answer's HEADERS that do not end its stream (its messages or trailers follow), or inside
-// a gRPC message that is not whole.
+// a gRPC message that is not whole; and what follows can be sent within the client's windows
+// (else it waits for a WINDOW_UPDATE, which the client sends for bytes it has received).
 func (f *answerFrames) moreToCome() bool {
 	if f.untracked || f.flags&flagEndStream != 0 {
 		return false
@@ -151,12 +222,20 @@ func (f *answerFrames) moreToCome() bool {
 	if f.left == 0 && f.have > 0 { // part of the next frame's header: of unknown kind
 		return false
 	}
+	room := f.flow.room(f.stream)
 	switch f.kind {
 	case frameHeaders:
-		return true
+		return room > 0
 	case frameData:
-		_, mid := f.messages[f.stream]
-		return mid
+		m, mid := f.messages[f.stream]
+		if !mid {
+			return false
+		}
+		if m.have < grpcPrefixBytes { // the message's length is not known yet
+			return room > 0
+		}
+		// The rest of this frame is granted already; the message's bytes beyond it are not.
+		return int64(m.left-f.left) <= room
 	}
 	return false
 }

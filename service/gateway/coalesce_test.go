@@ -53,11 +53,83 @@ func (r *writeRecorder) taken() (count int, all []byte) {
 	return len(r.writes), bytes.Join(r.writes, nil)
 }
 
-func recorded() (*policedConn, *writeRecorder) {
+// recorded is a connection to a client whose windows never run out (as gRPC clients that
+// size them by the bandwidth-delay product, and h2load's), unless defaultWindows says
+// HTTP/2's 64 KiB.
+func recorded(defaultWindows ...bool) (*policedConn, *writeRecorder) {
 	socket := &writeRecorder{}
 	conn := &policedConn{Conn: socket}
 	conn.prefaceSeen = len(clientPreface)
+	if len(defaultWindows) == 0 || !defaultWindows[0] {
+		conn.out.flow = flowWindows{connGranted: 1 << 40, initialDelta: 1 << 40}
+	}
 	return conn, socket
+}
+
+// fromClient has the connection read frames the client sent.
+func fromClient(t *testing.T, conn *policedConn, frames ...[]byte) {
+	t.Helper()
+	p := bytes.Join(frames, nil)
+	if kept := conn.inspect(p); kept != len(p) {
+		t.Fatalf("inspect kept %d of %d bytes", kept, len(p))
+	}
+}
+
+func windowUpdate(stream uint32, increment uint32) []byte {
+	return frame(frameWindowUpdate, 0, stream, binary.BigEndian.AppendUint32(nil, increment))
+}
+
+func TestNothingIsHeldThatWaitsForTheClientsWindow(t *testing.T) {
+	// HTTP/2's default windows (64 KiB): net/http writes the headers and 65535 bytes of a
+	// 256 KiB answer, then waits for a WINDOW_UPDATE that the client sends only for bytes it
+	// has received. Held, they would leave by the backstop only, at every window's worth.
+	conn, socket := recorded(true)
+	fromClient(t, conn, frame(frameSettings, 0, 0, nil), frame(frameHeaders, 0x4, 1, []byte{0x83}))
+	headers := frame(frameHeaders, 0x4, 1, []byte{0x88, 0x5f})
+	message := grpcFrame(make([]byte, 256<<10))
+	frames := dataFrames(1, message[:defaultWindow], 16<<10, false)
+	_, _ = conn.Write(headers)
+	sent := bytes.Clone(headers)
+	for _, f := range frames {
+		_, _ = conn.Write(f)
+		sent = append(sent, f...)
+	}
+	if _, all := socket.taken(); !bytes.Equal(all, sent) || conn.answers.size() != 0 {
+		t.Fatalf("%d of %d bytes written, %d held: the window is spent, the client must see them",
+			len(all), len(sent), conn.answers.size())
+	}
+	// The client's WINDOW_UPDATEs (stream and connection) make room for the rest: it is
+	// held until the message is whole, and leaves in one write.
+	rest := len(message) - defaultWindow
+	fromClient(t, conn, windowUpdate(0, uint32(rest)), windowUpdate(1, uint32(rest)))
+	before, _ := socket.taken()
+	for _, f := range dataFrames(1, message[defaultWindow:], 16<<10, false) {
+		_, _ = conn.Write(f)
+		sent = append(sent, f...)
+	}
+	if count, all := socket.taken(); count != before+1 || !bytes.Equal(all, sent) {
+		t.Fatalf("%d writes for the rest (want 1), bytes equal: %v", count-before, bytes.Equal(all, sent))
+	}
+}
+
+func TestTheClientsSettingsSizeTheStreamsWindow(t *testing.T) {
+	conn, socket := recorded(true)
+	initial := binary.BigEndian.AppendUint32([]byte{0, settingInitialWindow}, 1<<20)
+	// A SETTINGS frame split across reads, and the connection's window grown.
+	fromClient(t, conn, frame(frameSettings, 0, 0, initial)[:11])
+	fromClient(t, conn, frame(frameSettings, 0, 0, initial)[11:], windowUpdate(0, 1<<20),
+		frame(frameHeaders, 0x4, 1, []byte{0x83}))
+	for _, f := range dataFrames(1, grpcFrame(make([]byte, 256<<10)), 16<<10, false) {
+		_, _ = conn.Write(f)
+	}
+	if count, _ := socket.taken(); count != 1 {
+		t.Fatalf("%d writes for one message within the client's windows (want 1)", count)
+	}
+	// A stream the client reset is forgotten.
+	fromClient(t, conn, frame(frameRSTStream, 0, 1, []byte{0, 0, 0, 8}))
+	if len(conn.out.flow.streams) != 0 {
+		t.Fatalf("%d streams still followed after the reset", len(conn.out.flow.streams))
+	}
 }
 
 func TestAnAnswerLeavesInOneWriteWhenItsMessageIsWhole(t *testing.T) {

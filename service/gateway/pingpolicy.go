@@ -44,9 +44,12 @@ type policedConn struct {
 	prefaceSeen int         // bytes of the client preface checked so far
 	off         atomic.Bool // not HTTP/2 with prior knowledge or ALPN: nothing to police
 	inSkip      int         // bytes of the current inbound frame's payload still to pass
+	inFlow      []byte      // a WINDOW_UPDATE's or SETTINGS' payload as it passes; nil: none
+	inStream    uint32      // the stream of that frame
 	held        []byte      // the start of a frame header still arriving
 	pending     []byte      // inspected, not yet read (a Read too small for a header)
 	scratch     []byte
+	scratchFlow []byte
 
 	mu         sync.Mutex
 	out        answerFrames
@@ -66,7 +69,7 @@ func (c *policedConn) Read(p []byte) (int, error) {
 		return n, nil
 	case c.off.Load():
 		return c.Conn.Read(p)
-	case c.inSkip > 0 && len(c.held) == 0: // the rest of a payload: nothing to look at
+	case c.inSkip > 0 && len(c.held) == 0 && c.inFlow == nil: // a payload to pass as it is
 		n, err := c.Conn.Read(p[:min(len(p), c.inSkip)])
 		c.inSkip -= n
 		return n, err
@@ -119,10 +122,16 @@ func (c *policedConn) inspect(p []byte) int {
 	for read < len(p) {
 		if c.inSkip > 0 { // payload: passed on as it is
 			n := min(c.inSkip, len(p)-read)
+			if c.inFlow != nil {
+				c.inFlow = append(c.inFlow, p[read:read+n]...)
+			}
 			copy(p[kept:], p[read:read+n])
 			c.inSkip -= n
 			read += n
 			kept += n
+			if c.inSkip == 0 && c.inFlow != nil {
+				c.flowControl()
+			}
 			continue
 		}
 		if len(p)-read < frameHeaderBytes {
@@ -139,17 +148,50 @@ func (c *policedConn) inspect(p []byte) int {
 		copy(p[kept:], header)
 		kept += frameHeaderBytes
 		c.inSkip = length
+		if header[3] == frameWindowUpdate || header[3] == frameSettings { // not an ack: kept above
+			if c.scratchFlow == nil {
+				c.scratchFlow = make([]byte, 0, 64)
+			}
+			c.inFlow = c.scratchFlow[:0]
+			c.inStream = binary.BigEndian.Uint32(header[5:9]) & 0x7fffffff
+			if length == 0 {
+				c.flowControl()
+			}
+		}
 	}
 	return kept
+}
+
+// flowControl reads a WINDOW_UPDATE's or SETTINGS' payload, whole: the client's windows,
+// which the answers' hold follows (answerFrames.moreToCome).
+func (c *policedConn) flowControl() {
+	payload := c.inFlow
+	c.scratchFlow, c.inFlow = payload[:0], nil
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(payload) == 4 { // WINDOW_UPDATE (a SETTINGS payload is a multiple of 6 bytes)
+		c.out.windowUpdate(c.inStream, int64(binary.BigEndian.Uint32(payload)&0x7fffffff))
+		return
+	}
+	for ; len(payload) >= 6; payload = payload[6:] {
+		if binary.BigEndian.Uint16(payload) == settingInitialWindow {
+			c.out.initialWindow(int64(binary.BigEndian.Uint32(payload[2:])))
+		}
+	}
 }
 
 // received sees each frame header the client sends.
 func (c *policedConn) received(h []byte) {
 	kind, flags := h[3], h[4]
 	stream := binary.BigEndian.Uint32(h[5:9]) & 0x7fffffff
-	if kind == frameHeaders {
+	if kind == frameHeaders || kind == frameRSTStream {
 		c.mu.Lock()
-		c.lastStream = max(c.lastStream, stream)
+		if kind == frameRSTStream {
+			c.out.reset(stream)
+		} else if stream > c.lastStream {
+			c.out.opened(stream)
+			c.lastStream = stream
+		}
 		c.mu.Unlock()
 		return
 	}
