@@ -132,6 +132,22 @@ func TestTheClientsSettingsSizeTheStreamsWindow(t *testing.T) {
 	}
 }
 
+func TestAMalformedWindowFrameIsNotCollectedAndEndsTheHold(t *testing.T) {
+	// A SETTINGS frame claiming 16 MiB (net/http refuses it and ends the connection): its
+	// payload is never gathered here, and with the windows unknown nothing is held.
+	conn, socket := recorded(true)
+	huge := []byte{0xff, 0xff, 0xfc, frameSettings, 0, 0, 0, 0, 0}
+	fromClient(t, conn, append(huge, make([]byte, 4<<10)...))
+	if conn.inFlow != nil || cap(conn.scratchFlow) > maxSettingsPayload {
+		t.Fatalf("a malformed SETTINGS payload was collected (%d bytes kept)", cap(conn.scratchFlow))
+	}
+	headers := frame(frameHeaders, 0x4, 1, []byte{0x88, 0x5f})
+	_, _ = conn.Write(headers)
+	if _, all := socket.taken(); !bytes.Equal(all, headers) {
+		t.Fatalf("headers held on a connection whose windows are unknown")
+	}
+}
+
 func TestAnAnswerLeavesInOneWriteWhenItsMessageIsWhole(t *testing.T) {
 	conn, socket := recorded()
 	message := grpcFrame(bytes.Repeat([]byte{7}, 256<<10))

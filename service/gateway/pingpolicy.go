@@ -148,7 +148,13 @@ func (c *policedConn) inspect(p []byte) int {
 		copy(p[kept:], header)
 		kept += frameHeaderBytes
 		c.inSkip = length
-		if header[3] == frameWindowUpdate || header[3] == frameSettings { // not an ack: kept above
+		if (header[3] == frameWindowUpdate || header[3] == frameSettings) && !flowPayloadFits(header[3], length) {
+			// Malformed (net/http ends the connection over it): not collected, so a client's
+			// claimed length never sizes a buffer here; the hold stops following this connection.
+			c.mu.Lock()
+			c.out.untracked = true
+			c.mu.Unlock()
+		} else if header[3] == frameWindowUpdate || header[3] == frameSettings { // not an ack: kept above
 			if c.scratchFlow == nil {
 				c.scratchFlow = make([]byte, 0, 64)
 			}
@@ -160,6 +166,18 @@ func (c *policedConn) inspect(p []byte) int {
 		}
 	}
 	return kept
+}
+
+// maxSettingsPayload bounds the SETTINGS payload collected: each setting takes 6 bytes and
+// HTTP/2 defines six (a client may repeat or add unknown ones; more than this is not followed).
+const maxSettingsPayload = 6 * 64
+
+// flowPayloadFits: a WINDOW_UPDATE's or SETTINGS' payload of length is one to collect.
+func flowPayloadFits(kind byte, length int) bool {
+	if kind == frameWindowUpdate {
+		return length == 4
+	}
+	return length%6 == 0 && length <= maxSettingsPayload
 }
 
 // flowControl reads a WINDOW_UPDATE's or SETTINGS' payload, whole: the client's windows,
