@@ -7,7 +7,8 @@ with one ONNX Runtime thread, the load generator on --client-cpus) with its queu
 the same --queue-size, and sent V2 ModelInfer (one sequence of --seq, no weights):
 
 1. capacity: a closed loop of --capacity-concurrency callers for --capacity-s (after a warm-up);
-   the OK answers completed within that window, per second;
+   the OK answers completed within that window, per second. Triton's is measured on a twin
+   without the queue bound, because its bound is what makes it stall (below);
 2. the burst: Poisson arrivals at --factor x capacity for --overload-s, each call sent at its
    time whatever the answers (an open loop), with V2 ServerReady probed every --probe-every-s
    on a connection of its own and the process tree's RSS sampled every 0.1 s;
@@ -17,7 +18,17 @@ the same --queue-size, and sent V2 ModelInfer (one sequence of --seq, no weights
     python -m bench.stress.overload_peers [--servers server,triton] [--overload-s 20] ...
 
 prints the figures of both side by side with the targets (printed, never asserted) and writes
-bench/results/overload-peers.json. Triton runs from its own virtualenv (bench/peers/triton.py
+bench/results/overload-peers.json.
+
+Triton's bounded queue stalls. A queue policy with max_queue_size turns off the dynamic
+batcher's payload prefetching (triton-inference-server/core, scheduler_utils.cc), and then a
+request wakes the batcher only if a model instance already waits for work
+(RateLimiter::PayloadSlotAvailable); an instance that comes back for work after the request
+arrived does not wake it, so the request waits for the batcher's default 500 ms wait
+(dynamic_batch_scheduler.cc). A caller whose next request races the instance's return (any
+closed loop) meets it often. So Triton's capacity comes from a twin without the bound (its
+best), and the bounded server's own closed-loop figure is kept beside it
+(capacity_with_queue_bound_rps). Triton runs from its own virtualenv (bench/peers/triton.py
 creates it on first use); where it cannot run, its column says why."""
 
 from __future__ import annotations
@@ -83,16 +94,11 @@ class PeerOverloadConfig:
     seed: int = 0
 
 
-def measure(
-    service: Service,
-    config: PeerOverloadConfig,
-    scratch: Path,
-    *,
-    refusal: str,
-    pinning: Pinning = UNPINNED,
-) -> Figures:
-    """Capacity, then the burst at factor x capacity, then memory until it plateaus, on a
-    started server; refusal: the status its full queue answers."""
+def open_load(
+    service: Service, config: PeerOverloadConfig, scratch: Path, pinning: Pinning
+) -> tuple[openloop.Load, bytes]:
+    """The load generator's settings for a started server, and the request it sends (checked
+    once over gRPC before any load)."""
     message = request_message(config.seq, config.embed_dim, config.model)
     body_file = scratch / "request.bin"
     body_file.write_bytes(frame(message))
@@ -104,12 +110,38 @@ def measure(
         pinning=pinning,
     )
     grpc_check(service.target, message)
+    return load, message
+
+
+def closed_loop_capacity(
+    service: Service, config: PeerOverloadConfig, scratch: Path, pinning: Pinning = UNPINNED
+) -> float:
+    """A warm-up, then OK answers per second of a closed loop of capacity_concurrency callers."""
+    load, _ = open_load(service, config, scratch, pinning)
     closed = {"concurrency": config.capacity_concurrency}
     openloop.run(load, scratch / "warmup.jsonl", duration_s=config.warmup_s, **closed)
     measured = openloop.run(
         load, scratch / "capacity.jsonl", duration_s=config.capacity_s, **closed
     )
-    capacity = capacity_rps(measured, config.capacity_s)
+    return capacity_rps(measured, config.capacity_s)
+
+
+def measure(
+    service: Service,
+    config: PeerOverloadConfig,
+    scratch: Path,
+    *,
+    refusal: str,
+    pinning: Pinning = UNPINNED,
+    capacity: float | None = None,
+) -> Figures:
+    """Capacity (this server's own closed loop, unless given), then the burst at factor x
+    capacity, then memory until it plateaus, on a started server; refusal: the status its full
+    queue answers."""
+    own_capacity = closed_loop_capacity(service, config, scratch, pinning)
+    if capacity is None:
+        capacity = own_capacity
+    load, message = open_load(service, config, scratch, pinning)
     rss_before = rss_mib(service.pid)
     with RssSampler(service.pid) as sampler:
         burst = openloop.run(
@@ -128,6 +160,7 @@ def measure(
         after = str(err)
     return {
         **burst_figures(burst, capacity, config, refusal),
+        **({} if own_capacity == capacity else {"capacity_with_queue_bound_rps": own_capacity}),
         "rss_before_mib": rss_before,
         "rss_peak_mib": sampler.peak_mib,
         "rss_after_mib": rss_after,
@@ -243,18 +276,34 @@ def run_triton(config: PeerOverloadConfig, pinning: Pinning, scratch: Path) -> F
         python = triton.ensure_venv()
     except triton.PeerUnavailable as err:
         return {"unavailable": str(err)}
-    command, grpc_port = triton.triton_command(
-        python,
-        pinning,
-        newest_model(config.model_repository, config.model).resolve(),
-        config.model,
-        config.embed_dim,
-        config.triton_queue_delay_us,
-        config.queue_size,
-    )
-    with Service("triton", command, grpc_port=grpc_port, cwd=scratch) as service:
+    model_path = newest_model(config.model_repository, config.model).resolve()
+
+    def started(queue_size: int) -> Service:
+        command, grpc_port = triton.triton_command(
+            python,
+            pinning,
+            model_path,
+            config.model,
+            config.embed_dim,
+            config.triton_queue_delay_us,
+            queue_size,
+        )
+        return Service("triton", command, grpc_port=grpc_port, cwd=scratch)
+
+    # Capacity from the twin without a queue bound: the bound stalls Triton (module docstring).
+    with started(0) as twin:
+        twin.wait_ready(config.triton_ready_timeout_s, model=config.model)
+        capacity = closed_loop_capacity(twin, config, scratch, pinning)
+    with started(config.queue_size) as service:
         service.wait_ready(config.triton_ready_timeout_s, model=config.model)
-        return measure(service, config, scratch, refusal=TRITON_REFUSAL, pinning=pinning)
+        return measure(
+            service,
+            config,
+            scratch,
+            refusal=TRITON_REFUSAL,
+            pinning=pinning,
+            capacity=capacity,
+        )
 
 
 RUNNERS: Mapping[str, Callable[[PeerOverloadConfig, Pinning, Path], Figures]] = {
