@@ -21,6 +21,7 @@ import json
 import numpy as np
 
 from scripts.go_wire_contract import comment_lines, const_block, go_name
+from service import catalog
 from service.dataplane import MAX_REGION_NAME_CHARS
 from service.frontend import attention_servicer, shm_tensors, v2_codec
 from service.generated.attention.v1 import attention_pb2
@@ -28,7 +29,7 @@ from service.generated.inference import grpc_service_pb2
 from service.transport import codec
 
 SOURCES = (
-    "the protobuf modules in service/generated/, service/frontend/v2_codec.py, "
+    "the protobuf modules in service/generated/, service/catalog.py, service/frontend/v2_codec.py, "
     "shm_tensors.py and attention_servicer.py, service/transport/codec.py and "
     "service/dataplane.py"
 )
@@ -43,6 +44,9 @@ METHODS = {
     ),
     "attendPath": (attention_pb2.DESCRIPTOR, "AttentionService", "Attend"),
     "attendStreamPath": (attention_pb2.DESCRIPTOR, "AttentionService", "AttendStream"),
+    "serverLivePath": (grpc_service_pb2.DESCRIPTOR, "GRPCInferenceService", "ServerLive"),
+    "serverReadyPath": (grpc_service_pb2.DESCRIPTOR, "GRPCInferenceService", "ServerReady"),
+    "modelReadyPath": (grpc_service_pb2.DESCRIPTOR, "GRPCInferenceService", "ModelReady"),
 }
 
 
@@ -181,6 +185,11 @@ def render() -> str:
             method_paths(), "The gRPC methods answered here (their services' descriptors)."
         ),
         *const_block(tensor_names(), "V2's tensor names (v2_codec.py)."),
+        *const_block(
+            {"serverLabel": catalog.SERVER_LABEL, "unknownModelLabel": catalog.UNKNOWN_LABEL},
+            "The model label of a call's metrics when it names no model, or no served one\n"
+            "(catalog.py).",
+        ),
         *const_block(
             {"weightsDatatype": v2_codec.V2_NAME_OF[weights], "weightsNumpy": weights.str},
             "The attention weights' dtype, whatever the model's (v2_codec.WEIGHTS_DTYPE).",

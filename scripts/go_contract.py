@@ -85,6 +85,11 @@ V2_MESSAGES = {
     # Every map<string, InferParameter> above: one reader and one writer serve them all.
     "ParametersEntry": "ModelInferRequest.InferInputTensor.ParametersEntry",
     "InferParameter": "InferParameter",
+    # The health calls answered here.
+    "ServerLiveResponse": "ServerLiveResponse",
+    "ServerReadyResponse": "ServerReadyResponse",
+    "ModelReadyRequest": "ModelReadyRequest",
+    "ModelReadyResponse": "ModelReadyResponse",
 }
 ATTENTION_MESSAGES = {
     name: name

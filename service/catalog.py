@@ -169,6 +169,7 @@ M = TypeVar("M", bound=ServedModel)
 
 
 SERVER_LABEL = "_server"  # metric label of calls that name no model
+UNKNOWN_LABEL = "_unknown"  # metric label of calls that name a model not served
 
 
 class ModelRegistry(Generic[M]):
@@ -227,7 +228,7 @@ class ModelRegistry(Generic[M]):
     def metric_label(self, name: str) -> str:
         """The model label for metrics: a served name, or '_unknown' (bounded cardinality)."""
         name = name or self.default_model
-        return name if name in self._versions else "_unknown"
+        return name if name in self._versions else UNKNOWN_LABEL
 
     def resolve(self, name: str, version: str) -> M:
         """Empty name = default model, empty version = newest; else ModelNotFound."""

@@ -38,7 +38,7 @@ REFUSE_LINGER_S = 0.2
 START_TIMEOUT_S = 10.0
 # The API groups of the calls the gateway answers itself (it hands the rest to Python): it
 # checks their keys, which it reads from the file descriptor this variable names.
-ANSWERED_GROUPS = ("inference",)
+ANSWERED_GROUPS = ("inference", "health")
 RESTRICTED_FD_VARIABLE = "ATTENTION_GATEWAY_RESTRICTED_FD"
 # The series the gateway writes (metrics_spec(), as JSON), in its environment.
 METRICS_VARIABLE = "ATTENTION_GATEWAY_METRICS"
@@ -309,6 +309,14 @@ class Gateway:
         if not self._stopping:
             log.error("the gateway exited with code %s", code)
             on_exit()
+
+    def answer_health(self) -> None:
+        """The front end has started: from now on the gateway answers V2's health calls itself
+        (SIGUSR1). Until then it hands them here, to be answered "not ready" while starting."""
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGUSR1)
 
     async def stop(self, timeout_s: float) -> None:
         """SIGTERM: it drains as the front end does; killed if still there after timeout_s."""

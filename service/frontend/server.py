@@ -199,6 +199,8 @@ class FrontendServer:
             )
         self._started = True
         self._changed()
+        if self._gateway is not None:
+            self._gateway.answer_health()
         return bound
 
     def _use_gateway(self) -> bool:

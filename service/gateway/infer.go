@@ -328,6 +328,7 @@ type fastPath struct {
 	// and it then cancels the call: one cancelled this close to its deadline expired.
 	deadlineSlack time.Duration
 	accepting     atomic.Bool
+	answersHealth atomic.Bool   // the front end has started: health calls are answered here
 	closing       chan struct{} // closed when draining starts: streams stop reading
 	streams       streamLimits
 	inFlight      sync.WaitGroup // unary calls and streams

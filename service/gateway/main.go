@@ -83,8 +83,11 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		return
 	}
-	parse := fastMethods[r.RequestURI]
-	if plainCall && parse != nil {
+	parse, health := fastMethods[r.RequestURI], healthMethods[r.RequestURI]
+	if health != nil && (g.fast == nil || !g.fast.answersHealth.Load()) {
+		health = nil // the front end has not started: it answers
+	}
+	if plainCall && (parse != nil || health != nil) {
 		timeout, limited, _ := grpcTimeout(r.Header.Get("Grpc-Timeout"))
 		deadline := time.Now().Add(timeout)
 		if limited {
@@ -101,16 +104,22 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			writeStatus(w, codeInternal, unexpectedPayloadFormat(int(read[0])))
 			return
 		}
-		var request *inferRequest
-		if ok {
-			request = parse(message)
+		served := false
+		if health != nil {
+			served = ok && read[0] == 0 && g.fast.serveHealth(w, r, health, message, deadlineIf(limited, deadline),
+				func() bool { return g.restricted.admit(w, r) })
+		} else {
+			var request *inferRequest
+			if ok {
+				request = parse(message)
+			}
+			if request != nil && !g.restricted.admit(w, r) {
+				return // refused as Python refuses it: after reading the message, as Python does
+			}
+			g.busy.Add(1)
+			served = g.fast.serve(w, r, request)
+			g.busy.Add(-1)
 		}
-		if request != nil && !g.restricted.admit(w, r) {
-			return // refused as Python refuses it: after reading the message, as Python does
-		}
-		g.busy.Add(1)
-		served := g.fast.serve(w, r, request)
-		g.busy.Add(-1)
 		if served {
 			if cap(read) <= maxPooledBuffer {
 				buffers.Put(&read)
@@ -405,6 +414,16 @@ func run(o options) error {
 		MaxReadFrameSize:              1 << 20,
 		MaxReceiveBufferPerStream:     1 << 20,
 		MaxReceiveBufferPerConnection: 8 << 20,
+	}
+	if g.fast != nil {
+		// Before "listening": the front end sends SIGUSR1 once it has started, and a signal
+		// not asked for would end this process.
+		started := make(chan os.Signal, 1)
+		signal.Notify(started, syscall.SIGUSR1)
+		go func() {
+			<-started
+			g.fast.answersHealth.Store(true)
+		}()
 	}
 	served := make(chan error, 1)
 	go func() { served <- server.Serve(listener) }()

@@ -70,6 +70,27 @@ const (
 	fieldInferParameterUint64Param = 5
 )
 
+// inference.ServerLiveResponse
+const (
+	fieldServerLiveResponseLive = 1
+)
+
+// inference.ServerReadyResponse
+const (
+	fieldServerReadyResponseReady = 1
+)
+
+// inference.ModelReadyRequest
+const (
+	fieldModelReadyRequestName    = 1
+	fieldModelReadyRequestVersion = 2
+)
+
+// inference.ModelReadyResponse
+const (
+	fieldModelReadyResponseReady = 1
+)
+
 // attention.v1.AttendRequest
 const (
 	fieldAttendRequestModel                  = 1

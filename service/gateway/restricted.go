@@ -60,6 +60,9 @@ func answeredHere() []string {
 	for path := range streamMethods {
 		paths = append(paths, path)
 	}
+	for path := range healthMethods {
+		paths = append(paths, path)
+	}
 	return paths
 }
 
