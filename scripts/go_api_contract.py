@@ -19,17 +19,20 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from grpc_health.v1 import health_pb2
 
 from scripts.go_wire_contract import comment_lines, const_block, go_name
 from service import catalog
 from service.dataplane import MAX_REGION_NAME_CHARS
 from service.frontend import attention_servicer, shm_tensors, v2_codec
+from service.frontend import server as frontend_server
 from service.generated.attention.v1 import attention_pb2
 from service.generated.inference import grpc_service_pb2
 from service.transport import codec
 
 SOURCES = (
-    "the protobuf modules in service/generated/, service/catalog.py, service/frontend/v2_codec.py, "
+    "the protobuf modules in service/generated/ and grpc_health, service/catalog.py, "
+    "service/frontend/server.py, v2_codec.py, "
     "shm_tensors.py and attention_servicer.py, service/transport/codec.py and "
     "service/dataplane.py"
 )
@@ -47,6 +50,7 @@ METHODS = {
     "serverLivePath": (grpc_service_pb2.DESCRIPTOR, "GRPCInferenceService", "ServerLive"),
     "serverReadyPath": (grpc_service_pb2.DESCRIPTOR, "GRPCInferenceService", "ServerReady"),
     "modelReadyPath": (grpc_service_pb2.DESCRIPTOR, "GRPCInferenceService", "ModelReady"),
+    "healthCheckPath": (health_pb2.DESCRIPTOR, "Health", "Check"),
 }
 
 
@@ -185,6 +189,19 @@ def render() -> str:
             method_paths(), "The gRPC methods answered here (their services' descriptors)."
         ),
         *const_block(tensor_names(), "V2's tensor names (v2_codec.py)."),
+        *_string_set(
+            "healthServiceNames",
+            frozenset(["", *frontend_server.SERVICE_NAMES]),
+            "The health service's entries besides one per model: the server's and each API's\n"
+            "(frontend/server.py's SERVICE_NAMES).",
+        ),
+        *const_block(
+            {
+                "healthServing": health_pb2.HealthCheckResponse.SERVING,
+                "healthNotServing": health_pb2.HealthCheckResponse.NOT_SERVING,
+            },
+            "grpc.health.v1's statuses.",
+        ),
         *const_block(
             {"serverLabel": catalog.SERVER_LABEL, "unknownModelLabel": catalog.UNKNOWN_LABEL},
             "The model label of a call's metrics when it names no model, or no served one\n"

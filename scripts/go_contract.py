@@ -37,6 +37,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from grpc_health.v1 import health_pb2
+
 from scripts import go_api_contract, go_frontend_contract, go_wire_contract
 from service import dataplane, status_texts
 from service.frontend import gateway, limits, server
@@ -91,6 +93,7 @@ V2_MESSAGES = {
     "ModelReadyRequest": "ModelReadyRequest",
     "ModelReadyResponse": "ModelReadyResponse",
 }
+HEALTH_MESSAGES = ("HealthCheckRequest", "HealthCheckResponse")
 ATTENTION_MESSAGES = {
     name: name
     for name in (
@@ -195,6 +198,8 @@ def _messages() -> dict[str, Any]:
     v2, attention = grpc_service_pb2.DESCRIPTOR, attention_pb2.DESCRIPTOR
     messages = {name: _message(v2, path) for name, path in V2_MESSAGES.items()}
     messages.update({name: _message(attention, path) for name, path in ATTENTION_MESSAGES.items()})
+    # The health service's, for its Check answered here.
+    messages.update({name: _message(health_pb2.DESCRIPTOR, name) for name in HEALTH_MESSAGES})
     entry = [(f.name, f.number) for f in messages["ParametersEntry"].fields]
     for descriptor in messages.values():
         for f in descriptor.fields:

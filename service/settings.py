@@ -253,7 +253,7 @@ class Settings:
     )
     grpc_gateway: str = _doc(
         "on: each front end's gRPC port is served by a native gateway (Go) that answers plain "
-        "V2 ModelInfer and Attend calls and V2's health calls itself, through its own shared "
+        "V2 ModelInfer and Attend calls and the health calls itself, through its own shared "
         "memory of --shared-memory-bytes, and hands every other call to the front end's Python "
         "process; off: Python serves the port; auto: on when the gateway's executable is "
         "found (make setup and the container image build it), else off. Python serves the "

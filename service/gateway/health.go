@@ -6,65 +6,112 @@ import (
 	"time"
 )
 
-// V2's health calls (ServerLive, ServerReady, ModelReady) are answered here, from what the
-// worker publishes to this gateway's link (readiness, the served set) and this gateway's
-// drain, by the rules the Python front end answers them by: a probe must not wait for the
-// front end's process to be scheduled on a core busy with inference (3x overload, every
-// process on one core: ServerReady's p50 2.8-3.0 ms and maximum 28-31 ms through Python,
-// 0.8 ms and 18-20 ms answered here).
+// V2's health calls (ServerLive, ServerReady, ModelReady) and grpc.health.v1's Check are
+// answered here, from what the worker publishes to this gateway's link (readiness, the
+// served set) and this gateway's drain, by the rules the Python front end answers them by:
+// a probe must not wait for the front end's process to be scheduled on a core busy with
+// inference (3x overload, every process on one core: ServerReady's p50 2.8-3.0 ms and
+// maximum 28-31 ms through Python, 0.8 ms and 18-20 ms answered here).
 //
 // They are answered here only once the front end has started (it sends SIGUSR1; before, it
 // answers "not ready" while it finishes starting), and only for the messages clients send:
-// ServerLive's and ServerReady's empty message, ModelReady's name and version. Anything else
-// (unknown fields, a malformed message, a compressed one, a deadline already past) goes to
-// the Python front end, which answers it as before. A call sampled for tracing gets its span
-// from the front end, as the calls computed here do.
+// ServerLive's and ServerReady's empty message, ModelReady's name and version, Check's
+// service name (Watch, a stream, stays Python's). Anything else (unknown fields, a
+// malformed message, a compressed one, a deadline already past) goes to the Python front
+// end, which answers it as before. A V2 call sampled for tracing gets its span from the
+// front end, as the calls computed here do.
 
-// healthCall answers one health call's message: the model label of its metrics, the answer's
-// message (without the gRPC prefix), and false when the message is Python's to answer.
-type healthCall func(s *served, ready bool, message []byte) (label string, answer []byte, plain bool)
+// healthState is what a health call is answered from.
+type healthState struct {
+	served   *served
+	ready    bool // V2's readiness: the worker is ready and this gateway still accepts calls
+	draining bool // SIGTERM came: grpc.health.v1 says NOT_SERVING for every entry
+	shown    func(model string) bool
+}
+
+// healthAnswer is a health call's answer: its status (and, for OK, its message without the
+// gRPC prefix), and the model label of its metrics ("": Python counts none for it).
+type healthAnswer struct {
+	code    int
+	message []byte
+	label   string
+}
+
+// healthCall answers one health call's message; false when the message is Python's to
+// answer.
+type healthCall func(h healthState, message []byte) (healthAnswer, bool)
 
 var healthMethods = map[string]healthCall{
 	serverLivePath:  serverLive,
 	serverReadyPath: serverReady,
 	modelReadyPath:  modelReady,
+	healthCheckPath: healthCheck,
 }
 
-func serverLive(_ *served, _ bool, message []byte) (string, []byte, bool) {
-	return serverLabel, boolMessage(fieldServerLiveResponseLive, true), len(message) == 0
+func serverLive(_ healthState, message []byte) (healthAnswer, bool) {
+	return healthAnswer{message: boolMessage(fieldServerLiveResponseLive, true), label: serverLabel}, len(message) == 0
 }
 
-func serverReady(_ *served, ready bool, message []byte) (string, []byte, bool) {
-	return serverLabel, boolMessage(fieldServerReadyResponseReady, ready), len(message) == 0
+func serverReady(h healthState, message []byte) (healthAnswer, bool) {
+	return healthAnswer{message: boolMessage(fieldServerReadyResponseReady, h.ready), label: serverLabel}, len(message) == 0
 }
 
 // modelReady: the named version (or the newest; the default model when none is named) is
 // served and the server is ready.
-func modelReady(s *served, ready bool, message []byte) (string, []byte, bool) {
+func modelReady(h healthState, message []byte) (healthAnswer, bool) {
 	var name, version string
+	if !stringFields(message, map[int]*string{fieldModelReadyRequestName: &name, fieldModelReadyRequestVersion: &version}) {
+		return healthAnswer{}, false
+	}
+	label := name
+	if label == "" {
+		label = h.served.defaultModel
+	}
+	if h.served.models[label] == nil {
+		label = unknownModelLabel
+	}
+	ready := h.ready && h.served.resolve(name, version) != nil
+	return healthAnswer{message: boolMessage(fieldModelReadyResponseReady, ready), label: label}, true
+}
+
+// healthCheck is grpc.health.v1's Check as the front end's health service answers it: an
+// entry for the server (""), one for each API, and one for each model served since the
+// front end started (NOT_SERVING once no longer served); NOT_FOUND, without a message, for
+// any other name; every entry NOT_SERVING once draining. Python counts no metrics for it.
+func healthCheck(h healthState, message []byte) (healthAnswer, bool) {
+	var service string
+	if !stringFields(message, map[int]*string{fieldHealthCheckRequestService: &service}) {
+		return healthAnswer{}, false
+	}
+	serving := false
+	switch {
+	case h.served.models[service] != nil:
+		serving = h.ready
+	case healthServiceNames[service]:
+		serving = h.ready
+	case !h.shown(service):
+		return healthAnswer{code: codeNotFound}, true
+	}
+	status := uint64(healthNotServing)
+	if serving && !h.draining {
+		status = healthServing
+	}
+	return healthAnswer{message: appendVarint(appendTag(nil, fieldHealthCheckResponseStatus, wireVarint), status)}, true
+}
+
+// stringFields reads a message of string fields only, each into its place; false when it
+// has any other field or a value that is not valid UTF-8 (Python's to answer).
+func stringFields(message []byte, into map[int]*string) bool {
 	plain := true
 	err := eachField(message, func(f field) error {
-		switch f.num {
-		case fieldModelReadyRequestName:
-			plain = plain && stringField(f, &name)
-		case fieldModelReadyRequestVersion:
-			plain = plain && stringField(f, &version)
-		default:
+		if to, known := into[f.num]; known {
+			plain = plain && stringField(f, to)
+		} else {
 			plain = false
 		}
 		return nil
 	})
-	if err != nil || !plain {
-		return "", nil, false
-	}
-	label := name
-	if label == "" {
-		label = s.defaultModel
-	}
-	if s.models[label] == nil {
-		label = unknownModelLabel
-	}
-	return label, boolMessage(fieldModelReadyResponseReady, ready && s.resolve(name, version) != nil), true
+	return err == nil && plain
 }
 
 // boolMessage is a message of one bool field, as protobuf writes it: empty when false.
@@ -89,23 +136,37 @@ func (fp *fastPath) serveHealth(w http.ResponseWriter, r *http.Request, call hea
 		return false // Python answers DEADLINE_EXCEEDED
 	}
 	snapshot := fp.worker.snapshot()
-	label, answer, plain := call(snapshot, snapshot.ready && fp.accepting.Load(), message)
+	state := healthState{served: snapshot, ready: snapshot.ready && fp.accepting.Load(),
+		draining: fp.draining.Load(), shown: fp.worker.wasShown}
+	answer, plain := call(state, message)
 	if !plain {
 		return false
 	}
 	if !admit() {
 		return true
 	}
+	if answer.label == "" { // grpc.health.v1: no metrics, no span, as in Python
+		if answer.code != codeOK {
+			writeStatus(w, answer.code, "")
+		} else {
+			_ = writeMessage(w, [][]byte{prefixed(answer.message)}, func() {})
+		}
+		return true
+	}
 	trace := fp.sampler.sample(r.Header, started)
 	fp.metrics.inFlight(apiV2, 1)
 	// Counted OK once the answer exists, as Python counts a call whose answer gRPC writes.
-	segments := [][]byte{append(make([]byte, 5, 5+len(answer)), answer...)}
 	answered := time.Now() // server time until the answer existed, as Python measures it
-	_ = writeMessage(w, segments, func() {})
+	_ = writeMessage(w, [][]byte{prefixed(answer.message)}, func() {})
 	fp.metrics.inFlight(apiV2, -1)
-	fp.metrics.finished(label, apiV2, codeOK, answered.Sub(started).Seconds())
+	fp.metrics.finished(answer.label, apiV2, codeOK, answered.Sub(started).Seconds())
 	fp.spans.record(trace, callSpan{method: strings.TrimPrefix(r.RequestURI, "/"), code: codeOK, answered: answered})
 	return true
+}
+
+// prefixed is message after room for the 5-byte gRPC prefix (writeMessage fills it in).
+func prefixed(message []byte) []byte {
+	return append(make([]byte, 5, 5+len(message)), message...)
 }
 
 // deadlineIf is deadline when the call has one, else the zero time.

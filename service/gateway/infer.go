@@ -329,6 +329,7 @@ type fastPath struct {
 	deadlineSlack time.Duration
 	accepting     atomic.Bool
 	answersHealth atomic.Bool   // the front end has started: health calls are answered here
+	draining      atomic.Bool   // SIGTERM came: grpc.health.v1's entries are all NOT_SERVING
 	closing       chan struct{} // closed when draining starts: streams stop reading
 	streams       streamLimits
 	inFlight      sync.WaitGroup // unary calls and streams

@@ -422,6 +422,7 @@ func run(o options) error {
 		signal.Notify(started, syscall.SIGUSR1)
 		go func() {
 			<-started
+			g.fast.worker.startShowing()
 			g.fast.answersHealth.Store(true)
 		}()
 	}
@@ -435,6 +436,9 @@ func run(o options) error {
 	case err := <-served:
 		return err
 	case <-signals:
+	}
+	if g.fast != nil {
+		g.fast.draining.Store(true) // grpc.health.v1 says NOT_SERVING from now on, as Python's
 	}
 	return drain(server, g.fast, o)
 }

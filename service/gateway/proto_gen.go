@@ -147,6 +147,16 @@ const (
 	fieldStreamErrorMessage = 2
 )
 
+// grpc.health.v1.HealthCheckRequest
+const (
+	fieldHealthCheckRequestService = 1
+)
+
+// grpc.health.v1.HealthCheckResponse
+const (
+	fieldHealthCheckResponseStatus = 1
+)
+
 // attention.v1.DataType's values.
 const (
 	dataTypeUnspecified = 0

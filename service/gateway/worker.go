@@ -78,6 +78,10 @@ type worker struct {
 	mu     sync.Mutex
 	link   *link
 	served *served
+	// The names of every model served since health calls began to be answered here (nil
+	// before): the front end's health service keeps an entry, NOT_SERVING, for a model no
+	// longer served.
+	shown  map[string]bool
 	nextID uint64
 	// Held for reading from a request's model lookup until its INFER is queued, and for
 	// writing while a SYNC is answered: once the worker has SYNCED, every request that saw
@@ -94,6 +98,23 @@ func (w *worker) snapshot() *served {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.served
+}
+
+// startShowing begins to keep the names of the models served (now, and from now on).
+func (w *worker) startShowing() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.shown = map[string]bool{}
+	for name := range w.served.models {
+		w.shown[name] = true
+	}
+}
+
+// wasShown reports whether a model of that name has been served since startShowing.
+func (w *worker) wasShown(name string) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.shown[name]
 }
 
 // use is the live link, held until done(); nil while the worker is away.
@@ -289,6 +310,11 @@ func (w *worker) dispatch(l *link, body []byte, welcomed func()) error {
 		}
 		w.mu.Lock()
 		w.served = snapshot
+		if w.shown != nil {
+			for name := range snapshot.models {
+				w.shown[name] = true
+			}
+		}
 		w.mu.Unlock()
 		welcomed()
 	case messageSync:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.harness import poll_until
 from service.generated.inference import grpc_service_pb2 as v2
@@ -34,6 +35,15 @@ CASES = [
     ("ModelReady", v2.ModelReadyRequest(name="small", version="01"), "ready", False, "small"),
     ("ModelReady", v2.ModelReadyRequest(name="mha", version="1"), "ready", True, "mha"),
     ("ModelReady", v2.ModelReadyRequest(name="nope"), "ready", False, "_unknown"),
+]
+# grpc.health.v1's Check: (service, status; None: NOT_FOUND).
+SERVING = health_pb2.HealthCheckResponse.SERVING
+CHECKS = [
+    ("", SERVING),
+    ("inference.GRPCInferenceService", SERVING),
+    ("attention.v1.AttentionService", SERVING),
+    ("small", SERVING),
+    ("nope", None),
 ]
 RESPONSES = {
     "ServerLive": v2.ServerLiveResponse,
@@ -65,6 +75,24 @@ def answered(channel: grpc.Channel, timeout_s: float = 10) -> list[tuple[str, bo
     return values
 
 
+def checked(
+    channel: grpc.Channel,
+    timeout_s: float = 10,
+    services: list[tuple[str, int | None]] = CHECKS,
+) -> list[tuple[str, int | None]]:
+    """Each Check's status (None: NOT_FOUND)."""
+    stub, statuses = health_pb2_grpc.HealthStub(channel), []
+    for service, _ in services:
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            statuses.append((service, stub.Check(request, timeout=timeout_s).status))
+        except grpc.RpcError as err:
+            # Python's health service answers an unknown name NOT_FOUND without a message.
+            found = (err.code(), err.details())
+            statuses.append((service, None if found == (grpc.StatusCode.NOT_FOUND, "") else -1))
+    return statuses
+
+
 def test_answers_and_metrics_are_python_s(health_server: ServerProcess) -> None:
     expected = [(method, value) for method, _, _, value, _ in CASES]
     counted = [
@@ -73,6 +101,7 @@ def test_answers_and_metrics_are_python_s(health_server: ServerProcess) -> None:
     ]
     with grpc.insecure_channel(health_server.target) as channel:
         assert answered(channel) == expected
+        assert checked(channel) == CHECKS
     for label, before in counted:
         calls = sum(1 for *_, other in CASES if other == label)
         health_server.wait_metric(
@@ -95,6 +124,7 @@ def test_answered_with_the_front_end_stopped(
         os.kill(frontend, signal.SIGSTOP)
         try:
             assert answered(channel, timeout_s=5) == [(m, value) for m, _, _, value, _ in CASES]
+            assert checked(channel, timeout_s=5) == CHECKS
             with pytest.raises(grpc.RpcError) as waited:
                 call(channel, "ModelReady", unread, timeout_s=1)
             assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -131,3 +161,23 @@ def test_a_restricted_health_group_needs_its_key(model_repository: Path, tmp_pat
             server.wait_metric("attention_restricted_api_denials_total", 2, group="health")
     finally:
         server.kill()
+
+
+def test_an_unloaded_model_is_not_serving_and_not_ready(model_repository: Path) -> None:
+    """The per-model health entry stays, NOT_SERVING, after its model is unloaded (a name
+    never served has none), and ModelReady says no: the same in both modes."""
+    flags = ("--model-control-mode", "explicit", "--default-model", "small")
+    with (
+        ServerProcess(model_repository, *flags) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        v2_stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        v2_stub.RepositoryModelUnload(v2.RepositoryModelUnloadRequest(model_name="mha"), timeout=60)
+        poll_until(
+            lambda: v2_stub.ModelReady(v2.ModelReadyRequest(name="mha"), timeout=10).ready,
+            lambda ready: not ready,
+            what="ModelReady of an unloaded model",
+            timeout_s=30,
+        )
+        checks = [("mha", health_pb2.HealthCheckResponse.NOT_SERVING), *CHECKS]
+        assert checked(channel, services=checks) == checks
