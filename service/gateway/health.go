@@ -153,14 +153,15 @@ func (fp *fastPath) serveHealth(w http.ResponseWriter, r *http.Request, call hea
 		}
 		return true
 	}
+	// Counted OK, and out of flight, once the answer exists, before it is written: Python
+	// counts a call when its handler returns, whenever the client reads the answer.
 	trace := fp.sampler.sample(r.Header, started)
-	fp.metrics.inFlight(apiV2, 1)
-	// Counted OK once the answer exists, as Python counts a call whose answer gRPC writes.
-	answered := time.Now() // server time until the answer existed, as Python measures it
-	_ = writeMessage(w, [][]byte{prefixed(answer.message)}, func() {})
+	answered := time.Now()
+	fp.metrics.inFlight(apiV2, 1) // in and out at once: the series exists, as in Python
 	fp.metrics.inFlight(apiV2, -1)
 	fp.metrics.finished(answer.label, apiV2, codeOK, answered.Sub(started).Seconds())
 	fp.spans.record(trace, callSpan{method: strings.TrimPrefix(r.RequestURI, "/"), code: codeOK, answered: answered})
+	_ = writeMessage(w, [][]byte{prefixed(answer.message)}, func() {})
 	return true
 }
 

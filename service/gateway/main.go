@@ -100,7 +100,7 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			writeStatus(w, codeDeadlineExceeded, deadlineExceeded)
 			return
 		}
-		if ok && read[0] > 1 { // a flag byte gRPC gives no meaning: INTERNAL, as grpc-go answers
+		if ok && read[0] > 1 && health == nil { // a flag byte gRPC gives no meaning: INTERNAL, as grpc-go answers
 			writeStatus(w, codeInternal, unexpectedPayloadFormat(int(read[0])))
 			return
 		}
@@ -345,6 +345,7 @@ func run(o options) error {
 		return err
 	}
 	g.restricted = restricted
+	var welcomed chan struct{} // closed at the worker's first welcome
 	if o.fastPath {
 		var spec metricsSpec
 		if err := json.Unmarshal([]byte(os.Getenv(metricsVariable)), &spec); err != nil {
@@ -355,7 +356,7 @@ func run(o options) error {
 			return fmt.Errorf("metrics files: %w", err)
 		}
 		w := newWorker(o.workerSocket, o.name, o.slabBytes)
-		welcomed := make(chan struct{})
+		welcomed = make(chan struct{})
 		go w.connectForever(welcomed)
 		g.fast = &fastPath{worker: w, limits: limits{o.maxSeqLen, o.maxBatchSize, o.clientSharedMemory}, metrics: m,
 			deadlineSlack: o.deadlineSlack, closing: make(chan struct{}), streams: o.streams,
@@ -416,12 +417,13 @@ func run(o options) error {
 		MaxReceiveBufferPerConnection: 8 << 20,
 	}
 	if g.fast != nil {
-		// Before "listening": the front end sends SIGUSR1 once it has started, and a signal
-		// not asked for would end this process.
+		// Asked for before "listening": the front end sends SIGUSR1 once it has started. The
+		// health calls are answered here once this gateway has the worker's served set too.
 		started := make(chan os.Signal, 1)
 		signal.Notify(started, syscall.SIGUSR1)
 		go func() {
 			<-started
+			<-welcomed
 			g.fast.worker.startShowing()
 			g.fast.answersHealth.Store(true)
 		}()
@@ -437,18 +439,22 @@ func run(o options) error {
 		return err
 	case <-signals:
 	}
+	wasReady := false
 	if g.fast != nil {
 		g.fast.draining.Store(true) // grpc.health.v1 says NOT_SERVING from now on, as Python's
+		wasReady = g.fast.answersHealth.Load() && g.fast.worker.snapshot().ready
 	}
-	return drain(server, g.fast, o)
+	return drain(server, g.fast, o, wasReady)
 }
 
-// drain: still serving while the health checks say NOT_SERVING (the Python front end
-// answers them), then refuse new work with UNAVAILABLE, finish what was accepted, close;
-// all within the grace period.
-func drain(server *http.Server, fast *fastPath, o options) error {
+// drain: still serving while the health checks say NOT_SERVING (when the server was ready
+// at SIGTERM, as the front end does), then refuse new work with UNAVAILABLE, finish what
+// was accepted, close; all within the grace period.
+func drain(server *http.Server, fast *fastPath, o options, wasReady bool) error {
 	deadline := time.Now().Add(o.grace)
-	time.Sleep(min(o.notServing, time.Until(deadline)))
+	if wasReady || fast == nil { // as the front end: no endpoints to leave when it was not ready
+		time.Sleep(min(o.notServing, time.Until(deadline)))
+	}
 	if fast != nil {
 		fast.accepting.Store(false)
 		close(fast.closing)

@@ -206,7 +206,8 @@ def test_nothing_is_read_after_a_message_whose_flag_is_neither_0_nor_1(
             else:  # core may answer the flagged message itself as an empty request
                 assert reply.code == OK, (path, reply)
         for path, requests in UNARY.items():
-            if grpc_gateway == "on":  # every one a method the gateway reads
+            # A health call with such a flag goes to Python, as every call it does not read.
+            if grpc_gateway == "on" and path != SERVER_LIVE:
                 for later in ([], [Message(requests[0])]):
                     sent = [Message(requests[0], flag=flag), *later]
                     reply = exchange(server.grpc_port, path, Headers("trailers"), sent)
