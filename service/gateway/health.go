@@ -83,17 +83,12 @@ func healthCheck(h healthState, message []byte) (healthAnswer, bool) {
 	if !stringFields(message, map[int]*string{fieldHealthCheckRequestService: &service}) {
 		return healthAnswer{}, false
 	}
-	serving := false
-	switch {
-	case h.served.models[service] != nil:
-		serving = h.ready
-	case healthServiceNames[service]:
-		serving = h.ready
-	case !h.shown(service):
+	serving := h.served.models[service] != nil || healthServiceNames[service]
+	if !serving && !h.shown(service) {
 		return healthAnswer{code: codeNotFound}, true
 	}
 	status := uint64(healthNotServing)
-	if serving && !h.draining {
+	if serving && h.ready && !h.draining {
 		status = healthServing
 	}
 	return healthAnswer{message: appendVarint(appendTag(nil, fieldHealthCheckResponseStatus, wireVarint), status)}, true
@@ -145,22 +140,20 @@ func (fp *fastPath) serveHealth(w http.ResponseWriter, r *http.Request, call hea
 	if !admit() {
 		return true
 	}
-	if answer.label == "" { // grpc.health.v1: no metrics, no span, as in Python
-		if answer.code != codeOK {
-			writeStatus(w, answer.code, "")
-		} else {
-			_ = writeMessage(w, [][]byte{prefixed(answer.message)}, func() {})
-		}
+	if answer.code != codeOK { // grpc.health.v1's NOT_FOUND
+		writeStatus(w, answer.code, "")
 		return true
 	}
-	// Counted OK, and out of flight, once the answer exists, before it is written: Python
-	// counts a call when its handler returns, whenever the client reads the answer.
-	trace := fp.sampler.sample(r.Header, started)
-	answered := time.Now()
-	fp.metrics.inFlight(apiV2, 1) // in and out at once: the series exists, as in Python
-	fp.metrics.inFlight(apiV2, -1)
-	fp.metrics.finished(answer.label, apiV2, codeOK, answered.Sub(started).Seconds())
-	fp.spans.record(trace, callSpan{method: strings.TrimPrefix(r.RequestURI, "/"), code: codeOK, answered: answered})
+	if answer.label != "" { // V2's (grpc.health.v1: no metrics, no span, as in Python)
+		// Counted OK, and out of flight, once the answer exists, before it is written:
+		// Python counts a call when its handler returns, whenever the client reads it.
+		trace := fp.sampler.sample(r.Header, started)
+		answered := time.Now()
+		fp.metrics.inFlight(apiV2, 1) // in and out at once: the series exists, as in Python
+		fp.metrics.inFlight(apiV2, -1)
+		fp.metrics.finished(answer.label, apiV2, codeOK, answered.Sub(started).Seconds())
+		fp.spans.record(trace, callSpan{method: strings.TrimPrefix(r.RequestURI, "/"), code: codeOK, answered: answered})
+	}
 	_ = writeMessage(w, [][]byte{prefixed(answer.message)}, func() {})
 	return true
 }
