@@ -244,9 +244,10 @@ func (f *answerFrames) atBoundary() bool { return f.left == 0 && f.have == 0 }
 
 // heldAnswers is a connection's outbound bytes written by net/http but not yet to the socket.
 type heldAnswers struct {
-	buf   *[]byte // from holdBuffers while something is held
-	timer *time.Timer
-	err   error // a late flush failed: the connection is closed, writes fail with it
+	buf      *[]byte // from holdBuffers while something is held
+	timer    *time.Timer
+	err      error         // a late flush failed: the connection is closed, writes fail with it
+	backstop time.Duration // 0: holdFor (tests that count writes set one that never fires)
 }
 
 func (h *heldAnswers) size() int {
@@ -260,10 +261,14 @@ func (h *heldAnswers) size() int {
 func (h *heldAnswers) keep(p []byte, flushLate func()) {
 	if h.buf == nil {
 		h.buf = holdBuffers.Get().(*[]byte)
+		after := h.backstop
+		if after == 0 {
+			after = holdFor
+		}
 		if h.timer == nil {
-			h.timer = time.AfterFunc(holdFor, flushLate)
+			h.timer = time.AfterFunc(after, flushLate)
 		} else {
-			h.timer.Reset(holdFor)
+			h.timer.Reset(after)
 		}
 	}
 	*h.buf = append(*h.buf, p...)
