@@ -117,6 +117,10 @@ class Writer:
             asyncio.get_running_loop().call_soon(self._flush)
         self._pending.append(encode(message))
 
+    def flush(self) -> None:
+        """Write what was sent so far now, rather than at the end of the turn."""
+        self._flush()
+
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
         if pending and not self._writer.is_closing():

@@ -83,6 +83,7 @@ class FrontendLink:
         self._read_requests = 0
         self._read_bytes = 0
         self._syncs: dict[int, asyncio.Future[None]] = {}
+        self._lone = False  # the read being dispatched holds one message
         self._sync_ids = itertools.count(1)
 
     def send(self, message: ToFrontend) -> None:
@@ -131,9 +132,14 @@ class FrontendLink:
 
     def _received(self, received: list[Message]) -> None:
         self._note_read(received)
+        # A lone request may compute at once; requests read together batch together.
+        self._lone = len(received) == 1
         for message in received:
             self._dispatch(message)
+        self._lone = False
         self._batcher.run_due()  # every request of this read queued: batch them now
+        if self._writer is not None:
+            self._writer.flush()  # answers and refusals of this read leave now
 
     def _note_read(self, received: list[Message]) -> None:
         """Count the INFERs of this read before queueing them: a front end's edge check then
@@ -263,10 +269,21 @@ class FrontendLink:
                 if with_weights
                 else None
             )
+            answer = functools.partial(self._answer, request_id, writers)
+            if self._lone and self._batcher.run_alone(
+                model,
+                embeddings,
+                answer,
+                with_weights=with_weights,
+                deadline=message.deadline,
+                tag=message.tag,
+                into=(output, weights),
+            ):
+                return  # computed and answered
             ticket = self._batcher.queue(
                 model,
                 embeddings,
-                functools.partial(self._answer, request_id, writers),
+                answer,
                 with_weights=with_weights,
                 deadline=message.deadline,
                 tag=message.tag,
