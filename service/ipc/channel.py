@@ -109,12 +109,14 @@ class Writer:
     def __init__(self, writer: asyncio.StreamWriter | asyncio.WriteTransport) -> None:
         self._writer = writer
         self._pending: list[bytes] = []
+        # Made on its loop; kept, as asyncio.get_running_loop() asks for the pid each time.
+        self._loop = asyncio.get_running_loop()
 
     def send(self, message: Message) -> None:
         if self._writer.is_closing():
             return
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
         self._pending.append(encode(message))
 
     def flush(self) -> None:

@@ -349,10 +349,10 @@ class Batcher:
             self._limits.max_queue_delay_s > 0 or self._yield_pays or self._unprobed >= PROBE_EVERY
         ):
             return False  # the pass waits, or yields first to take in arrivals
-        ticket = Ticket(embeddings, answer, now, deadline, queue, COMPUTING, tag, into)
-        if not self._is_short(queue, [ticket]):
+        if not self._short(queue, n, seq):
             return False
         self._admit(embeddings.nbytes)
+        ticket = Ticket(embeddings, answer, now, deadline, queue, COMPUTING, tag, into)
         if below_cap:
             self._unprobed += 1  # as a lone request the pass starts without a yield
         self._arrivals += 1
@@ -869,11 +869,17 @@ class Batcher:
         its predicted time is within the bound. The prediction scales the queue's latest cost
         per sequence by length: with the square of it for a longer batch (attention's scores
         grow so), linearly for a shorter one, so it errs long, towards a compute thread."""
-        per_sequence = queue.seconds_per_sequence
-        if per_sequence is None or self._running > 1 or not self._inline_up_to_s:
+        if self._running > 1:
             return False
-        stretch = _longest(batch) / max(1, queue.measured_length)
-        predicted = per_sequence * _sequences(batch) * (stretch**2 if stretch > 1 else stretch)
+        return self._short(queue, _sequences(batch), _longest(batch))
+
+    def _short(self, queue: _Queue, sequences: int, longest: int) -> bool:
+        """Whether a batch of these sequences, the longest this long, is predicted short."""
+        per_sequence = queue.seconds_per_sequence
+        if per_sequence is None or not self._inline_up_to_s:
+            return False
+        stretch = longest / max(1, queue.measured_length)
+        predicted = per_sequence * sequences * (stretch**2 if stretch > 1 else stretch)
         return predicted <= self._inline_up_to_s
 
     def _deliver(
