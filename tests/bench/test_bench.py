@@ -1210,3 +1210,34 @@ def test_the_worker_parts_are_timed_in_one_process(model_repository: Path) -> No
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert (result["model"], result["requests"]) == ("mha/1", 50)
     assert 0 < result["onnx_runtime_run_us"] < result["batcher_one_at_a_time_us"]
+
+
+def test_the_floor_of_a_python_worker_loop_is_timed_against_a_stand_in(
+    model_repository: Path,
+) -> None:
+    """bench.worker_floor runs the bare loop and its stand-in in two processes."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.worker_floor",
+            "--model-repository",
+            str(model_repository),
+            "--requests",
+            "50",
+            "--cpu",
+            "0",
+            "--client-cpu",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+        check=True,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (result["model"], result["seq"], result["requests"]) == ("mha/1", 16, 50)
+    assert result["loop_cpu_us_per_request"] > 0
+    assert result["onnx_runtime_run_us_in_place"] > 0
+    assert result["requests_per_s"] > 0
