@@ -109,7 +109,8 @@ class Writer:
     def __init__(self, writer: asyncio.StreamWriter | asyncio.WriteTransport) -> None:
         self._writer = writer
         self._pending: list[bytes] = []
-        # Made on its loop; kept, as asyncio.get_running_loop() asks for the pid each time.
+        # Made on its loop, and kept: CPython 3.11's asyncio.get_running_loop() asks the
+        # kernel for the pid on each call.
         self._loop = asyncio.get_running_loop()
 
     def send(self, message: Message) -> None:

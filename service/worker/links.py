@@ -134,9 +134,11 @@ class FrontendLink:
         self._note_read(received)
         # A lone request may compute at once; requests read together batch together.
         self._lone = len(received) == 1
-        for message in received:
-            self._dispatch(message)
-        self._lone = False
+        try:
+            for message in received:
+                self._dispatch(message)
+        finally:
+            self._lone = False
         self._batcher.run_due()  # every request of this read queued: batch them now
         if self._writer is not None:
             self._writer.flush()  # answers and refusals of this read leave now

@@ -186,3 +186,23 @@ def test_answers_are_finite_exactly_when_every_value_is(dtype: type[np.floating]
             values = huge.copy()
             values[where] = bad
             assert not all_finite(values)
+
+
+def test_a_failure_escaping_a_lone_batch_fails_the_scheduler_as_the_pass_would() -> None:
+    runner = RecordingRunner()
+
+    async def body(batcher: Batcher) -> None:
+        await _costed(batcher, runner)
+        runner.fail = True
+        answers: Outcomes = []
+
+        def answer_that_breaks(outcome: Result | BaseException) -> None:
+            answers.append(outcome)
+            raise RuntimeError("the answer's own callback failed")
+
+        assert batcher.run_alone(runner, _x(3), answer_that_breaks, with_weights=False)
+        assert len(answers) == 1  # answered once, with its batch's failure
+        with pytest.raises(ShuttingDown, match="batch scheduler failed"):
+            batcher.queue(runner, _x(3), answers.append, with_weights=False)
+
+    _run(body)

@@ -331,13 +331,15 @@ class Batcher:
         the request fills its batch), no yield for arrivals is due (_yield_for_arrivals), its
         deadline has not passed, and its queue's latest cost says the batch is short
         (compute_short_batches_inline). It skips the queue and the pass; its answer, metrics
-        and statistics are a batch of one's. False when it cannot: queue() it instead.
-        Raises what queue() refuses with.
+        and statistics are a batch of one's. False when it cannot: queue() it instead (which
+        then refuses, or queues it). Once it may, it raises what queue() refuses with.
 
         Every line of Python on a lone request's path runs with cold caches (ONNX Runtime's
         run evicts them): measured one request at a time on one core, the queue and the
         pass cost 25-30 us of the 550 us the worker spent per request."""
-        if self._pending or self._running or not self._started or self._flushing:
+        if not self._inline_up_to_s or self._pending or self._running or self._flushing:
+            return False  # (never inline on a GPU: its batches compute on a thread)
+        if not self._started:
             return False
         queue = self._queues.get((runner, with_weights))
         now = time.monotonic()
@@ -361,9 +363,14 @@ class Batcher:
         self._computing.add(ticket)
         try:
             self._compute_here(queue, [ticket])
+        except Exception as err:  # what the pass would meet (a failure while failing a batch)
+            self._scheduler_failed(err)
+            _settle(ticket, SchedulerFailed("this server's batch scheduler failed; retry"))
         finally:
-            # Nothing was queued before it, nor meanwhile (no read happens during the run):
-            # the queue's fill, the idle state and the next pass are as they were.
+            # Nothing was queued before it, nor meanwhile (no read happens during the run),
+            # so what _ended does after a batch is left out on purpose: the queue's fill
+            # and its status page, the idle state, settle() waiters (none wait while nothing
+            # is queued or computing), the memory trim after a backlog, the next pass.
             self._computing.discard(ticket)
             self._running -= 1
             self._running_by_key[runner.key] -= 1
