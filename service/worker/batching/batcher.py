@@ -337,9 +337,10 @@ class Batcher:
         Every line of Python on a lone request's path runs with cold caches (ONNX Runtime's
         run evicts them): measured one request at a time on one core, the queue and the
         pass cost 25-30 us of the 550 us the worker spent per request."""
+        # Never on a GPU (no batch computes inline there): the first test costs nothing.
         if not self._inline_up_to_s or self._pending or self._running or self._flushing:
-            return False  # (never inline on a GPU: its batches compute on a thread)
-        if not self._started:
+            return False
+        if not self._started:  # stopped, or its scheduler failed: queue() refuses it
             return False
         queue = self._queues.get((runner, with_weights))
         now = time.monotonic()
