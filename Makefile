@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODELS ?= models
 STAMP := $(VENV)/.installed
 
-.PHONY: setup gateway openloop export serve test lint docs config-doc proto golden bench bench-peers demo clean
+.PHONY: setup gateway openloop h2floor export serve test lint docs config-doc proto golden bench bench-peers demo clean
 
 setup: $(STAMP)
 
@@ -29,7 +29,7 @@ gateway: $(BIN)/attention-gateway
 GO_ENV := CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local GOPROXY=off $(abspath $(BIN))/go
 GO := cd service/gateway && $(GO_ENV)
 # Every Go module here: make lint vets, gofmt-checks and tests each.
-GO_MODULES := service/gateway bench/openloop
+GO_MODULES := service/gateway bench/openloop bench/h2floor
 
 $(BIN)/attention-gateway: $(wildcard service/gateway/*.go) service/gateway/go.mod
 	$(GO) build -trimpath -o $(abspath $@) .
@@ -40,6 +40,13 @@ openloop: $(BIN)/openloop
 
 $(BIN)/openloop: $(wildcard bench/openloop/*.go) bench/openloop/go.mod
 	cd bench/openloop && $(GO_ENV) build -trimpath -o $(abspath $@) .
+
+# The bare Go net/http HTTP/2 server under the gateway's h2load rows (bench/h2floor/; the
+# benchmark's h2load group builds it with this target); standard library only.
+h2floor: $(BIN)/h2floor
+
+$(BIN)/h2floor: $(wildcard bench/h2floor/*.go) bench/h2floor/go.mod
+	cd bench/h2floor && $(GO_ENV) build -trimpath -o $(abspath $@) .
 
 proto: setup
 	$(BIN)/python proto/generate.py

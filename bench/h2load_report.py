@@ -10,6 +10,7 @@ from bench.h2load import ONE_CALLER
 from bench.report import (
     BESIDE_FEATURES,
     BESIDE_TRITON,
+    GO_FLOOR,
     GRPC_FLOOR,
     H2LOAD,
     RESTRICTED,
@@ -52,6 +53,12 @@ def _many(rows: list[Row], pinned: bool, target: str, name: str, seq: str) -> Ro
         and r["load"] != ONE
     ]
     return measured(found[0]) if found else None
+
+
+def _cpu_per_call(row: Row | None) -> float | None:
+    """A row's server CPU per call, all its processes (us)."""
+    cpu_ms = _value(row, "server_cpu_ms_per_request")
+    return None if cpu_ms is None else cpu_ms * 1000
 
 
 def _median_rate(rows: list[Row], pinned: bool, name: str, seq: str) -> float | None:
@@ -107,11 +114,15 @@ def inprocess_call_cpu_us(rows: list[Row], pinned: bool) -> float | None:
 def one_caller(rows: list[Row], pinned: bool) -> list[Row]:
     server = _row(rows, pinned, target="server", name="server", seq="16", load=ONE)
     floor = _row(rows, pinned, target=GRPC_FLOOR, seq="16", load=ONE)
+    go_floor = _row(rows, pinned, target=GO_FLOOR, seq="16", load=ONE)
     p50 = _value(server, "p50_ms")
     worker = by_kind(server).get("worker")
+    gateway = by_kind(server).get("gateways")
+    go_floor_cpu = _cpu_per_call(go_floor)
     ort = inprocess_call_cpu_us(rows, pinned)
     extra = _difference(worker, ort)
     floor_p50 = _value(floor, "p50_ms")
+    go_floor_p50 = _value(go_floor, "p50_ms")
     out = [
         entry(
             "One caller, seq 16, h2load: p50 (ms)",
@@ -125,6 +136,11 @@ def one_caller(rows: list[Row], pinned: bool) -> list[Row]:
             "One caller, seq 16, h2load: p50 - bare gRPC server's (ms)",
             _difference(p50, floor_p50),
         ),
+        entry("One caller, seq 16, h2load: bare Go HTTP/2 server p50 (ms)", go_floor_p50),
+        entry(
+            "One caller, seq 16, h2load: p50 - bare Go HTTP/2 server's (ms)",
+            _difference(p50, go_floor_p50),
+        ),
         entry("Worker CPU per lone request (us)", worker),
         entry("ONNX Runtime's run of it, in-process CPU (us)", ort),
         entry(
@@ -132,6 +148,12 @@ def one_caller(rows: list[Row], pinned: bool) -> list[Row]:
             extra,
             f"<= {WORKER_OVER_ORT_US:g}",
             at_most(extra, WORKER_OVER_ORT_US),
+        ),
+        entry("Gateway CPU per lone call (us)", gateway),
+        entry("Bare Go HTTP/2 server CPU per lone call (us)", go_floor_cpu),
+        entry(
+            "Gateway CPU per lone call over the bare Go HTTP/2 server's (us)",
+            _difference(gateway, go_floor_cpu),
         ),
     ]
     for seq in SEQS[1:]:
@@ -155,22 +177,20 @@ def streams(rows: list[Row], pinned: bool, peers: bool) -> list[Row]:
                 at_most(gateway, goal),
             )
         )
-        floor = next(
-            (
-                r
-                for r in rows
-                if r["group"] == H2LOAD
-                and r["target"] == GRPC_FLOOR
-                and r["seq"] == seq
-                and r["load"] != ONE
-                and r.get("pinned") == pinned
+        go_floor = _many(rows, pinned, GO_FLOOR, GO_FLOOR, seq)
+        go_floor_cpu = _cpu_per_call(go_floor)
+        out += [
+            entry(f"Bare Go HTTP/2 server CPU per call, seq {seq}, {label} (us)", go_floor_cpu),
+            entry(
+                f"Gateway CPU per call over the bare Go HTTP/2 server's, seq {seq}, {label} (us)",
+                _difference(gateway, go_floor_cpu),
             ),
-            None,
-        )
+        ]
+        floor = _many(rows, pinned, GRPC_FLOOR, GRPC_FLOOR, seq)
         out.append(
             entry(
                 f"h2load, {label}, seq {seq}: server / bare gRPC server (req/s)",
-                ratio(_value(server, "requests_per_s"), _value(measured(floor), "requests_per_s")),
+                ratio(_value(server, "requests_per_s"), _value(floor, "requests_per_s")),
             )
         )
         # Against the default server measured in the same rounds (else the default's row).

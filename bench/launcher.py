@@ -23,6 +23,22 @@ LISTENING = re.compile(r"listening grpc_port=(\d+) metrics_port=(\d+)(?: http_po
 # The supervisor's "started worker (pid N)" / "started frontend-K (pid N)" (a restart repeats it).
 STARTED = re.compile(r"started (worker|frontend-\d+(?:-gateway)?) \(pid (\d+)\)")
 REPO_ROOT = Path(__file__).resolve().parent.parent
+GO_BINARIES = REPO_ROOT / ".venv" / "bin"  # where `make openloop` and `make h2floor` put theirs
+
+
+def built(program: str) -> Path:
+    """`make PROGRAM` for one of the bench's Go programs (a no-op when its binary is current,
+    built with the Go toolchain `make setup` installed); the binary's path."""
+    done = subprocess.run(
+        ["make", "--no-print-directory", program],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"make {program} failed:\n{done.stdout}{done.stderr}")
+    return GO_BINARIES / program
 
 
 @dataclass(frozen=True)

@@ -16,24 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.launcher import REPO_ROOT, UNPINNED, Pinning
+from bench.launcher import GO_BINARIES, UNPINNED, Pinning, built
 
-BINARY = REPO_ROOT / ".venv" / "bin" / "openloop"
+BINARY = GO_BINARIES / "openloop"
 OK = "OK"
 
 
 def build() -> Path:
     """`make openloop` (a no-op when the binary is current); the binary's path."""
-    done = subprocess.run(
-        ["make", "--no-print-directory", "openloop"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"make openloop failed:\n{done.stdout}{done.stderr}")
-    return BINARY
+    return built("openloop")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ GROUPING_OFF = "grouping off (first-come)"  # --length-grouping off
 GROUPING_OFF_FALLBACK = "grouping ~off (pad 1.0)"
 FRONTENDS = (1, 2)  # --frontends of the unpinned runs
 GRPC_FLOOR = "grpc floor"  # a bare grpc.aio server answering with its input (bench/grpc_floor.py)
+# A bare Go net/http HTTP/2 server answering likewise (bench/h2floor/): the gateway's floor.
+GO_FLOOR = "go http2 floor"
 HEAD_TO_HEAD = "rounds"  # group of the rows of our server and Triton measured side by side
 # Rounds of it per length; even, so each server goes first as often as the other.
 HEAD_TO_HEAD_ROUNDS = 4

@@ -9,13 +9,14 @@ from collections.abc import Callable
 
 from bench import h2load
 from bench.harness import free_port
-from bench.launcher import REPO_ROOT, UNPINNED, Service, cpu_set
+from bench.launcher import REPO_ROOT, UNPINNED, Service, built, cpu_set
 from bench.otlp_sink import OtlpSink
 from bench.payloads import REST, SHM, family
 from bench.report import (
     BESIDE_FEATURES,
     FEATURE_ROUNDS,
     FRONTENDS,
+    GO_FLOOR,
     GROUPING_OFF,
     GROUPING_OFF_FALLBACK,
     GROUPING_ON,
@@ -167,6 +168,20 @@ def grpc_floor(r: Runner, groups: set[str]) -> None:
             )
         if H2LOAD in groups:
             h2load_rows(r, service, target=GRPC_FLOOR, name=GRPC_FLOOR)
+
+
+def go_floor(r: Runner, groups: set[str]) -> None:
+    """A bare Go net/http HTTP/2 server answering V2 ModelInfer with its input (bench/h2floor/,
+    built by `make h2floor`), measured with h2load: what Go's HTTP/2 server and a handler cost
+    per call, the floor under the gateway's CPU and one caller's wait."""
+    if H2LOAD not in groups or not r.h2load_ready():
+        return
+    pinning = r.config.pinning
+    command = [*pinning.prefix(pinning.server_cpus), str(built("h2floor")), "-port", "0"]
+    with Service(GO_FLOOR, command) as service:
+        service.wait_ready(r.config.ready_timeout_s)
+        log(f"{GO_FLOOR}: pid {service.pid} on {service.target}")
+        h2load_rows(r, service, target=GO_FLOOR, name=GO_FLOOR)
 
 
 def h2load_rows(
@@ -427,6 +442,7 @@ def run(r: Runner, groups: set[str]) -> None:
     limits(r, groups)
     echo(r, groups)
     grpc_floor(r, groups)
+    go_floor(r, groups)
     default_server(r, groups)
     fast_path_features(r, groups)
     tracing_on(r, groups)

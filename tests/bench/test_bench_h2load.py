@@ -11,17 +11,19 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 
 from bench import h2load, h2load_report, ratios, report, scenarios
 from bench.echo_model import write_repository
 from bench.h2load_output import answers_short, log_figures, parse_log, parse_output, seconds
-from bench.launcher import REPO_ROOT, Pinning
+from bench.launcher import REPO_ROOT, Pinning, Service, built
 from bench.payloads import build_payloads
 from bench.runner import BenchConfig, Runner
 from bench.stats import Lengths
@@ -220,6 +222,10 @@ def _h2load_rows() -> list[dict[str, Any]]:
             server_cpu_us_per_request_by_process={"supervisor": 250.0, "other": 0.0},
         ),
         _row(report.GRPC_FLOOR, report.GRPC_FLOOR, "16", many, requests_per_s=2400.0),
+        _row(
+            report.GO_FLOOR, report.GO_FLOOR, "16", one, p50_ms=0.25, server_cpu_ms_per_request=0.2
+        ),
+        _row(report.GO_FLOOR, report.GO_FLOOR, "16", many, server_cpu_ms_per_request=0.1),
         _row("server", report.BESIDE_TRITON, "16", many, requests_per_s=1300.0, p99_ms=50.0),
         _row("triton", "triton b=32 delay=0us", "16", many, requests_per_s=1000.0, p99_ms=40.0),
     ]
@@ -233,6 +239,17 @@ def test_h2load_targets_as_stated() -> None:
     assert found["One caller, seq 16, h2load: p50 - bare gRPC server's (ms)"][
         "value"
     ] == pytest.approx(0.4)
+    assert found["One caller, seq 16, h2load: p50 - bare Go HTTP/2 server's (ms)"][
+        "value"
+    ] == pytest.approx(0.45)
+    assert found["Gateway CPU per lone call over the bare Go HTTP/2 server's (us)"][
+        "value"
+    ] == pytest.approx(300.0 - 200.0)
+    assert found["Gateway CPU per call over the bare Go HTTP/2 server's, seq 16, 64 streams (us)"][
+        "value"
+    ] == pytest.approx(140.0 - 100.0)
+    not_run = "Gateway CPU per call over the bare Go HTTP/2 server's, seq 128, 64 streams (us)"
+    assert found[not_run]["value"] is None  # no floor row at seq 128: not measured
     worker = found["Worker CPU per lone request over ONNX Runtime's (us)"]
     assert worker["value"] == pytest.approx(420.0 - 370.0)
     assert (worker["target"], worker["met"]) == ("<= 60", True)
@@ -449,6 +466,66 @@ def test_a_server_that_answers_errors_fails_the_row_loudly(
     summary = parse_output(output)
     assert summary.problems(10) == []
     assert answers_short(summary, good) == 10
+
+
+@pytest.fixture(scope="module")
+def go_floor() -> Iterator[Service]:
+    """The bare Go HTTP/2 server (bench/h2floor/), built as the benchmark builds it."""
+    command = [str(built("h2floor")), "-port", "0"]
+    with Service(report.GO_FLOOR, command, new_session=False) as service:
+        service.wait_ready(30)
+        yield service
+
+
+def test_the_go_floor_answers_as_the_bare_grpc_server_does(go_floor: Service) -> None:
+    """The two floors give the same answer, byte for byte, so their rows carry the same work;
+    what the Go floor cannot read is a gRPC error, never a hang."""
+    message = h2load.request_message(16, D, "mha")
+    floor_command = [sys.executable, "-m", "bench.grpc_floor"]
+    with Service(report.GRPC_FLOOR, floor_command, new_session=False) as grpc_floor:
+        grpc_floor.wait_ready(30)
+        answers = [_model_infer(server.target, message) for server in (grpc_floor, go_floor)]
+    assert answers[0] == answers[1]
+    answer = v2.ModelInferResponse.FromString(answers[1])
+    assert (
+        answer.raw_output_contents[0]
+        == v2.ModelInferRequest.FromString(message).raw_input_contents[0]
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        _model_infer(go_floor.target, b"\x0f")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _model_infer(target: str, message: bytes) -> bytes:
+    """A V2 ModelInfer call with message as its request; the answer's bytes."""
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=None,
+            response_deserializer=None,
+        )
+        answer: bytes = call(message, timeout=10)
+        return answer
+
+
+def test_a_real_h2load_row_against_the_go_floor(
+    go_floor: Service, tool: str, tmp_path: Path
+) -> None:
+    runner = Runner(_config(), scratch=tmp_path)
+    row = runner.h2load_row(
+        go_floor,
+        group=report.H2LOAD,
+        target=report.GO_FLOOR,
+        name=report.GO_FLOOR,
+        seq="16",
+        shape=h2load.Shape(1, 4),
+        pinning=Pinning(None, None),
+    )
+    assert not row.get("failed"), row["failed"]
+    assert row["requests"] >= 20
+    assert row["h2load"]["answer_bytes"] > D * 16 * 4  # the tensor came back
+    assert row["server_cpu_ms_per_request"] > 0
+    assert "go http2 floor seq 16 c=1 m=4" in h2load_report.cpu_table([row])
 
 
 # -- getting h2load: make bench's installer -----------------------------------------------------

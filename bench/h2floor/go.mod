@@ -1,0 +1,3 @@
+module h2floor
+
+go 1.24
