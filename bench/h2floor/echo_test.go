@@ -60,3 +60,36 @@ func TestEchoRefusesWhatIsNotARequestWithAnInput(t *testing.T) {
 		}
 	}
 }
+
+// framedMessage is message after its gRPC prefix (not compressed).
+func framedMessage(message []byte) []byte {
+	return append(binary.BigEndian.AppendUint32([]byte{0}, uint32(len(message))), message...)
+}
+
+func TestReadMessageReadsOneMessageToTheBodysEnd(t *testing.T) {
+	message := bytes.Repeat([]byte{7}, 3*readStep+5) // past one read step
+	held := new([]byte)
+	got, code, why := readMessage(bytes.NewReader(framedMessage(message)), held)
+	if code != 0 || !bytes.Equal(got, message) {
+		t.Fatalf("code %d (%s), %d bytes read of %d", code, why, len(got), len(message))
+	}
+	twice := append(framedMessage(message), framedMessage(message)...)
+	if _, code, _ := readMessage(bytes.NewReader(twice), held); code != codeInvalidArgument {
+		t.Fatalf("two messages on a unary call: code %d", code)
+	}
+	if _, code, _ := readMessage(bytes.NewReader([]byte{2, 0, 0, 0, 0}), held); code != codeInternal {
+		t.Fatalf("compressed flag 2: code %d", code)
+	}
+}
+
+func TestReadMessageGrowsAsBytesArriveNotAsThePrefixSays(t *testing.T) {
+	declared := binary.BigEndian.AppendUint32([]byte{0}, 60<<20) // 60 MiB said, 10 bytes sent
+	held := new([]byte)
+	_, code, _ := readMessage(bytes.NewReader(append(declared, make([]byte, 10)...)), held)
+	if code != codeInvalidArgument {
+		t.Fatalf("a message that ended early: code %d", code)
+	}
+	if cap(*held) > 2*readStep {
+		t.Fatalf("%d bytes held for 10 that arrived", cap(*held))
+	}
+}

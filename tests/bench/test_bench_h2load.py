@@ -478,14 +478,18 @@ def go_floor() -> Iterator[Service]:
 
 
 def test_the_go_floor_answers_as_the_bare_grpc_server_does(go_floor: Service) -> None:
-    """The two floors give the same answer, byte for byte, so their rows carry the same work;
-    what the Go floor cannot read is a gRPC error, never a hang."""
-    message = h2load.request_message(16, D, "mha")
+    """The two floors give the same answer to the benchmark's requests, byte for byte, so
+    their rows carry the same work (the Go floor reads only what the benchmark sends); what
+    it cannot read is a gRPC error, never a hang."""
+    messages = [h2load.request_message(seq, D, "mha") for seq in (16, 128)]
     floor_command = [sys.executable, "-m", "bench.grpc_floor"]
     with Service(report.GRPC_FLOOR, floor_command, new_session=False) as grpc_floor:
         grpc_floor.wait_ready(30)
-        answers = [_model_infer(server.target, message) for server in (grpc_floor, go_floor)]
-    assert answers[0] == answers[1]
+        for message in messages:
+            answers = [_model_infer(server.target, message) for server in (grpc_floor, go_floor)]
+            assert answers[0] == answers[1]
+    message = messages[0]
+    answers = [b"", _model_infer(go_floor.target, message)]
     answer = v2.ModelInferResponse.FromString(answers[1])
     assert (
         answer.raw_output_contents[0]
@@ -494,6 +498,11 @@ def test_the_go_floor_answers_as_the_bare_grpc_server_does(go_floor: Service) ->
     with pytest.raises(grpc.RpcError) as refused:
         _model_infer(go_floor.target, b"\x0f")
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with grpc.insecure_channel(go_floor.target) as channel:
+        unknown = channel.unary_unary("/inference.GRPCInferenceService/Nope")
+        with pytest.raises(grpc.RpcError) as refused:
+            unknown(b"", timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def _model_infer(target: str, message: bytes) -> bytes:
