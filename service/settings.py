@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "ATTENTION_"
+AUTO = "auto"
+# Number flags that also take auto (the value is then chosen where it is used).
+NUMBER_OR_AUTO = ("max_padding_ratio",)
 PROVIDERS = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
@@ -104,8 +107,12 @@ class Settings:
         "requests waiting (all models); beyond it RESOURCE_EXHAUSTED", default=1024
     )
     max_seq_len: int = _doc("longest sequence accepted (positions)", default=512)
-    max_padding_ratio: float = _doc(
-        "most padding a batch may carry when grouping different lengths (0..1)", default=0.5
+    max_padding_ratio: str = _doc(
+        "most padding a batch may carry when grouping different lengths: a number in 0..1, or "
+        "auto: 0.05 where models run on a CPU (which spends a padded position's compute in "
+        "full, so mixed lengths run faster the less a batch pads), 0.5 on a GPU (which "
+        "computes a batch's positions side by side, so larger batches pay there)",
+        default=AUTO,
     )
     length_grouping: str = _doc(
         "on: a batch takes the oldest request, then those closest to it in length (less "
@@ -398,7 +405,11 @@ class Settings:
             ("max_queue_delay_ms", self.max_queue_delay_ms >= 0, ">= 0"),
             ("max_queue_size", self.max_queue_size >= 1, ">= 1"),
             ("max_seq_len", self.max_seq_len >= 1, ">= 1"),
-            ("max_padding_ratio", 0 <= self.max_padding_ratio <= 1, "in 0..1"),
+            (
+                "max_padding_ratio",
+                _ratio_or_auto(self.max_padding_ratio),
+                "auto or a number in 0..1",
+            ),
             ("length_grouping", self.length_grouping in ("on", "off"), "on or off"),
             ("live_batch_caps", self.live_batch_caps in ON_OFF, "on or off"),
             ("batch_cap_budget_s", 0 <= self.batch_cap_budget_s <= 600, "in 0..600"),
@@ -480,6 +491,21 @@ class Settings:
     @property
     def max_queue_delay_s(self) -> float:
         return self.max_queue_delay_ms / 1000.0
+
+    def padding_ratio(self, auto: float) -> float:
+        """--max-padding-ratio as a number: auto stands for the value given (the worker's
+        for the device its models run on)."""
+        return auto if self.max_padding_ratio == AUTO else float(self.max_padding_ratio)
+
+
+def _ratio_or_auto(text: str) -> bool:
+    if text == AUTO:
+        return True
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return 0 <= value <= 1  # NaN is neither
 
 
 def env_name(field_name: str) -> str:

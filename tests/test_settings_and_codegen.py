@@ -25,6 +25,15 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert load_settings(["--grpc-port", "9100"], env).grpc_port == 9100
 
 
+def test_padding_ratio_is_auto_by_default_and_a_number_when_given() -> None:
+    default = load_settings([], {})
+    assert default.max_padding_ratio == "auto"
+    assert default.padding_ratio(auto=0.05) == 0.05  # the worker's value for its device
+    given = load_settings(["--max-padding-ratio", "0.3"], {})
+    assert given.padding_ratio(auto=0.05) == 0.3
+    assert load_settings([], {"ATTENTION_MAX_PADDING_RATIO": "0"}).padding_ratio(auto=0.5) == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -33,6 +42,17 @@ def test_flags_beat_environment_beat_defaults() -> None:
         ([], {"ATTENTION_PROVIDER": "tpu"}, "provider must be one of"),
         ([], {"ATTENTION_GRPC_PORT": "eighty"}, "ATTENTION_GRPC_PORT='eighty' is not a valid int"),
         (["--grpc-port", "70000"], {}, "grpc_port must be 0..65535"),
+        (
+            ["--max-padding-ratio", "1.5"],
+            {},
+            "max_padding_ratio must be auto or a number in 0..1, got '1.5'",
+        ),
+        (
+            [],
+            {"ATTENTION_MAX_PADDING_RATIO": "some"},
+            "max_padding_ratio must be auto or a number in 0..1, got 'some'",
+        ),
+        (["--max-padding-ratio", "nan"], {}, "max_padding_ratio must be auto or a number"),
     ],
 )
 def test_bad_settings_are_reported(argv, env, message, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,6 +23,7 @@ from service.memory.budget import default_queue_bytes, memory_limit_bytes
 from service.observability import metrics
 from service.settings import Settings
 from service.worker.batching.batcher import Batcher
+from service.worker.batching.policy import AUTO_MAX_PADDING_CPU, AUTO_MAX_PADDING_GPU
 from service.worker.batching.protocol import BatchLimits
 from service.worker.client_regions import ClientRegions
 from service.worker.controller import build_controller
@@ -86,7 +87,8 @@ class WorkerServer:
                 max_batch_size=settings.max_batch_size,
                 max_queue_delay_s=settings.max_queue_delay_s,
                 max_queue_size=settings.max_queue_size,
-                max_padding_ratio=settings.max_padding_ratio,
+                # Until start() knows where the models run (auto: by device).
+                max_padding_ratio=settings.padding_ratio(AUTO_MAX_PADDING_CPU),
                 group_by_length=settings.length_grouping == "on",
                 max_inflight_batches=settings.max_inflight_batches,
                 max_inflight_batches_per_model=settings.max_inflight_batches_per_model,
@@ -124,7 +126,16 @@ class WorkerServer:
             providers = choose_providers(settings.provider)
         except RuntimeError as err:
             raise StartupError(str(err)) from err
-        if providers[0] == CPU:
+        on_cpu = providers[0] == CPU
+        padding = settings.padding_ratio(AUTO_MAX_PADDING_CPU if on_cpu else AUTO_MAX_PADDING_GPU)
+        self.batcher.bound_padding(padding)
+        log.info(
+            "a batch of different lengths pads at most %.2f of its positions "
+            "(--max-padding-ratio %s)",
+            padding,
+            settings.max_padding_ratio,
+        )
+        if on_cpu:
             self.batcher.compute_short_batches_inline(INLINE_BATCH_S)
             if settings.intra_op_threads == 1:
                 # ONNX Runtime computes on the calling thread alone: its CPU time is a

@@ -57,6 +57,8 @@ def traced(repository: Path, grpc_gateway: str) -> Iterator[tuple[ServerProcess,
             "200",
             "--max-batch-size",
             "2",
+            "--max-padding-ratio",  # a batch of lengths 4 and 2 (0.25 padded) on any device
+            "0.5",
         )
         with ServerProcess(repository, *flags, env=_otel_env(receiver.endpoint), http=True) as s:
             # Tracing keeps the fast path: the gateway serves the port when it is on.

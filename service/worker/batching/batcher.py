@@ -27,7 +27,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -264,6 +264,10 @@ class Batcher:
         Longer batches, and every batch on a GPU (whose work overlaps the loop's), run on a
         compute thread."""
         self._inline_up_to_s = up_to_s
+
+    def bound_padding(self, max_padding_ratio: float) -> None:
+        """The most padding a batch of different lengths may carry from now on (0..1)."""
+        self._limits = replace(self._limits, max_padding_ratio=max_padding_ratio)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
