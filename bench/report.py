@@ -13,7 +13,11 @@ SEQS = ("16", "128")
 MIXED = "uniform:16:256"
 # Names of the mixed-lengths server rows (the ratios find them by these).
 GROUPING_ON = "grouping on"
-GROUPING_OFF = "grouping off (first-come)"  # --length-grouping off
+# Grouping on and off compared at one loose padding bound (a GPU's auto), where grouping
+# decides how much is padded: at a CPU's auto bound (0.05) both pad almost nothing.
+LOOSE_PADDING = ("--max-padding-ratio", "0.5")
+GROUPING_ON_LOOSE = "grouping on, pad 0.5"
+GROUPING_OFF = "grouping off (first-come), pad 0.5"  # --length-grouping off
 # A server without --length-grouping: --max-padding-ratio 1.0, which still sorts by length.
 GROUPING_OFF_FALLBACK = "grouping ~off (pad 1.0)"
 FRONTENDS = (1, 2)  # --frontends of the unpinned runs

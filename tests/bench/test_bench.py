@@ -729,8 +729,12 @@ def test_no_pin_ratios_come_from_unpinned_rows() -> None:
 
 def test_grouping_off_is_first_come_or_a_noted_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     name, flags, note = scenarios.grouping_off(True)
-    assert (name, flags, note) == (report.GROUPING_OFF, ["--length-grouping", "off"], "")
-    assert "--max-padding-ratio" not in flags  # the padding limit stays at its default
+    # First-come at the loose bound of the "grouping on, pad 0.5" row it is compared with.
+    assert (name, flags, note) == (
+        report.GROUPING_OFF,
+        ["--length-grouping", "off", "--max-padding-ratio", "0.5"],
+        "",
+    )
     name, flags, note = scenarios.grouping_off(False)
     assert name == report.GROUPING_OFF_FALLBACK
     assert flags == ["--max-padding-ratio", "1.0"]
@@ -738,15 +742,21 @@ def test_grouping_off_is_first_come_or_a_noted_fallback(monkeypatch: pytest.Monk
     monkeypatch.setattr(scenarios, "server_has_flag", lambda flag: False)
     runner = FakeRunner(_config())
     scenarios.other_servers(runner, {"mixed"})
-    assert runner.servers == [(report.GROUPING_OFF_FALLBACK, ["--max-padding-ratio", "1.0"])]
+    assert runner.servers == [
+        (report.GROUPING_ON_LOOSE, ["--max-padding-ratio", "0.5"]),
+        (report.GROUPING_OFF_FALLBACK, ["--max-padding-ratio", "1.0"]),
+    ]
     assert any("--length-grouping" in note for note in runner.notes)
     rows = [
-        {**row, "group": "mixed", "name": report.GROUPING_ON, "sequences_per_s": 200.0}
+        {**row, "group": "mixed", "name": report.GROUPING_ON, "sequences_per_s": 240.0}
         for row in _rows()[1:2]
     ]
+    rows.append({**rows[0], "name": report.GROUPING_ON_LOOSE, "sequences_per_s": 200.0})
     rows.append({**rows[0], "name": report.GROUPING_OFF_FALLBACK, "sequences_per_s": 100.0})
     found = {r["name"]: r for r in ratios.mixed(rows)}
+    # Grouping on and off both at the loose bound; the default's bound against it.
     assert found["mixed: grouping on / pad 1.0 (fallback)"]["value"] == 2.0
+    assert found["mixed: padding bound auto / 0.5"]["value"] == 1.2
 
 
 def test_server_has_flag_reads_the_help(monkeypatch: pytest.MonkeyPatch) -> None:
