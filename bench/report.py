@@ -17,7 +17,7 @@ GROUPING_ON = "grouping on"
 # decides how much is padded: at a CPU's auto bound (0.05) both pad almost nothing.
 LOOSE_PADDING = ("--max-padding-ratio", "0.5")
 GROUPING_ON_LOOSE = "grouping on, pad 0.5"
-GROUPING_OFF = "grouping off (first-come), pad 0.5"  # --length-grouping off
+GROUPING_OFF = "grouping off, pad 0.5"  # --length-grouping off: first-come
 # A server without --length-grouping: --max-padding-ratio 1.0, which still sorts by length.
 GROUPING_OFF_FALLBACK = "grouping ~off (pad 1.0)"
 FRONTENDS = (1, 2)  # --frontends of the unpinned runs

@@ -130,7 +130,7 @@ class WorkerServer:
         padding = settings.padding_ratio(AUTO_MAX_PADDING_CPU if on_cpu else AUTO_MAX_PADDING_GPU)
         self.batcher.bound_padding(padding)
         log.info(
-            "a batch of different lengths pads at most %.2f of its positions "
+            "a batch of different lengths pads at most %g of its positions "
             "(--max-padding-ratio %s)",
             padding,
             settings.max_padding_ratio,

@@ -56,9 +56,24 @@ def test_choose_batch_respects_limits_and_keeps_the_oldest(
     assert len(set(chosen)) == len(chosen)
     assert sum(counts[i] for i in chosen) <= max_sequences
     if len(chosen) > 1:
-        assert (
-            padding_ratio([counts[i] for i in chosen], [lengths[i] for i in chosen]) <= max_padding
-        )
+        chosen_counts, chosen_lengths = [counts[i] for i in chosen], [lengths[i] for i in chosen]
+        total = sum(chosen_counts) * max(chosen_lengths)
+        real = sum(n * t for n, t in zip(chosen_counts, chosen_lengths, strict=True))
+        assert total - real <= max_padding * total + 1e-9  # padded positions, counted exactly
+        assert padding_ratio(chosen_counts, chosen_lengths) <= max_padding + 1e-12
+
+
+@pytest.mark.parametrize(
+    ("lengths", "bound"), [((20, 18), 0.05), ((100, 90), 0.05), ((10, 4), 0.3), ((10, 7), 0.15)]
+)
+def test_a_batch_exactly_at_the_padding_bound_is_taken(
+    lengths: tuple[int, int], bound: float
+) -> None:
+    """Padding exactly at the bound joins (in floating point 1 - 38/40 is above 0.05); one
+    position more does not."""
+    longest, shorter = lengths
+    assert choose_batch([1, 1], [longest, shorter], max_sequences=2, max_padding=bound) == [0, 1]
+    assert choose_batch([1, 1], [longest, shorter - 1], max_sequences=2, max_padding=bound) == [0]
 
 
 def test_choose_batch_groups_similar_lengths() -> None:

@@ -45,9 +45,10 @@ def test_auto_on_a_cpu_runs_lengths_apart_once_padding_passes_five_percent(
     with ServerProcess(model_repository, *PAIRED) as server:
         assert _batch_sizes(server, (20, 20)) == [2, 2]  # equal lengths: no padding
         assert _batch_sizes(server, (20, 19)) == [2, 2]  # 1 of 40 positions padded: 0.025
+        assert _batch_sizes(server, (20, 18)) == [2, 2]  # 2 of 40: 0.05, the bound itself
         assert _batch_sizes(server, (20, 16)) == [1, 1]  # 4 of 40: 0.1, beyond 0.05
         padded = server.metric("attention_batch_padding_ratio_sum", model="small")
-        assert padded == pytest.approx(0.025)  # the one padded batch's ratio
+        assert padded == pytest.approx(0.025 + 0.05)  # the two padded batches' ratios
     assert "pads at most 0.05 of its positions (--max-padding-ratio auto)" in server.log
 
 
@@ -55,4 +56,4 @@ def test_a_ratio_given_is_the_bound(model_repository: Path) -> None:
     with ServerProcess(model_repository, *PAIRED, "--max-padding-ratio", "0.2") as server:
         assert _batch_sizes(server, (20, 16)) == [2, 2]  # 4 of 40 positions padded: 0.1
         assert _batch_sizes(server, (20, 8)) == [1, 1]  # 12 of 40: 0.3, beyond 0.2
-    assert "pads at most 0.20 of its positions (--max-padding-ratio 0.2)" in server.log
+    assert "pads at most 0.2 of its positions (--max-padding-ratio 0.2)" in server.log
