@@ -304,7 +304,9 @@ def test_the_shared_server_runs_in_both_gateway_modes(
     assert behind_gateway(server) == (request.node.callspec.params["server"] == "on")
 
 
-@pytest.mark.parametrize("others_length", [16, 40], ids=["same-length", "padded"])
+# Padded: x (16) beside sequences of 18. The shared server keeps its default padding bound
+# (0.05 of a batch on a CPU), which a batch holding x and two or more others stays within.
+@pytest.mark.parametrize("others_length", [16, 18], ids=["same-length", "padded"])
 def test_a_batch_of_one_in_place_equals_the_same_sequence_batched(
     server: ServerProcess, reference, others_length: int
 ) -> None:
