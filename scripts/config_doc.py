@@ -15,7 +15,7 @@ import sys
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
 
-from service.settings import AUTO, CHOICES, ENV_PREFIX, NUMBER_OR_AUTO, Settings, env_name
+from service.settings import AUTO, CHOICES, ENV_PREFIX, RATIO_OR_AUTO, Settings, env_name
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -125,7 +125,7 @@ def _default(spec: Field[object]) -> str:
 def _kind(spec: Field[object]) -> str:
     if spec.name in CHOICES:
         return " \\| ".join(f"`{choice}`" for choice in CHOICES[spec.name])
-    if spec.name in NUMBER_OR_AUTO:
+    if spec.name in RATIO_OR_AUTO:
         return f"number \\| `{AUTO}`"
     kind = str(spec.type)
     return {

@@ -16,8 +16,9 @@ from typing import Any
 
 ENV_PREFIX = "ATTENTION_"
 AUTO = "auto"
-# Number flags that also take auto (the value is then chosen where it is used).
-NUMBER_OR_AUTO = ("max_padding_ratio",)
+# Ratio flags (0..1) that also take auto (the value is then chosen where it is used): one
+# list for their validation and their documentation.
+RATIO_OR_AUTO = ("max_padding_ratio",)
 PROVIDERS = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
@@ -405,10 +406,9 @@ class Settings:
             ("max_queue_delay_ms", self.max_queue_delay_ms >= 0, ">= 0"),
             ("max_queue_size", self.max_queue_size >= 1, ">= 1"),
             ("max_seq_len", self.max_seq_len >= 1, ">= 1"),
-            (
-                "max_padding_ratio",
-                _ratio_or_auto(self.max_padding_ratio),
-                "auto or a number in 0..1",
+            *(
+                (name, _ratio_or_auto(getattr(self, name)), "auto or a number in 0..1")
+                for name in RATIO_OR_AUTO
             ),
             ("length_grouping", self.length_grouping in ("on", "off"), "on or off"),
             ("live_batch_caps", self.live_batch_caps in ON_OFF, "on or off"),
