@@ -203,7 +203,7 @@ class Settings:
     )
     malloc_reuse: str = _doc(
         "on: glibc malloc keeps up to 32 MiB of freed memory per arena for reuse, so each "
-        "request's buffers do not fault fresh pages in (allocations of 1 MiB or more still go "
+        "request's buffers do not fault fresh pages in (allocations of 8 MiB or more still go "
         "straight back to the kernel); off: glibc's defaults",
         default="on",
     )

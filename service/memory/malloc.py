@@ -4,9 +4,13 @@ Each request allocates a few buffers of hundreds of KiB (the request bytes, the 
 bytes). glibc gives freed memory back to the kernel as soon as the top of its heap holds
 more than ~128 KiB free, so the next request faults every page in again: measured on the
 echo server at seq 128, about a third of its CPU per request. Keeping up to
-TRIM_THRESHOLD_BYTES of freed heap for reuse removes those faults; allocations of
-MMAP_THRESHOLD_BYTES and more (batches, weights answers) are mmapped and go straight back to
-the kernel when freed, so big tensors neither stay resident nor fragment the heap. glibc applies the
+TRIM_THRESHOLD_BYTES of freed heap for reuse removes those faults. Allocations of
+MMAP_THRESHOLD_BYTES and more (large batches, large weights answers) are mmapped and go
+straight back to the kernel when freed, so big tensors neither stay resident nor fragment the
+heap. The threshold is that high because a batch's merged input and its output are a few MiB
+each at seq 128 (2 MiB for 8 sequences), and mmapped they would fault every page in again for
+every batch: 6 % of the worker's CPU per request at seq 128 with 64 callers (pinned, h2load),
+with a threshold of 1 MiB. glibc applies the
 trim threshold to each malloc arena (about one per thread that allocates); capping the arenas
 was measured to cost half the throughput at seq 16 (the compute thread and the event loop
 then contend for one arena's lock), so they are left to glibc.
@@ -27,7 +31,8 @@ M_MMAP_THRESHOLD = -3
 
 TRIM_THRESHOLD_BYTES = 32 << 20
 TOP_PAD_BYTES = 4 << 20
-MMAP_THRESHOLD_BYTES = 1 << 20
+# The size from which a batch gives its memory back anyway (budget.TRIM_AFTER_BATCH_BYTES).
+MMAP_THRESHOLD_BYTES = 8 << 20
 
 
 def keep_freed_memory() -> bool:
