@@ -60,12 +60,7 @@ def build_controller(
             max_seq_len=settings.max_seq_len,
             budget_s=settings.batch_cap_budget_s,
         )
-        log.info(
-            "%s warm; batch caps: %s; run sizes: %s",
-            model.key,
-            caps.describe(),
-            model.run_sizes.describe(),
-        )
+        log.info("%s warm; batch caps: %s", model.key, caps.describe())
 
     def event(name: str, action: str, outcome: str) -> None:
         metrics.MODEL_LOAD_EVENTS.labels(name, action, outcome).inc()

@@ -209,11 +209,6 @@ class WorkerServer:
                 "measured" if settings.batch_cap_budget_s > 0 else "not measured",
                 caps.describe(),
             )
-            log.info(
-                "%s run sizes (most sequences one run takes): %s",
-                model.key,
-                model.run_sizes.describe(),
-            )
 
     async def _settle(self, model: OnnxModel) -> None:
         """Until none of a withdrawn version's requests is queued or computing, counting

@@ -20,9 +20,7 @@ from service.worker.engine.caps import (
     BatchCaps,
     batch_sizes,
     best_batch_size,
-    best_run_size,
     length_buckets,
-    measure,
     measure_caps,
     time_batch,
 )
@@ -266,51 +264,3 @@ def test_the_servers_per_batch_work_breaks_near_ties_towards_larger_batches() ->
         batch_overhead_s=SERVER_BATCH_OVERHEAD_S,
     )
     assert caps.cap_for(128) == 2
-
-
-def test_the_run_size_is_where_the_graph_alone_costs_least_within_the_cap() -> None:
-    overhead = 0.001
-    # Per sequence, the overhead shared: 0.011, 0.010 and 0.01125 in batches of 1, 2 and 4;
-    # the graph alone: 0.010, 0.0095 and 0.011.
-    costs = {1: 0.011, 2: 0.010, 4: 0.01125}
-    assert best_run_size(costs, 4, overhead) == 2
-    assert best_run_size(costs, 1, overhead) == 1  # never past the cap
-    # Near-ties (5 %) go to the larger size: fewer runs.
-    assert best_run_size({1: 0.011, 2: 0.0104 + 0.0005}, 2, overhead) == 2
-    assert best_run_size({1: 0.011, 2: 0.0107 + 0.0005}, 2, overhead) == 1
-    # Runs under 2 ms are not worth splitting a batch for: each run costs Python.
-    short = {1: 0.0003, 2: 0.00025, 4: 0.0003}
-    assert best_run_size(short, 4, 0.0) == 4
-    assert best_run_size(short, 2, 0.0) == 2
-
-
-def test_run_sizes_follow_the_graph_alone_and_caps_the_overhead() -> None:
-    device = FakeDevice(cpu_like)  # batching pays up to 32; past it runs of one cost least
-    measured = measure(
-        device.run,
-        max_batch_size=32,
-        max_seq_len=512,
-        budget_s=1e9,
-        clock=device.clock,
-        batch_overhead_s=SERVER_BATCH_OVERHEAD_S,
-    )
-    assert measured.run_sizes.cap_for(16) == 32 == measured.caps.cap_for(16)
-    # Past 32 the server's per-batch work is shared by batches larger than the graph likes:
-    # they run in pieces, down to one sequence a run where runs are long.
-    assert measured.run_sizes.cap_for(64) < measured.caps.cap_for(64)
-    assert measured.run_sizes.cap_for(512) == 1 < measured.caps.cap_for(512)
-
-    device = FakeDevice(gpu_like)
-    measured = measure(
-        device.run, max_batch_size=32, max_seq_len=512, budget_s=1e9, clock=device.clock
-    )
-    assert measured.run_sizes == measured.caps  # the whole batch in one run
-
-
-def test_a_bucket_left_unmeasured_runs_its_batches_whole() -> None:
-    device = FakeDevice(cpu_like)
-    # The budget ends within the first bucket: later buckets keep its cap, in one run.
-    measured = measure(
-        device.run, max_batch_size=32, max_seq_len=512, budget_s=1e-9, clock=device.clock
-    )
-    assert measured.run_sizes == measured.caps

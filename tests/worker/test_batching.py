@@ -94,7 +94,6 @@ class RecordingRunner:
         batch_caps: BatchCaps | None = None,
         fail_below: float | None = None,
         key: str = "fake/1",
-        run_sizes: BatchCaps | None = None,
     ) -> None:
         self.key = key
         self.entered = threading.Event()  # set once a batch is computing
@@ -103,7 +102,6 @@ class RecordingRunner:
         self.fail_below = fail_below
         self.hold = hold
         self.batch_caps = batch_caps or BatchCaps.uniform(1024, 1024)
-        self.run_sizes = run_sizes or self.batch_caps
 
     def run(self, embeddings, key_padding_mask, with_weights):
         self.entered.set()

@@ -69,7 +69,6 @@ class FakeModel:
     provider: str = "CPUExecutionProvider"
     warm: bool = False
     batch_caps: BatchCaps = field(default_factory=lambda: BatchCaps.uniform(64, 64))
-    run_sizes: BatchCaps = field(default_factory=lambda: BatchCaps.uniform(64, 64))
     gate: asyncio.Event | None = None
 
     @property

@@ -39,7 +39,7 @@ from service.memory.budget import TRIM_AFTER_BATCH_BYTES, is_large_batch, releas
 from service.observability import metrics
 from service.status_texts import NOT_ACCEPTING
 from service.worker.batching.live_caps import LiveCaps
-from service.worker.batching.policy import choose_batch, merge, split
+from service.worker.batching.policy import choose_batch, merge, padding_ratio, split
 from service.worker.batching.protocol import (
     AnswerWriter,
     BatchFailed,
@@ -142,21 +142,13 @@ def _compute(
     cost_clock: Callable[[], float],
 ) -> _Computed:
     """Merge, ONNX Runtime, split (into the targets given), finiteness of each part: on a
-    compute thread, or on the event loop's for a short CPU batch (compute_short_batches_inline).
-    A batch larger than the runner's run size at its length runs in pieces (_runs)."""
+    compute thread, or on the event loop's for a short CPU batch (compute_short_batches_inline)."""
     started, cost_started = time.monotonic(), cost_clock()
-    runs = _runs(runner, arrays, with_weights)
-    if len(runs) == 1:
-        embeddings, mask = merge(arrays)
-        output, weights = runner.run(embeddings, mask, with_weights)
-        shapes = [(a.shape[0], a.shape[1]) for a in arrays]
-        # A batch of one is merged as itself: its output is its part, nothing to split.
-        pieces = [(output, weights)] if len(arrays) == 1 else split(output, weights, shapes)
-        padding = 0.0 if len(shapes) == 1 else _padded(mask, shapes) / mask.size
-        large = is_large_batch(embeddings, with_weights)
-        del embeddings, mask, output, weights
-    else:
-        pieces, padding, large = _run_in_pieces(runner, arrays, runs)
+    embeddings, mask = merge(arrays)
+    output, weights = runner.run(embeddings, mask, with_weights)
+    shapes = [(a.shape[0], a.shape[1]) for a in arrays]
+    # A batch of one is merged as itself: its output is its part, nothing to split.
+    pieces = [(output, weights)] if len(arrays) == 1 else split(output, weights, shapes)
     # Copied here, with the batch: the padded slices would otherwise be copied while encoding
     # (or into shared memory), on an event loop that every other call waits for.
     parts = []
@@ -165,63 +157,15 @@ def _compute(
         parts.append((_place(out, out_into), None if w is None else _place(w, w_into)))
     # Finite inputs can still overflow the model's arithmetic; such a part is never an OK.
     finite = [_all_finite(out) and (w is None or _all_finite(w)) for out, w in parts]
-    if large:
-        del pieces
+    padding = (
+        0.0 if len(shapes) == 1 else padding_ratio([s[0] for s in shapes], [s[1] for s in shapes])
+    )
+    if is_large_batch(embeddings, with_weights):
+        del embeddings, mask, output, weights
         release_free_memory()
     return _Computed(
         parts, finite, time.monotonic() - started, cost_clock() - cost_started, padding
     )
-
-
-def _padded(mask: np.ndarray, shapes: Sequence[tuple[int, int]]) -> int:
-    """Padded positions of a merged run: its positions less its requests' own."""
-    return int(mask.size) - sum(count * length for count, length in shapes)
-
-
-def _run_in_pieces(
-    runner: Runner, arrays: Sequence[np.ndarray], runs: Sequence[Sequence[int]]
-) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float, bool]:
-    """An output-only batch run after run (_runs): each request's output, the padding over
-    every run's positions, and whether any run was large enough to give memory back."""
-    by_request: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
-    positions = padded = 0
-    large = False
-    for run in runs:
-        members = [arrays[i] for i in run]
-        embeddings, mask = merge(members)
-        output, _ = runner.run(embeddings, mask, False)
-        shapes = [(a.shape[0], a.shape[1]) for a in members]
-        outputs = [(output, None)] if len(run) == 1 else split(output, None, shapes)
-        by_request.update(zip(run, outputs, strict=True))
-        positions += mask.size
-        padded += _padded(mask, shapes)
-        large = large or is_large_batch(embeddings, False)
-    return [by_request[i] for i in range(len(arrays))], padded / positions, large
-
-
-def _runs(runner: Runner, arrays: Sequence[np.ndarray], with_weights: bool) -> list[list[int]]:
-    """The batch's requests (indices) by run of the graph: one run, or, where the batch holds
-    more sequences than the runner's run size at its longest length, runs of at most that
-    many (by length, so each pads least; a request is never split). The graph with weights
-    is not measured: it runs whole."""
-    everyone = list(range(len(arrays)))
-    if with_weights or len(arrays) == 1:
-        return [everyone]
-    size = runner.run_sizes.cap_for(max(array.shape[1] for array in arrays))
-    if sum(array.shape[0] for array in arrays) <= size:
-        return [everyone]
-    runs: list[list[int]] = []
-    current: list[int] = []
-    sequences = 0
-    for index in sorted(everyone, key=lambda i: arrays[i].shape[1]):
-        count = arrays[index].shape[0]
-        if current and sequences + count > size:
-            runs.append(current)
-            current, sequences = [], 0
-        current.append(index)
-        sequences += count
-    runs.append(current)
-    return runs
 
 
 def _all_finite(values: np.ndarray) -> bool:

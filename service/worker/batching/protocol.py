@@ -32,11 +32,6 @@ class Runner(Protocol):
     @property
     def batch_caps(self) -> BatchCaps: ...
 
-    @property
-    def run_sizes(self) -> BatchCaps:
-        """Most sequences one run takes, by longest length: a larger batch runs in pieces."""
-        ...
-
     def run(
         self, embeddings: np.ndarray, key_padding_mask: np.ndarray, with_weights: bool
     ) -> tuple[np.ndarray, np.ndarray | None]: ...

@@ -4,13 +4,6 @@ On a CPU, a batch of 32 long sequences costs more per sequence than running them
 (attention is memory-bound there); on a GPU large batches win. Instead of guessing, time the
 graph at a few batch sizes per length bucket and cap each bucket at its best throughput: a
 measured version of Triton's preferred batch sizes. --max-batch-size stays the upper bound.
-
-The same timings give each length its run size: the batch size at which the graph alone
-(without the server's per-batch work, which a batch pays once however it runs) costs least
-per sequence. A batch larger than its run size still shares the server's work, but runs in
-pieces of at most that many sequences. On one CPU core at seq 128 the graph costs about 5 %
-more per sequence in a run of 8 than in runs of 2 or 4 (measured: 3174 against 2964-3021
-us), while the server's per-batch work still makes batches of 8 the cheapest to schedule.
 """
 
 from __future__ import annotations
@@ -31,12 +24,6 @@ TIE_TOLERANCE = 0.08
 # core. Left out, batch 1 won near-ties at seq 128 and the server ran 162 seq/s where
 # batches of 2 had given 237.
 SERVER_BATCH_OVERHEAD_S = 0.0005
-# Run sizes within this fraction of the cheapest run size count as a tie, won by the larger
-# (fewer runs): repeated timings of one size on one core differ by a few percent.
-RUN_SIZE_TOLERANCE = 0.05
-# A run shorter than this is never split further: each run adds tens of microseconds of
-# Python (merge, the call, split), which a run this long makes negligible.
-MIN_RUN_S = 0.002
 # Growing the batch stops after two sizes in a row cost this much more than the best: far
 # beyond timing noise, and on every device measured, costs only rise from there.
 CLEARLY_WORSE = 0.25
@@ -133,70 +120,6 @@ def measure_bucket(
     return BucketTiming(costs, conclusive=True)
 
 
-def best_run_size(costs: dict[int, float], cap: int, batch_overhead_s: float) -> int:
-    """The size, at most cap, at which the graph alone costs least per sequence: the costs
-    (per sequence, batch_overhead_s per batch included) without that overhead. Near-ties
-    (RUN_SIZE_TOLERANCE) go to the larger size, and a size whose run takes under MIN_RUN_S
-    only counts at the cap."""
-    graph_alone = {
-        size: cost - batch_overhead_s / size
-        for size, cost in costs.items()
-        if size == cap or (size < cap and (cost * size - batch_overhead_s) >= MIN_RUN_S)
-    }
-    if not graph_alone:
-        return cap
-    best = min(graph_alone.values())
-    return max(
-        size for size, cost in graph_alone.items() if cost <= best * (1 + RUN_SIZE_TOLERANCE)
-    )
-
-
-@dataclass(frozen=True)
-class Measured:
-    """The caps (most sequences a batch takes), and the run sizes (most sequences one run
-    of the graph takes; a larger batch runs in pieces)."""
-
-    caps: BatchCaps
-    run_sizes: BatchCaps
-
-
-def measure(
-    run: Callable[[int, int], None],
-    *,
-    max_batch_size: int,
-    max_seq_len: int,
-    budget_s: float,
-    clock: Clock = time.perf_counter,
-    batch_overhead_s: float = 0.0,
-) -> Measured:
-    """Time run(batch_size, seq_len) per length bucket; cap each bucket at its best size,
-    and give it the run size at which the graph alone costs least per sequence.
-
-    Caps never grow with length: a longer sequence costs at least as much per position, so
-    a batch that did not pay off for shorter ones does not for longer ones either. What the
-    budget leaves unknown is never guessed smaller: a bucket whose measurement stopped early
-    keeps the cap of the shorter bucket before it (max_batch_size for the first), and
-    buckets left unmeasured do the same; their batches run whole (the run size is the cap).
-    """
-    give_up = clock() + budget_s
-    sizes = batch_sizes(max_batch_size)
-    caps: list[tuple[int, int]] = []
-    run_sizes: list[tuple[int, int]] = []
-    for length in length_buckets(max_seq_len):
-        shorter = caps[-1][1] if caps else max_batch_size
-        if caps and clock() >= give_up:
-            caps.append((length, shorter))
-            run_sizes.append((length, shorter))
-            continue
-        timing = measure_bucket(run, length, sizes, give_up, clock, batch_overhead_s)
-        best = best_batch_size(timing.costs) if timing.conclusive else shorter
-        cap = min(best, shorter)
-        caps.append((length, cap))
-        run_size = best_run_size(timing.costs, cap, batch_overhead_s) if timing.conclusive else cap
-        run_sizes.append((length, run_size))
-    return Measured(BatchCaps(tuple(caps)).merged(), BatchCaps(tuple(run_sizes)).merged())
-
-
 def measure_caps(
     run: Callable[[int, int], None],
     *,
@@ -206,12 +129,23 @@ def measure_caps(
     clock: Clock = time.perf_counter,
     batch_overhead_s: float = 0.0,
 ) -> BatchCaps:
-    """measure()'s caps alone."""
-    return measure(
-        run,
-        max_batch_size=max_batch_size,
-        max_seq_len=max_seq_len,
-        budget_s=budget_s,
-        clock=clock,
-        batch_overhead_s=batch_overhead_s,
-    ).caps
+    """Time run(batch_size, seq_len) per length bucket; cap each bucket at its best size.
+
+    Caps never grow with length: a longer sequence costs at least as much per position, so
+    a batch that did not pay off for shorter ones does not for longer ones either. What the
+    budget leaves unknown is never guessed smaller: a bucket whose measurement stopped early
+    keeps the cap of the shorter bucket before it (max_batch_size for the first), and
+    buckets left unmeasured do the same.
+    """
+    give_up = clock() + budget_s
+    sizes = batch_sizes(max_batch_size)
+    caps: list[tuple[int, int]] = []
+    for length in length_buckets(max_seq_len):
+        shorter = caps[-1][1] if caps else max_batch_size
+        if caps and clock() >= give_up:
+            caps.append((length, shorter))
+            continue
+        timing = measure_bucket(run, length, sizes, give_up, clock, batch_overhead_s)
+        best = best_batch_size(timing.costs) if timing.conclusive else shorter
+        caps.append((length, min(best, shorter)))
+    return BatchCaps(tuple(caps)).merged()

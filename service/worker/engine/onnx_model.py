@@ -13,7 +13,7 @@ import onnxruntime as ort
 from service.catalog import ModelSpec
 from service.memory.budget import is_large_batch
 from service.worker.engine import fused as fusing
-from service.worker.engine.caps import SERVER_BATCH_OVERHEAD_S, BatchCaps, measure
+from service.worker.engine.caps import SERVER_BATCH_OVERHEAD_S, BatchCaps, measure_caps
 from service.worker.engine.cuda import (
     CPU,
     CUDA,
@@ -177,9 +177,6 @@ class OnnxModel:
         self.provider = self._common_provider()
         # Until measure_batch_caps() runs, only --max-batch-size limits a batch.
         self.batch_caps = BatchCaps.uniform(2**31 - 1, 2**31 - 1)
-        # Most sequences one run of the graph takes, by length (measured with the caps): a
-        # larger batch runs in pieces.
-        self.run_sizes = self.batch_caps
         self._check_golden(files)
 
     def _load_fused(
@@ -325,11 +322,10 @@ class OnnxModel:
     def measure_batch_caps(
         self, *, max_batch_size: int, max_seq_len: int, budget_s: float
     ) -> BatchCaps:
-        """Time the output graph per length bucket and keep each bucket's best batch size,
-        and its run size (run_sizes). budget_s = 0 skips the measurement: every length may
-        fill max_batch_size, in one run."""
+        """Time the output graph per length bucket and keep each bucket's best batch size.
+        budget_s = 0 skips the measurement: every length may fill max_batch_size."""
         if budget_s <= 0:
-            self.batch_caps = self.run_sizes = BatchCaps.uniform(max_batch_size, max_seq_len)
+            self.batch_caps = BatchCaps.uniform(max_batch_size, max_seq_len)
             return self.batch_caps
         rng = np.random.default_rng(0)
         inputs: dict[int, np.ndarray] = {}
@@ -344,14 +340,13 @@ class OnnxModel:
             embeddings = inputs[length][:size].copy()
             self.run(embeddings, np.zeros((size, length), dtype=bool), with_weights=False)
 
-        measured = measure(
+        self.batch_caps = measure_caps(
             run,
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             budget_s=budget_s,
             batch_overhead_s=SERVER_BATCH_OVERHEAD_S,
         )
-        self.batch_caps, self.run_sizes = measured.caps, measured.run_sizes
         return self.batch_caps
 
     def _inputs(self, batch: int, seq: int) -> dict[str, np.ndarray]:
