@@ -4,16 +4,17 @@ Each request allocates a few buffers of hundreds of KiB (the request bytes, the 
 bytes). glibc gives freed memory back to the kernel as soon as the top of its heap holds
 more than ~128 KiB free, so the next request faults every page in again: measured on the
 echo server at seq 128, about a third of its CPU per request. Keeping up to
-TRIM_THRESHOLD_BYTES of freed heap for reuse removes those faults. Allocations of
-MMAP_THRESHOLD_BYTES and more (large batches, large weights answers) are mmapped and go
-straight back to the kernel when freed, so big tensors neither stay resident nor fragment the
-heap. The threshold is that high because a batch's merged input and its output are a few MiB
-each at seq 128 (2 MiB for 8 sequences), and mmapped they would fault every page in again for
-every batch: 6 % of the worker's CPU per request at seq 128 with 64 callers (pinned, h2load),
-with a threshold of 1 MiB. glibc applies the
-trim threshold to each malloc arena (about one per thread that allocates); capping the arenas
-was measured to cost half the throughput at seq 16 (the compute thread and the event loop
-then contend for one arena's lock), so they are left to glibc.
+TRIM_THRESHOLD_BYTES of freed heap for reuse removes those faults (glibc trims an arena's free
+top past it; the trims after large batches and backlogs hand back the rest). An allocation of
+MMAP_THRESHOLD_BYTES or more that the freed heap cannot hold is mmapped and goes straight back
+to the kernel when freed, so big tensors neither stay resident nor fragment the heap. The
+threshold is the size from which a batch gives its memory back (budget.is_large_batch): the
+merged input and output of a smaller batch, a few MiB each at seq 128 (2 MiB for 8
+sequences), come from reused heap, where mmapped they would fault every page in again for
+every batch (6 % of the worker's CPU per request at seq 128 with 64 callers, pinned, h2load).
+glibc applies the trim threshold to each malloc arena (about one per thread that allocates);
+capping the arenas was measured to cost half the throughput at seq 16 (the compute thread and
+the event loop then contend for one arena's lock), so they are left to glibc.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+
+from service.memory.budget import TRIM_AFTER_BATCH_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +34,7 @@ M_MMAP_THRESHOLD = -3
 
 TRIM_THRESHOLD_BYTES = 32 << 20
 TOP_PAD_BYTES = 4 << 20
-# The size from which a batch gives its memory back anyway (budget.TRIM_AFTER_BATCH_BYTES).
-MMAP_THRESHOLD_BYTES = 8 << 20
+MMAP_THRESHOLD_BYTES = TRIM_AFTER_BATCH_BYTES
 
 
 def keep_freed_memory() -> bool:

@@ -160,7 +160,10 @@ def _compute(
     padding = (
         0.0 if len(shapes) == 1 else padding_ratio([s[0] for s in shapes], [s[1] for s in shapes])
     )
-    if is_large_batch(embeddings, with_weights):
+    # A weights output can be far larger than the input (h x t / d times): its own size counts.
+    if is_large_batch(embeddings, with_weights) or (
+        weights is not None and weights.nbytes >= TRIM_AFTER_BATCH_BYTES
+    ):
         del embeddings, mask, output, weights
         release_free_memory()
     return _Computed(
