@@ -55,9 +55,14 @@ def default_queue_bytes(limit_bytes: int) -> int:
 TRIM_AFTER_BATCH_BYTES = 8 << 20
 
 
-def is_large_batch(embeddings: np.ndarray, with_weights: bool) -> bool:
+def is_large_batch(
+    embeddings: np.ndarray, with_weights: bool, weights: np.ndarray | None = None
+) -> bool:
     """Whether a batch is large enough to give its memory back once it ends (its weights
-    output and their intermediates take several times its input)."""
+    output and their intermediates take several times its input; a weights output given,
+    h x t / d times the input, counts by its own size too)."""
+    if weights is not None and weights.nbytes >= TRIM_AFTER_BATCH_BYTES:
+        return True
     return embeddings.nbytes * (4 if with_weights else 1) >= TRIM_AFTER_BATCH_BYTES
 
 

@@ -160,10 +160,7 @@ def _compute(
     padding = (
         0.0 if len(shapes) == 1 else padding_ratio([s[0] for s in shapes], [s[1] for s in shapes])
     )
-    # A weights output can be far larger than the input (h x t / d times): its own size counts.
-    if is_large_batch(embeddings, with_weights) or (
-        weights is not None and weights.nbytes >= TRIM_AFTER_BATCH_BYTES
-    ):
+    if is_large_batch(embeddings, with_weights, weights):
         del embeddings, mask, output, weights
         release_free_memory()
     return _Computed(
