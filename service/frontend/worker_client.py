@@ -43,7 +43,11 @@ from service.ipc.records import (
 )
 from service.ipc.slab import HEADER_BYTES, Region, RegionAllocator, Slab, embedding_bytes
 from service.ipc.status_page import StatusView, page_path
-from service.memory.budget import release_free_memory
+from service.memory.budget import (
+    IDLE_TRIM_AFTER_S,
+    TRIM_AFTER_BATCH_BYTES,
+    release_free_memory,
+)
 from service.observability import tracing
 from service.status_texts import NOT_ACCEPTING, WORKER_GONE, WORKER_RESTARTING
 
@@ -64,6 +68,7 @@ class _Link:
     welcomed: bool = False  # the worker's first snapshot arrived on this link
 
     high_water: int = 0  # most bytes in use since the slab last gave its pages back
+    churned: int = 0  # bytes allocated since then (each request's buffers pass through malloc)
     idle_trim: asyncio.TimerHandle | None = None
     sent_requests: int = 0  # INFERs sent on this link, and their embeddings' bytes
     sent_bytes: int = 0
@@ -82,6 +87,7 @@ class _Link:
     def alloc(self, nbytes: int) -> Region:
         region = self.allocator.alloc(nbytes)
         self.high_water = max(self.high_water, self.allocator.used)
+        self.churned += nbytes
         return region
 
     def reserve(self, sizes: list[int]) -> list[Region]:
@@ -100,24 +106,36 @@ class _Link:
             self.allocator.free(region)
             if region.nbytes >= RELEASE_BYTES:
                 self.slab.release_pages(region)
-        if self.allocator.used == 0 and self.high_water >= TRIM_AFTER_BYTES and not self.idle_trim:
-            # Later, not now: gRPC still holds the last answers' buffers and the refused
-            # requests' until it has written them, and malloc keeps up to its trim threshold
-            # of freed memory in each arena (measured: the front end kept 12-116 MiB after a
-            # 3x overload at seq 64 when it trimmed as the last region came back).
-            loop = asyncio.get_running_loop()
-            self.idle_trim = loop.call_later(IDLE_TRIM_AFTER_S, self._trim_if_idle)
+        if self.allocator.used == 0 and not self.idle_trim and self._churned_enough():
+            self._trim_when_idle_later()
 
-    def _trim_if_idle(self) -> None:
+    def _churned_enough(self) -> bool:
+        return self.high_water >= TRIM_AFTER_BYTES or self.churned >= TRIM_AFTER_BATCH_BYTES
+
+    def _trim_when_idle_later(self) -> None:
+        """After a burst that took TRIM_AFTER_BYTES of the slab at once, or traffic that
+        passed TRIM_AFTER_BATCH_BYTES through it since the last trim: look again in
+        IDLE_TRIM_AFTER_S and trim if no request came meanwhile. Later, not now: gRPC still
+        holds the last answers' buffers and the refused requests' until it has written them,
+        and malloc keeps up to its trim threshold of freed memory in each arena (measured: the
+        front end kept 12-116 MiB after a 3x overload at seq 64 when it trimmed as the last
+        region came back)."""
+        loop = asyncio.get_running_loop()
+        self.idle_trim = loop.call_later(IDLE_TRIM_AFTER_S, self._trim_if_idle, self.churned)
+
+    def _trim_if_idle(self, churned: int) -> None:
         """Idle after a burst: the pages its small regions took go back to the kernel (shared
         memory is charged to the container until then), and so do malloc's free pages, which
         the burst's request and response buffers left in its arenas."""
         self.idle_trim = None
-        if self.allocator.used or not self.alive:
-            return  # busy again: the next time the slab empties schedules another look
+        if not self.alive:
+            return
+        if self.allocator.used or churned != self.churned:
+            self._trim_when_idle_later()  # busy meanwhile: look again later
+            return
         self.slab.release_pages(Region(HEADER_BYTES, self.slab.capacity))
         release_free_memory()
-        self.high_water = 0
+        self.high_water = self.churned = 0
 
 
 def _infer_request(
@@ -173,7 +191,7 @@ def _placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 RELEASE_BYTES = 1 << 20
 TRIM_AFTER_BYTES = 16 << 20  # a burst that took this much shared memory is given back when idle
-IDLE_TRIM_AFTER_S = 0.5  # ...once the slab has stayed empty this long
+# (after budget.IDLE_TRIM_AFTER_S with the slab empty)
 
 
 @dataclass(eq=False)

@@ -53,17 +53,27 @@ def default_queue_bytes(limit_bytes: int) -> int:
 # freed memory scattered over malloc's per-thread arenas that resident memory would creep up
 # burst after burst; handing it back costs one pass over the heap, small beside such a batch.
 TRIM_AFTER_BATCH_BYTES = 8 << 20
+# A process idle this long after such memory churned gives malloc's free pages back: soon
+# enough for a dashboard to see the burst's memory go, late enough that steady traffic with
+# gaps between calls keeps its buffers.
+IDLE_TRIM_AFTER_S = 0.5
+
+
+def batch_memory_bytes(embeddings_bytes: int, with_weights: bool) -> int:
+    """What a batch's memory is counted as against TRIM_AFTER_BATCH_BYTES: its input, or four
+    times it with weights (the weights output and their intermediates take several times the
+    input)."""
+    return embeddings_bytes * 4 if with_weights else embeddings_bytes
 
 
 def is_large_batch(
     embeddings: np.ndarray, with_weights: bool, weights: np.ndarray | None = None
 ) -> bool:
-    """Whether a batch is large enough to give its memory back once it ends (its weights
-    output and their intermediates take several times its input; a weights output given,
-    h x t / d times the input, counts by its own size too)."""
+    """Whether a batch is large enough to give its memory back once it ends (a weights
+    output given, h x t / d times the input, counts by its own size too)."""
     if weights is not None and weights.nbytes >= TRIM_AFTER_BATCH_BYTES:
         return True
-    return embeddings.nbytes * (4 if with_weights else 1) >= TRIM_AFTER_BATCH_BYTES
+    return batch_memory_bytes(embeddings.nbytes, with_weights) >= TRIM_AFTER_BATCH_BYTES
 
 
 @functools.cache

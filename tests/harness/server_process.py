@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -76,6 +77,24 @@ def server_rss_bytes(server: ServerProcess) -> int:
     """The whole server's resident memory: every process's own pages, and the shared memory
     its front ends and worker both map counted once (the largest process's share of it)."""
     return round(rss_mib(server.pid) * (1 << 20))
+
+
+def settled_bytes(read: Callable[[], int], quiet_s: float = 1.5, timeout_s: float = 10) -> int:
+    """A memory figure once it has stopped moving (within 1 MiB for quiet_s): what an idle
+    server holds after its idle trims (IDLE_TRIM_AFTER_S) have run. The lowest reading if it
+    never settles by timeout_s."""
+    lowest = first = read()
+    since = time.monotonic()
+    give_up = since + timeout_s
+    while (now := time.monotonic()) < give_up:
+        value = read()
+        lowest = min(lowest, value)
+        if abs(value - first) > 1 << 20:
+            first, since = value, now
+        elif now - since >= quiet_s:
+            return value
+        time.sleep(0.1)
+    return lowest
 
 
 class ServerProcess(Service):
