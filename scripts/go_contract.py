@@ -161,6 +161,7 @@ def render() -> str:
     constants["slabHeaderBytes"] = str(slab.HEADER_BYTES)
     constants["slabReadRequestsOffset"] = str(slab.READ_REQUESTS_OFFSET)
     constants["slabReadBytesOffset"] = str(slab.READ_BYTES_OFFSET)
+    constants["slabReleaseBytes"] = str(slab.RELEASE_BYTES)
     constants["shownChars"] = str(SHOWN_CHARS)
     texts = {name: text for name, text in _texts().items() if not PLACEHOLDER.search(text)}
     templates = {name: text for name, text in _texts().items() if PLACEHOLDER.search(text)}

@@ -41,7 +41,14 @@ from service.ipc.records import (
     Sync,
     Synced,
 )
-from service.ipc.slab import HEADER_BYTES, Region, RegionAllocator, Slab, embedding_bytes
+from service.ipc.slab import (
+    HEADER_BYTES,
+    RELEASE_BYTES,
+    Region,
+    RegionAllocator,
+    Slab,
+    embedding_bytes,
+)
 from service.ipc.status_page import StatusView, page_path
 from service.memory.budget import (
     IDLE_TRIM_AFTER_S,
@@ -189,7 +196,6 @@ def _placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype), shape)
 
 
-RELEASE_BYTES = 1 << 20
 TRIM_AFTER_BYTES = 16 << 20  # a burst that took this much shared memory is given back when idle
 # (after budget.IDLE_TRIM_AFTER_S with the slab empty)
 

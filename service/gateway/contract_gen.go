@@ -16,6 +16,7 @@ const (
 	slabHeaderBytes             = 64
 	slabReadRequestsOffset      = 0
 	slabReadBytesOffset         = 8
+	slabReleaseBytes            = 8388608
 	shownChars                  = 64
 )
 

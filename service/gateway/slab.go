@@ -16,9 +16,8 @@ import (
 )
 
 const (
-	slabAlign    = 64      // cache-line aligned regions, as the Python front end's
-	releaseBytes = 1 << 20 // freed regions this large give their pages back
-	madvRemove   = 9
+	slabAlign  = 64 // cache-line aligned regions, as the Python front end's
+	madvRemove = 9
 )
 
 type region struct{ offset, size int }
@@ -118,7 +117,7 @@ func (s *slab) release(regions []region) {
 	defer s.mu.Unlock()
 	for _, r := range regions {
 		s.give(r)
-		if r.size >= releaseBytes {
+		if r.size >= slabReleaseBytes { // smaller ones stay for reuse until the link idles
 			s.releasePages(r)
 		}
 	}
