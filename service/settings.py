@@ -256,8 +256,8 @@ class Settings:
     shared_memory_bytes: int = _doc(
         "bytes of shared memory per front end for the tensors of its requests in flight "
         "(inputs and answers); when full, RESOURCE_EXHAUSTED; pages are taken only when "
-        "written and go back after a burst; 0 = twice the queue's byte bound split between "
-        "the front ends, at least 64 MiB",
+        "written and go back after a spike or once idle; 0 = twice the queue's byte bound "
+        "split between the front ends, at least 64 MiB",
         default=0,
     )
     grpc_gateway: str = _doc(

@@ -186,6 +186,7 @@ func (g *gateway) returnMemoryWhenIdle() {
 	for range time.Tick(idleFor) {
 		if calls := g.calls.Load(); calls != seen || g.busy.Load() > 0 {
 			seen, wasBusy = calls, true // not a whole quiet interval yet
+			g.releaseSlabAfterSpike()
 			continue
 		}
 		if wasBusy {
@@ -199,6 +200,17 @@ func (g *gateway) returnMemoryWhenIdle() {
 				l.done()
 			}
 		}
+	}
+}
+
+// releaseSlabAfterSpike hands back what a past spike left in the slab while calls go on.
+func (g *gateway) releaseSlabAfterSpike() {
+	if g.fast == nil {
+		return
+	}
+	if l := g.fast.worker.use(); l != nil {
+		l.slab.releaseAfterSpike()
+		l.done()
 	}
 }
 

@@ -29,6 +29,7 @@ type slab struct {
 	mu       sync.Mutex
 	free     []region // sorted by offset, coalesced
 	used     int
+	peak     int // most bytes in use since free pages were last given back
 }
 
 // newSlab makes a slab with capacity bytes for tensors after its header.
@@ -106,6 +107,9 @@ func (s *slab) take(need int) (region, error) {
 				s.free[i] = region{block.offset + need, block.size - need}
 			}
 			s.used += need
+			if s.used > s.peak {
+				s.peak = s.used
+			}
 			return region{block.offset, need}, nil
 		}
 	}
@@ -168,7 +172,24 @@ func (s *slab) releaseIfEmpty() {
 	defer s.mu.Unlock()
 	if s.used == 0 {
 		s.releasePages(region{slabHeaderBytes, s.capacity}) // the header's page stays
+		s.peak = 0
 	}
+}
+
+// releaseAfterSpike gives back the pages of every free block once the slab has held
+// slabReleaseBytes more than it holds now: freed regions under that size keep their pages for
+// reuse, so without it a spike's pages would stay resident (charged to the container) for
+// as long as calls keep coming and the slab never empties.
+func (s *slab) releaseAfterSpike() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.peak-s.used < slabReleaseBytes {
+		return
+	}
+	for _, block := range s.free {
+		s.releasePages(block)
+	}
+	s.peak = s.used
 }
 
 // readCounts is what the worker has read from this link so far: INFERs and the bytes of

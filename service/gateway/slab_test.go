@@ -2,8 +2,73 @@ package main
 
 import (
 	"encoding/binary"
+	"syscall"
 	"testing"
+	"unsafe"
 )
+
+// residentPages counts the whole pages inside b that are in memory (mincore).
+func residentPages(t *testing.T, b []byte) int {
+	t.Helper()
+	page := uintptr(syscall.Getpagesize())
+	start := uintptr(unsafe.Pointer(&b[0]))
+	first, end := (start+page-1)/page*page, (start+uintptr(len(b)))/page*page
+	vec := make([]byte, (end-first)/page)
+	_, _, errno := syscall.Syscall(syscall.SYS_MINCORE, first, end-first, uintptr(unsafe.Pointer(&vec[0])))
+	if errno != 0 {
+		t.Fatal(errno)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return n
+}
+
+// Regions under slabReleaseBytes keep their pages when freed; once the slab holds that much
+// less than its peak, the free blocks' pages go back and the held region's stay.
+func TestASpikesPagesGoBackWhileARegionIsHeld(t *testing.T) {
+	const mib = 1 << 20
+	s, err := newSlab(64*mib, "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.unmap()
+	regions, err := s.alloc([]int{4 * mib, 4 * mib, 4 * mib, 4 * mib})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range regions {
+		for i := r.offset; i < r.offset+r.size; i += 4096 {
+			s.mem[i] = 1
+		}
+	}
+	pages := func(r region) int { return residentPages(t, s.mem[r.offset:r.offset+r.size]) }
+	held, freed := regions[0], region{regions[1].offset, 12 * mib}
+	s.release(regions[1:])
+	whole := func(r region) int { return (r.offset+r.size)/4096 - (r.offset+4095)/4096 }
+	if pages(freed) != whole(freed) {
+		t.Fatalf("freed regions under slabReleaseBytes gave pages back: %d left", pages(freed))
+	}
+	s.releaseAfterSpike()
+	if got := pages(freed); got != 0 {
+		t.Fatalf("after the spike %d pages of free blocks stay resident", got)
+	}
+	if got := pages(held); got != whole(held) {
+		t.Fatalf("the held region kept %d of its pages", got)
+	}
+	if s.peak != s.used || s.used != 4*mib {
+		t.Fatalf("peak %d, used %d after the release", s.peak, s.used)
+	}
+	again := region{(freed.offset + 4095) / 4096 * 4096, 4 * 4096}
+	for i := again.offset; i < again.offset+again.size; i += 4096 {
+		s.mem[i] = 1 // pages touched again after a release that is not due
+	}
+	s.releaseAfterSpike() // holds as much as at its peak: nothing to give back
+	if got := pages(again); got != 4 {
+		t.Fatalf("a release with no spike gave back pages: %d of 4 left", got)
+	}
+}
 
 func TestTensorsStartAfterTheWorkersHeader(t *testing.T) {
 	s, err := newSlab(4096, "test")

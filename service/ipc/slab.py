@@ -192,3 +192,7 @@ class RegionAllocator:
 
     def free_bytes(self) -> int:
         return self.size - self.used
+
+    def free_blocks(self) -> list[Region]:
+        """The free blocks, lowest first (coalesced: none touches the next)."""
+        return [Region(start, self._lengths[start]) for start in self._starts]

@@ -28,3 +28,17 @@ def test_tensors_never_overlap_the_header() -> None:
     assert slab.read_counts() == (5, 500)
     slab.release_pages(Region(HEADER_BYTES, slab.capacity))  # the idle trim keeps the header
     assert slab.read_counts() == (5, 500)
+
+
+def test_free_blocks_are_the_coalesced_gaps_between_held_regions() -> None:
+    allocator = RegionAllocator(1 << 16)
+    a, b, c, d = (allocator.alloc(1024) for _ in range(4))
+    allocator.free(b)
+    allocator.free(c)  # coalesces with b
+    assert allocator.free_blocks() == [
+        Region(b.offset, 2048),
+        Region(d.offset + 1024, (1 << 16) - 4096),
+    ]
+    allocator.free(a)
+    allocator.free(d)
+    assert allocator.free_blocks() == [Region(HEADER_BYTES, 1 << 16)]

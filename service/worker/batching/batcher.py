@@ -218,7 +218,8 @@ class Batcher:
         self._pending_bytes = 0
         self._depth_gauges = metrics.OncePerTurn(self._publish_depth)
         self._queued_high_bytes = 0  # most bytes queued at once since memory was last trimmed
-        self._batched_bytes = 0  # batch_memory_bytes computed since memory was last trimmed
+        self._batched_bytes = 0  # batch_memory_bytes of every batch computed (only grows)
+        self._trimmed_at = 0  # _batched_bytes when memory was last trimmed
         self._idle_trim: asyncio.TimerHandle | None = None
         self._running = 0
         self._running_by_key: dict[str, int] = defaultdict(int)
@@ -389,7 +390,7 @@ class Batcher:
             self._running -= 1
             self._running_by_key[runner.key] -= 1
             self._batched_bytes += batch_memory_bytes(embeddings.nbytes, with_weights)
-            if self._batched_bytes >= TRIM_AFTER_BATCH_BYTES and self._idle_trim is None:
+            if self._idle_trim is None and self._churned_enough():
                 self._trim_when_idle_later()
         return True
 
@@ -553,7 +554,8 @@ class Batcher:
         requests once the queue had drained)."""
         if self._queued_high_bytes < TRIM_AFTER_BATCH_BYTES or not self._started:
             return
-        self._queued_high_bytes = self._batched_bytes = 0
+        self._queued_high_bytes = 0
+        self._trimmed_at = self._batched_bytes
         self._release_free_memory()
 
     def _trim_when_idle_later(self) -> None:
@@ -564,7 +566,7 @@ class Batcher:
         threshold per arena (measured: the worker's RSS swung 112-141 MiB between rounds of
         20 requests of [64, 512] with weights, and grew 127 to 154 MiB over five lone
         [7, 128, 512] with weights); an idle worker keeps none of that."""
-        if self._idle_trim is not None or self._batched_bytes < TRIM_AFTER_BATCH_BYTES:
+        if self._idle_trim is not None or not self._churned_enough():
             return
         if not self._started:
             return
@@ -572,12 +574,15 @@ class Batcher:
             IDLE_TRIM_AFTER_S, self._trim_if_idle, self._batched_bytes
         )
 
+    def _churned_enough(self) -> bool:
+        return self._batched_bytes - self._trimmed_at >= TRIM_AFTER_BATCH_BYTES
+
     def _trim_if_idle(self, batched_bytes: int) -> None:
         self._idle_trim = None
         if self._pending or self._running or batched_bytes != self._batched_bytes:
             self._trim_when_idle_later()  # busy meanwhile: look again later
             return
-        self._batched_bytes = 0
+        self._trimmed_at = self._batched_bytes
         self._release_free_memory()
 
     def _release_free_memory(self) -> None:
