@@ -80,7 +80,7 @@ def slab_bytes(settings: Settings, queue_bytes: int) -> int:
     """Shared memory for one front end's tensors in flight: --shared-memory-bytes, or room
     for the queue's bytes twice over (inputs and answers), shared by the front ends. The
     queue's bound follows the container's memory limit, so this does too; only pages written
-    are taken, and they go back after a burst."""
+    are taken, and they go back after a spike or once idle."""
     return settings.shared_memory_bytes or max(64 << 20, 2 * queue_bytes // settings.frontends)
 
 

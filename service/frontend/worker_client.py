@@ -75,6 +75,7 @@ class _Link:
     welcomed: bool = False  # the worker's first snapshot arrived on this link
 
     high_water: int = 0  # most bytes in use since the slab last gave its pages back
+    recent: int = 0  # most bytes in use since the trim timer was set
     churned: int = 0  # bytes allocated since then (each request's buffers pass through malloc)
     idle_trim: asyncio.TimerHandle | None = None
     sent_requests: int = 0  # INFERs sent on this link, and their embeddings' bytes
@@ -93,7 +94,10 @@ class _Link:
 
     def alloc(self, nbytes: int) -> Region:
         region = self.allocator.alloc(nbytes)
-        self.high_water = max(self.high_water, self.allocator.used)
+        used = self.allocator.used
+        if used > self.recent:
+            self.recent = used
+            self.high_water = max(self.high_water, used)
         self.churned += nbytes
         return region
 
@@ -124,7 +128,8 @@ class _Link:
     def _spiked(self) -> bool:
         """Whether the slab has held RELEASE_BYTES more than it holds now: freed regions
         under that size keep their pages, so a spike's would stay resident (charged to the
-        container) for as long as calls keep coming and the slab never empties."""
+        container) for as long as calls keep coming and the slab never empties. The trim
+        timer then looks whether the whole interval stayed that far below."""
         return self.high_water - self.allocator.used >= RELEASE_BYTES
 
     def _trim_when_idle_later(self) -> None:
@@ -136,6 +141,7 @@ class _Link:
         and malloc keeps up to its trim threshold of freed memory in each arena (measured: the
         front end kept 12-116 MiB after a 3x overload at seq 64 when it trimmed as the last
         region came back)."""
+        self.recent = self.allocator.used  # the interval's use starts from here
         loop = asyncio.get_running_loop()
         self.idle_trim = loop.call_later(IDLE_TRIM_AFTER_S, self._trim_if_idle, self.churned)
 
@@ -149,14 +155,16 @@ class _Link:
         if self.allocator.used == 0 and churned == self.churned:
             self.slab.release_pages(Region(HEADER_BYTES, self.slab.capacity))
             release_free_memory()
-            self.high_water = self.churned = 0
+            self.high_water = self.recent = self.churned = 0
             return
-        # Busy meanwhile: what a spike left free goes back now, the rest when idle.
-        if self._spiked():
+        # Busy meanwhile. A whole interval RELEASE_BYTES below the slab's peak: the spike is
+        # over, and what it left free goes back now (use that dips and climbs within an
+        # interval keeps its pages); the rest goes once idle.
+        if self.high_water - self.recent >= RELEASE_BYTES:
             for block in self.allocator.free_blocks():
                 self.slab.release_pages(block)
-            self.high_water = self.allocator.used
-        if self._churned_enough():
+            self.high_water = self.recent
+        if self._churned_enough() or self._spiked():
             self._trim_when_idle_later()
 
 

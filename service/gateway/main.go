@@ -179,37 +179,38 @@ func (h *heldAnswer) Unwrap() http.ResponseWriter { return h.ResponseWriter }
 // returnMemoryWhenIdle gives the heap's free pages back to the kernel once calls have
 // stopped for a moment after a burst, as the Python front end trims its memory: a burst's
 // message buffers would otherwise stay resident (counted against the container) until the
-// runtime's slow background scavenger got to them.
+// runtime's slow background scavenger got to them. It looks after the slab's pages too
+// (releaseSlab), every interval.
 func (g *gateway) returnMemoryWhenIdle() {
 	const idleFor = 500 * time.Millisecond
 	seen, wasBusy := int64(0), false
 	for range time.Tick(idleFor) {
-		if calls := g.calls.Load(); calls != seen || g.busy.Load() > 0 {
-			seen, wasBusy = calls, true // not a whole quiet interval yet
-			g.releaseSlabAfterSpike()
-			continue
-		}
-		if wasBusy {
+		calls := g.calls.Load()
+		quiet := calls == seen && g.busy.Load() == 0 // a whole interval without a call
+		seen = calls
+		g.releaseSlab(quiet)
+		if !quiet {
+			wasBusy = true
+		} else if wasBusy {
 			wasBusy = false
 			debug.FreeOSMemory()
-			if g.fast == nil {
-				continue
-			}
-			if l := g.fast.worker.use(); l != nil {
-				l.slab.releaseIfEmpty() // shared memory is charged to the container too
-				l.done()
-			}
 		}
 	}
 }
 
-// releaseSlabAfterSpike hands back what a past spike left in the slab while calls go on.
-func (g *gateway) releaseSlabAfterSpike() {
+// releaseSlab gives back what a past spike left in the slab, even while calls go on, and
+// once quiet every page (shared memory is charged to the container too), as soon as the
+// slab is empty: its last regions may be freed after the quiet interval began (an answer
+// held for a slow reader, a computation whose caller left).
+func (g *gateway) releaseSlab(quiet bool) {
 	if g.fast == nil {
 		return
 	}
 	if l := g.fast.worker.use(); l != nil {
 		l.slab.releaseAfterSpike()
+		if quiet {
+			l.slab.releaseIfEmpty()
+		}
 		l.done()
 	}
 }

@@ -30,6 +30,7 @@ type slab struct {
 	free     []region // sorted by offset, coalesced
 	used     int
 	peak     int // most bytes in use since free pages were last given back
+	recent   int // most bytes in use since the last look (releaseAfterSpike)
 }
 
 // newSlab makes a slab with capacity bytes for tensors after its header.
@@ -107,9 +108,7 @@ func (s *slab) take(need int) (region, error) {
 				s.free[i] = region{block.offset + need, block.size - need}
 			}
 			s.used += need
-			if s.used > s.peak {
-				s.peak = s.used
-			}
+			s.peak, s.recent = max(s.peak, s.used), max(s.recent, s.used)
 			return region{block.offset, need}, nil
 		}
 	}
@@ -170,26 +169,28 @@ func (e *slabError) Error() string {
 func (s *slab) releaseIfEmpty() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.used == 0 {
+	if s.used == 0 && s.peak > 0 {
 		s.releasePages(region{slabHeaderBytes, s.capacity}) // the header's page stays
-		s.peak = 0
+		s.peak, s.recent = 0, 0
 	}
 }
 
-// releaseAfterSpike gives back the pages of every free block once the slab has held
-// slabReleaseBytes more than it holds now: freed regions under that size keep their pages for
-// reuse, so without it a spike's pages would stay resident (charged to the container) for
-// as long as calls keep coming and the slab never empties.
+// releaseAfterSpike, called at a steady interval, gives back the pages of every free block
+// once a whole interval has held slabReleaseBytes less than the slab held before: freed
+// regions under that size keep their pages for reuse, so without it a spike's pages would
+// stay resident (charged to the container) for as long as calls keep coming and the slab
+// never empties. Steady traffic, whose use dips and climbs within an interval, keeps its
+// pages.
 func (s *slab) releaseAfterSpike() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.peak-s.used < slabReleaseBytes {
-		return
+	if s.peak-s.recent >= slabReleaseBytes {
+		for _, block := range s.free {
+			s.releasePages(block)
+		}
+		s.peak = s.recent
 	}
-	for _, block := range s.free {
-		s.releasePages(block)
-	}
-	s.peak = s.used
+	s.recent = s.used
 }
 
 // readCounts is what the worker has read from this link so far: INFERs and the bytes of

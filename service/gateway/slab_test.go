@@ -25,8 +25,9 @@ func residentPages(t *testing.T, b []byte) int {
 	return n
 }
 
-// Regions under slabReleaseBytes keep their pages when freed; once the slab holds that much
-// less than its peak, the free blocks' pages go back and the held region's stay.
+// Regions under slabReleaseBytes keep their pages when freed. Once a whole interval has held
+// that much less than the slab held before, the free blocks' pages go back and the held
+// region's stay; use that dips and climbs again within an interval keeps its pages.
 func TestASpikesPagesGoBackWhileARegionIsHeld(t *testing.T) {
 	const mib = 1 << 20
 	s, err := newSlab(64*mib, "test")
@@ -44,29 +45,47 @@ func TestASpikesPagesGoBackWhileARegionIsHeld(t *testing.T) {
 		}
 	}
 	pages := func(r region) int { return residentPages(t, s.mem[r.offset:r.offset+r.size]) }
+	whole := func(r region) int { return (r.offset+r.size)/4096 - (r.offset+4095)/4096 }
 	held, freed := regions[0], region{regions[1].offset, 12 * mib}
 	s.release(regions[1:])
-	whole := func(r region) int { return (r.offset+r.size)/4096 - (r.offset+4095)/4096 }
 	if pages(freed) != whole(freed) {
 		t.Fatalf("freed regions under slabReleaseBytes gave pages back: %d left", pages(freed))
 	}
-	s.releaseAfterSpike()
+	s.releaseAfterSpike() // this interval held 16 MiB: a dip, not yet a spike that ended
+	if got := pages(freed); got != whole(freed) {
+		t.Fatalf("a dip within the interval gave back pages: %d of %d left", got, whole(freed))
+	}
+	s.releaseAfterSpike() // a whole interval at 4 MiB after 16: the spike is over
 	if got := pages(freed); got != 0 {
 		t.Fatalf("after the spike %d pages of free blocks stay resident", got)
 	}
 	if got := pages(held); got != whole(held) {
 		t.Fatalf("the held region kept %d of its pages", got)
 	}
-	if s.peak != s.used || s.used != 4*mib {
-		t.Fatalf("peak %d, used %d after the release", s.peak, s.used)
+	if s.peak != 4*mib || s.recent != 4*mib {
+		t.Fatalf("peak %d, recent %d after the release (4 MiB held)", s.peak, s.recent)
 	}
-	again := region{(freed.offset + 4095) / 4096 * 4096, 4 * 4096}
-	for i := again.offset; i < again.offset+again.size; i += 4096 {
-		s.mem[i] = 1 // pages touched again after a release that is not due
+	// Steady traffic: each interval takes 12 MiB more and gives it back before the look.
+	for round := 0; round < 3; round++ {
+		again, err := s.alloc([]int{4 * mib, 4 * mib, 4 * mib})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range again {
+			for i := r.offset; i < r.offset+r.size; i += 4096 {
+				s.mem[i] = 1
+			}
+		}
+		s.release(again)
+		s.releaseAfterSpike()
+		if got := pages(freed); got != whole(freed) {
+			t.Fatalf("round %d: steady use lost its pages: %d of %d left", round, got, whole(freed))
+		}
 	}
-	s.releaseAfterSpike() // holds as much as at its peak: nothing to give back
-	if got := pages(again); got != 4 {
-		t.Fatalf("a release with no spike gave back pages: %d of 4 left", got)
+	s.release([]region{held})
+	s.releaseIfEmpty()
+	if got := pages(region{slabHeaderBytes, 64 * mib}); got != 0 || s.peak != 0 {
+		t.Fatalf("empty: %d pages stay, peak %d", got, s.peak)
 	}
 }
 

@@ -582,6 +582,8 @@ class Batcher:
         if self._pending or self._running or batched_bytes != self._batched_bytes:
             self._trim_when_idle_later()  # busy meanwhile: look again later
             return
+        if not self._churned_enough():
+            return  # trimmed meanwhile (after a backlog)
         self._trimmed_at = self._batched_bytes
         self._release_free_memory()
 
