@@ -136,11 +136,10 @@ class _Link:
         """After a burst that took TRIM_AFTER_BYTES of the slab at once, traffic that passed
         TRIM_AFTER_BATCH_BYTES through it since the last trim, or a spike (_spiked): look
         again in IDLE_TRIM_AFTER_S and trim if no request came meanwhile, or give back what a
-        spike left free if some did. Later, not now: gRPC still
-        holds the last answers' buffers and the refused requests' until it has written them,
-        and malloc keeps up to its trim threshold of freed memory in each arena (measured: the
-        front end kept 12-116 MiB after a 3x overload at seq 64 when it trimmed as the last
-        region came back)."""
+        spike left free if some did. Later, not now: gRPC still holds the last answers'
+        buffers and the refused requests' until it has written them, and malloc keeps up to
+        its trim threshold of freed memory in each arena (measured: the front end kept 12-116
+        MiB after a 3x overload at seq 64 when it trimmed as the last region came back)."""
         self.recent = self.allocator.used  # the interval's use starts from here
         loop = asyncio.get_running_loop()
         self.idle_trim = loop.call_later(IDLE_TRIM_AFTER_S, self._trim_if_idle, self.churned)
@@ -148,7 +147,8 @@ class _Link:
     def _trim_if_idle(self, churned: int) -> None:
         """Idle after a burst: the pages its small regions took go back to the kernel (shared
         memory is charged to the container until then), and so do malloc's free pages, which
-        the burst's request and response buffers left in its arenas."""
+        the burst's request and response buffers left in its arenas. Busy: only what a spike
+        left free goes back."""
         self.idle_trim = None
         if not self.alive:
             return
@@ -219,8 +219,8 @@ def _placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype), shape)
 
 
-TRIM_AFTER_BYTES = 16 << 20  # a burst that took this much shared memory is given back when idle
-# (after budget.IDLE_TRIM_AFTER_S with the slab empty)
+# A burst that took this much shared memory is given back once idle (budget.IDLE_TRIM_AFTER_S).
+TRIM_AFTER_BYTES = 16 << 20
 
 
 @dataclass(eq=False)

@@ -566,9 +566,7 @@ class Batcher:
         threshold per arena (measured: the worker's RSS swung 112-141 MiB between rounds of
         20 requests of [64, 512] with weights, and grew 127 to 154 MiB over five lone
         [7, 128, 512] with weights); an idle worker keeps none of that."""
-        if self._idle_trim is not None or not self._churned_enough():
-            return
-        if not self._started:
+        if self._idle_trim is not None or not self._churned_enough() or not self._started:
             return
         self._idle_trim = asyncio.get_running_loop().call_later(
             IDLE_TRIM_AFTER_S, self._trim_if_idle, self._batched_bytes
