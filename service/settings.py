@@ -203,7 +203,7 @@ class Settings:
     )
     malloc_reuse: str = _doc(
         "on: glibc malloc keeps freed memory for reuse (an arena's free top is trimmed past "
-        "32 MiB), so each request's buffers do not fault fresh pages in (allocations of 8 MiB "
+        "8 MiB), so each request's buffers do not fault fresh pages in (allocations of 8 MiB "
         "or more that freed memory cannot hold still go straight back to the kernel); off: "
         "glibc's defaults",
         default="on",
