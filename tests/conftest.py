@@ -13,6 +13,17 @@ from tests.harness.gateway_modes import GATEWAY_MODES, mode_id
 from tests.harness.server_process import ServerProcess
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A slow test marked gateway_off_heavy runs with the gateway in the default run and
+    without it only in the heavy run, whichever fixture gives its gateway mode."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        off = callspec is not None and mode_id("off") in callspec.id
+        if off and item.get_closest_marker("gateway_off_heavy"):
+            item.add_marker(pytest.mark.heavy)
+
+
 # The gRPC port served by the native gateway, then by the Python front end itself: both must
 # answer every call alike. A module opts in with
 #     pytestmark = pytest.mark.usefixtures("grpc_gateway")

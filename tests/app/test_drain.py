@@ -122,6 +122,7 @@ def test_clients_under_load_see_ok_then_unavailable_never_cancelled(small_only: 
     assert any(code == "OK" and at > started + 0.2 for at, code in codes)  # served meanwhile
 
 
+@pytest.mark.gateway_off_heavy
 def test_exit_comes_within_the_grace_period_with_work_left(model_repository: Path) -> None:
     """More accepted work than the grace period can compute: what is done is answered,
     the rest gets UNAVAILABLE, and the process is gone when the period ends. Before:

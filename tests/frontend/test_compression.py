@@ -202,6 +202,7 @@ def test_plain_messages_are_read_as_they_are_with_gzip_taken(gzip_server: Server
             assert all(a.HasField("response") for a in answers), answers
 
 
+@pytest.mark.gateway_off_heavy
 def test_a_gzip_bomb_is_refused_before_it_is_inflated(gzip_server: ServerProcess) -> None:
     bomb = _gzip_bomb()
     assert len(bomb) < 2 << 20

@@ -289,6 +289,7 @@ def test_bad_references_are_refused_with_clear_codes(
         client.unregister_system_shared_memory("nope")  # nothing to do, as Triton
 
 
+@pytest.mark.gateway_off_heavy
 def test_region_gone_while_waiting_fails_that_request_alone(repository: Path, reference) -> None:
     """Requests queue for --max-queue-delay-ms; meanwhile one's output region is unregistered
     and another's object is removed: those two fail NOT_FOUND, the one batched with them is

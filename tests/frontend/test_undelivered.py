@@ -112,6 +112,7 @@ def _sequences_computed(server: ServerProcess) -> float:
     return server.metric("attention_batch_size_sequences_sum")
 
 
+@pytest.mark.gateway_off_heavy
 def test_slow_readers_stay_within_the_budget(server: ServerProcess) -> None:
     good = AttentionClient(server.target)
     x = np.random.default_rng(1).standard_normal((SEQUENCES, 512, 512), dtype=np.float32)
@@ -171,6 +172,7 @@ def test_slow_readers_stay_within_the_budget(server: ServerProcess) -> None:
     good.close()
 
 
+@pytest.mark.gateway_off_heavy
 def test_slow_streams_share_the_same_budget(server: ServerProcess) -> None:
     before = server_rss_bytes(server)  # front ends and worker: where answers wait
     refusals = server.metric("attention_undelivered_refusals_total")

@@ -138,6 +138,7 @@ def test_a_header_name_grpc_does_not_allow_is_internal(server: ServerProcess, na
         assert (reply.code, reply.message) == (INTERNAL, ILLEGAL_HEADER_KEY.format(name=name)), path
 
 
+@pytest.mark.gateway_off_heavy
 @pytest.mark.parametrize(
     ("header", "message"),
     [

@@ -190,6 +190,7 @@ def test_of_several_grpc_timeouts_the_last_counts(
         assert after_s <= took < after_s + 1.5, (path, took)
 
 
+@pytest.mark.gateway_off_heavy
 def test_te_is_checked_as_grpc_core_checks_it(plain_server: ServerProcess) -> None:
     """gRPC requires te: trailers. Without it, the stream is reset (gRPC core's answer; the
     gateway used to serve its own calls); an empty te is INTERNAL; any other value is
@@ -306,6 +307,7 @@ def test_answers_advertise_the_encodings_the_server_takes(
                 answered_ok(answer, ATTEND)
 
 
+@pytest.mark.gateway_off_heavy
 @pytest.mark.parametrize("method", ["Attend", "AttendStream"])
 def test_the_header_block_has_one_bound_refused_alike_and_never_by_chance(
     plain_server: ServerProcess, method: str
@@ -360,6 +362,7 @@ BINARY_VALUES = {
 }
 
 
+@pytest.mark.gateway_off_heavy
 def test_a_binary_header_that_is_not_base64_is_internal_on_every_method(
     plain_server: ServerProcess,
 ) -> None:

@@ -117,6 +117,7 @@ def _names(promql: str) -> set[str]:
     return set(re.findall(r"\b(attention_[a-z_]+|up)\b", promql))
 
 
+@pytest.mark.gateway_off_heavy
 def test_every_query_runs_on_real_metrics_and_finds_its_series(
     prometheus: str, server: ServerProcess
 ) -> None:

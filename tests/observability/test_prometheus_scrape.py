@@ -20,6 +20,7 @@ def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) 
         yield base
 
 
+@pytest.mark.gateway_off_heavy
 def test_prometheus_scrapes_request_latency_and_batching(
     prometheus: str, client: AttentionClient, tmp_path: Path
 ) -> None:

@@ -315,6 +315,7 @@ def test_stream_gets_a_span_per_message(traced) -> None:
     assert len({m.span_id for m in messages}) == 2
 
 
+@pytest.mark.gateway_off_heavy
 def test_an_unresponsive_collector_neither_slows_nor_grows_the_server(repository: Path) -> None:
     # A collector that accepts connections and never answers: each export waits its timeout.
     with silent_listener() as port:

@@ -37,6 +37,7 @@ def test_vanished_calls_are_dropped_before_compute_and_leave_nothing(
     assert result["vanished_calls"] == 4 * (2 * 150 + 4 * 20)
 
 
+@pytest.mark.gateway_off_heavy
 @pytest.mark.parametrize("count", [400])
 def test_malformed_requests_get_documented_statuses(
     server: ServerProcess, figures, count: int

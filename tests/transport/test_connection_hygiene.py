@@ -62,6 +62,7 @@ def _client_ports(server_port: int) -> set[int]:
     return ports
 
 
+@pytest.mark.gateway_off_heavy
 def test_an_aged_connection_is_replaced_without_a_failed_call(
     servers: list[ServerProcess],
 ) -> None:
@@ -149,6 +150,7 @@ def test_server_options_bound_every_connection() -> None:
     assert "grpc.max_connection_age_ms" not in forever
 
 
+@pytest.mark.gateway_off_heavy
 def test_a_client_pinging_too_often_is_sent_away_and_a_quiet_one_is_not(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -19,7 +19,7 @@ from bench.harness import poll_until, status_kib
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
-from tests.harness.gateway_modes import OFF_WHEN_HEAVY
+from tests.harness.gateway_modes import GATEWAY_MODES, mode_id
 from tests.harness.server_process import (
     ServerProcess,
     rss_bytes,
@@ -90,7 +90,8 @@ def test_the_default_byte_bound_comes_from_the_memory_limit(small_only: Path) ->
     assert 341 * MIB < default_queue_bytes(4 << 30) < 342 * MIB  # a 4 GiB pod: ten 32 MiB requests
 
 
-@OFF_WHEN_HEAVY  # ~50 s a mode
+@pytest.mark.heavy  # ~50 s a mode; the plateau after bursts of sizes the default run covers
+@pytest.mark.parametrize("grpc_gateway", GATEWAY_MODES, ids=mode_id, indirect=True)
 def test_resident_memory_returns_to_a_plateau_under_repeated_bursts(
     model_repository: Path, grpc_gateway: str
 ) -> None:

@@ -273,6 +273,7 @@ def _settled_rss(pid: int, *, below: int, timeout_s: float = 10.0) -> int:
     return rss
 
 
+@pytest.mark.gateway_off_heavy
 @pytest.mark.slow  # a d=1024 export (~15 s of torch), so the memory it frees stands out
 def test_unloading_frees_the_sessions_memory(tmp_path: Path) -> None:
     """A large version's ONNX Runtime sessions: resident memory grows when it loads, and
