@@ -126,6 +126,19 @@ func writeSegments(w http.ResponseWriter, segments [][]byte, free func()) error 
 	binary.BigEndian.PutUint32(segments[0][1:5], uint32(size-5))
 	segments[0][0] = 0 // not compressed
 	var err error
+	if size > maxPooledBuffer && size <= copyWholeBytes {
+		whole := largeBuffer(size)
+		for _, s := range segments {
+			whole = append(whole, s...)
+		}
+		free()
+		freed = true
+		_, err = w.Write(whole)
+		if err == nil { // as below
+			recycle(whole)
+		}
+		return err
+	}
 	if size <= copyWholeBytes {
 		pooled := buffers.Get().(*[]byte)
 		whole := (*pooled)[:0]

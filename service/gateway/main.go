@@ -24,6 +24,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime"
 	"runtime/debug"
 	"strings"
 	"sync"
@@ -121,9 +122,7 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			g.busy.Add(-1)
 		}
 		if served {
-			if cap(read) <= maxPooledBuffer {
-				buffers.Put(&read)
-			}
+			recycle(read)
 			return
 		}
 		// Not plain, or larger than a message may be: the Python front end decides.
@@ -193,6 +192,10 @@ func (g *gateway) returnMemoryWhenIdle() {
 			wasBusy = true
 		} else if wasBusy {
 			wasBusy = false
+			largeBuffers.empty()
+			// Twice: a sync.Pool's contents (net/http's write queues among them, which
+			// still reference the last answers) survive one collection.
+			runtime.GC()
 			debug.FreeOSMemory()
 		}
 	}
@@ -214,13 +217,6 @@ func (g *gateway) releaseSlab(quiet bool) {
 		l.done()
 	}
 }
-
-// buffers hold requests' messages between calls: a 256 KiB tensor per call would
-// otherwise be garbage for the collector to chase.
-// Larger ones go back to the collector: a pool would keep one per call at once.
-var buffers = sync.Pool{New: func() any { return new([]byte) }}
-
-const maxPooledBuffer = 1 << 20
 
 // readUnary reads one uncompressed message of at most maxReceive bytes and the end of the
 // body; ok false (with what was read) for anything else. A whole message whose flag byte is

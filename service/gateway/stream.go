@@ -312,7 +312,14 @@ func (s *stream) read(body io.Reader) {
 // this process hold the large size. false (with what was read) when the body ended first.
 func readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
 	need := 5 + length
-	buffer := append((*buffers.Get().(*[]byte))[:0], prefix...)
+	var buffer []byte
+	if need > maxPooledBuffer && need <= slabReleaseBytes {
+		buffer = largeBuffers.take(need) // nil when none is kept: grown as the body comes
+	}
+	if buffer == nil {
+		buffer = (*buffers.Get().(*[]byte))[:0]
+	}
+	buffer = append(buffer, prefix...)
 	for len(buffer) < need {
 		if len(buffer) == cap(buffer) {
 			grown := make([]byte, len(buffer), min(need, max(2*cap(buffer), 64<<10)))
@@ -357,12 +364,6 @@ func (s *stream) take(buffer []byte) bool {
 	s.mu.Unlock()
 	go s.answer(req, p, buffer, answerBytes, sync.OnceFunc(order.RUnlock))
 	return true
-}
-
-func recycle(buffer []byte) {
-	if cap(buffer) <= maxPooledBuffer {
-		buffers.Put(&buffer)
-	}
 }
 
 // waitForRoom returns once another message may be read (false: the stream takes no more).

@@ -26,7 +26,13 @@ from service.generated.inference import grpc_service_pb2 as v2pb
 from service.generated.inference import grpc_service_pb2_grpc as v2grpc
 from tests.harness.h2_raw import RawGrpc
 from tests.harness.reference import attend_alone, layer_for
-from tests.harness.server_process import ServerProcess, child_pids, worker_pid
+from tests.harness.server_process import (
+    ServerProcess,
+    child_pids,
+    rss_bytes,
+    settled_bytes,
+    worker_pid,
+)
 
 GATEWAY_PID = re.compile(r"started frontend-\d+-gateway \(pid (\d+)\)")
 
@@ -365,6 +371,34 @@ def test_a_killed_worker_fails_calls_at_once_and_service_returns(model_repositor
                 except InferenceServerException:
                     assert time.monotonic() < give_up, server.log
                     time.sleep(0.05)
+
+
+def test_the_gateways_kept_message_buffers_go_back_once_calls_stop(model_repository: Path) -> None:
+    """Requests and answers of 1 to 8 MiB reuse buffers the gateway keeps between calls (up to
+    32 MiB of them); once calls stop for an interval it hands them back with the rest of its
+    free heap. Measured without the hand-back: 32-33 MiB more stayed resident."""
+    x = np.full((4, 128, 512), 0.5, np.float32)  # 1 MiB each way
+    request = pb.AttendRequest(
+        model="mha", embeddings=pb.Tensor(shape=list(x.shape), dtype=pb.FLOAT32, data=x.tobytes())
+    )
+    options = [("grpc.max_receive_message_length", 16 << 20)]
+    with (
+        ServerProcess(
+            model_repository, "--grpc-gateway", "on", "--batch-cap-budget-s", "0"
+        ) as server,
+        grpc.insecure_channel(server.target, options=options) as channel,
+    ):
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        gateway = gateway_pids(server)[0]
+        assert stub.Attend(request, timeout=60).output.shape == [4, 128, 512]
+        before = settled_bytes(lambda: rss_bytes(gateway))
+        for _ in range(4):
+            calls = [stub.Attend.future(request, timeout=60) for _ in range(16)]
+            assert {call.code() for call in calls} == {grpc.StatusCode.OK}
+        busy = rss_bytes(gateway)
+        after = settled_bytes(lambda: rss_bytes(gateway))
+    shown = [round(nbytes / (1 << 20), 1) for nbytes in (before, busy, after)]
+    assert after - before < 12 << 20, shown
 
 
 def test_a_killed_gateway_is_restarted_with_its_front_end(model_repository: Path) -> None:
