@@ -18,9 +18,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A slow test marked gateway_off_heavy runs with the gateway in the default run and
     without it only in the heavy run, whichever fixture gives its gateway mode."""
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        off = callspec is not None and mode_id("off") in callspec.id
-        if off and item.get_closest_marker("gateway_off_heavy"):
+        if not item.get_closest_marker("gateway_off_heavy"):
+            continue
+        params = getattr(item, "callspec", None)
+        modes = (
+            {params.params.get(name) for name in ("grpc_gateway", "server")} if params else set()
+        )
+        assert modes & set(GATEWAY_MODES), f"{item.nodeid}: gateway_off_heavy without a mode"
+        if "off" in modes:
             item.add_marker(pytest.mark.heavy)
 
 

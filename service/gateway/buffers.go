@@ -7,7 +7,8 @@ import "sync"
 // slabReleaseBytes (a [4, 128, 512] tensor is 1 MiB and a prefix), go on a shelf bounded in
 // bytes: allocated afresh for every call, the request and the answer of that size cost the
 // gateway a quarter of its CPU per call. A sync.Pool cannot hold them: it keeps one per call
-// in flight until two collections have passed. The shelf is emptied once calls stop
+// in flight until two collections have passed. The shelf, one per gateway (so per front
+// end), is emptied on every interval without a call or a stream message
 // (returnMemoryWhenIdle); larger messages go back to the collector.
 var buffers = sync.Pool{New: func() any { return new([]byte) }}
 
@@ -25,20 +26,25 @@ type shelf struct {
 	bytes int
 }
 
-// take returns an empty buffer with room for size bytes, or nil when none is kept.
+// take returns the smallest kept buffer with room for size bytes, empty, or nil when none is.
 func (s *shelf) take(size int) []byte {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	best := -1
 	for i, b := range s.kept { // a few at most: each is over maxPooledBuffer
-		if cap(b) >= size {
-			last := len(s.kept) - 1
-			s.kept[i], s.kept[last] = s.kept[last], nil
-			s.kept = s.kept[:last]
-			s.bytes -= cap(b)
-			return b[:0]
+		if cap(b) >= size && (best < 0 || cap(b) < cap(s.kept[best])) {
+			best = i
 		}
 	}
-	return nil
+	if best < 0 {
+		return nil
+	}
+	b := s.kept[best]
+	last := len(s.kept) - 1
+	s.kept[best], s.kept[last] = s.kept[last], nil
+	s.kept = s.kept[:last]
+	s.bytes -= cap(b)
+	return b[:0]
 }
 
 // keep shelves b for a later take, unless that would pass shelfBytes.

@@ -1,6 +1,9 @@
 package main
 
-import "testing"
+import (
+	"bytes"
+	"testing"
+)
 
 // The shelf keeps buffers over maxPooledBuffer for reuse, never more than shelfBytes of them,
 // and hands back one at least as large as asked.
@@ -41,5 +44,27 @@ func TestRecycleShelvesLargeBuffersUpToTheReleaseSize(t *testing.T) {
 	}
 	if got := largeBuffer(maxPooledBuffer + 1); cap(got) != maxPooledBuffer+1 {
 		t.Fatalf("a new buffer has cap %d", cap(got))
+	}
+}
+
+// The smallest kept buffer that fits is taken: a small message leaves the large ones.
+func TestTheShelfHandsBackTheSmallestThatFits(t *testing.T) {
+	var s shelf
+	s.keep(make([]byte, 0, slabReleaseBytes))
+	s.keep(make([]byte, 0, 2<<20))
+	if b := s.take(3 << 19); cap(b) != 2<<20 {
+		t.Fatalf("took %d bytes for 1.5 MiB with 2 MiB kept", cap(b))
+	}
+}
+
+// A message declared large, with none kept, is not allocated at its declared size before its
+// body comes.
+func TestALargeDeclarationAloneAllocatesNothingLarge(t *testing.T) {
+	largeBuffers.empty()
+	length := 4 << 20
+	prefix := []byte{0, 0, 0x40, 0, 0}
+	buffer, ok := readMessage(bytes.NewReader(make([]byte, 100)), prefix, length)
+	if ok || cap(buffer) > maxPooledBuffer {
+		t.Fatalf("five bytes and a prefix took %d bytes (ok %v)", cap(buffer), ok)
 	}
 }

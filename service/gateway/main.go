@@ -48,7 +48,7 @@ type gateway struct {
 	// adds) never decides it.
 	maxMetadata int
 	busy        atomic.Int64 // fast-path calls being answered; read by returnMemoryWhenIdle
-	calls       atomic.Int64 // calls ever taken, here or by Python
+	taken       atomic.Int64 // calls and stream messages ever taken, here or by Python
 }
 
 // agedAtKey holds when a connection is past its age: --max-connection-age-s spread by
@@ -56,7 +56,7 @@ type gateway struct {
 type agedAtKey struct{}
 
 func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	g.calls.Add(1) // busy counts fast-path calls only: an open stream must not stop the trim
+	g.taken.Add(1) // busy counts fast-path calls only: an open stream must not stop the trim
 	if aged, ok := r.Context().Value(agedAtKey{}).(time.Time); ok && time.Now().After(aged) {
 		// Past its age: net/http answers "Connection: close" on HTTP/2 with a graceful
 		// GOAWAY, so clients reconnect (and client-side balancing spreads them again)
@@ -184,15 +184,19 @@ func (g *gateway) returnMemoryWhenIdle() {
 	const idleFor = 500 * time.Millisecond
 	seen, wasBusy := int64(0), false
 	for range time.Tick(idleFor) {
-		calls := g.calls.Load()
-		quiet := calls == seen && g.busy.Load() == 0 // a whole interval without a call
-		seen = calls
+		taken := g.taken.Load()
+		quiet := taken == seen && g.busy.Load() == 0 // a whole interval without a call or message
+		seen = taken
 		g.releaseSlab(quiet)
 		if !quiet {
 			wasBusy = true
-		} else if wasBusy {
+			continue
+		}
+		// Every quiet interval: a buffer recycled after the last one (an answer a slow
+		// reader took late) is not kept until the next burst.
+		largeBuffers.empty()
+		if wasBusy {
 			wasBusy = false
-			largeBuffers.empty()
 			// Twice: a sync.Pool's contents (net/http's write queues among them, which
 			// still reference the last answers) survive one collection.
 			runtime.GC()

@@ -309,7 +309,9 @@ func (s *stream) read(body io.Reader) {
 
 // readMessage reads a message's bytes after its prefix into a pooled buffer, grown as the
 // bytes arrive: a client that declares a large message and sends five bytes must not make
-// this process hold the large size. false (with what was read) when the body ended first.
+// this process allocate the large size. It may take a kept buffer that fits (the shelf
+// holds shelfBytes at most), read into without a copy.
+// false (with what was read) when the body ended first.
 func readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
 	need := 5 + length
 	var buffer []byte
@@ -324,6 +326,7 @@ func readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
 		if len(buffer) == cap(buffer) {
 			grown := make([]byte, len(buffer), min(need, max(2*cap(buffer), 64<<10)))
 			copy(grown, buffer)
+			recycle(buffer)
 			buffer = grown
 		}
 		n, err := body.Read(buffer[len(buffer):min(cap(buffer), need)])
@@ -338,6 +341,7 @@ func readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
 // take answers a plain message here and hands any other to Python's part; false when the
 // stream takes no more.
 func (s *stream) take(buffer []byte) bool {
+	s.gateway.taken.Add(1) // a message is activity: the idle hand-back waits for a quiet stream
 	req := s.method.parse(buffer[5:])
 	order := &s.fp.worker.order
 	order.RLock()
