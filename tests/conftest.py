@@ -24,7 +24,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         modes = (
             {params.params.get(name) for name in ("grpc_gateway", "server")} if params else set()
         )
-        assert modes & set(GATEWAY_MODES), f"{item.nodeid}: gateway_off_heavy without a mode"
+        if not modes & set(GATEWAY_MODES):
+            raise pytest.UsageError(f"{item.nodeid}: gateway_off_heavy on a test without a mode")
         if "off" in modes:
             item.add_marker(pytest.mark.heavy)
 

@@ -68,3 +68,19 @@ func TestALargeDeclarationAloneAllocatesNothingLarge(t *testing.T) {
 		t.Fatalf("five bytes and a prefix took %d bytes (ok %v)", cap(buffer), ok)
 	}
 }
+
+// A read that grows through 1, 2 and 4 MiB keeps none of the buffers it outgrew (smaller than
+// the messages that grow them, they would fill the shelf), and its own is kept for the next.
+func TestOutgrownBuffersDoNotFillTheShelf(t *testing.T) {
+	largeBuffers.empty()
+	defer largeBuffers.empty()
+	length := 5<<20 + 100
+	buffer, ok := readMessage(bytes.NewReader(make([]byte, length)), []byte{0, 0, 0x50, 0, 0x64}, length)
+	if !ok || largeBuffers.bytes != 0 {
+		t.Fatalf("ok %v, outgrown buffers kept: %d bytes", ok, largeBuffers.bytes)
+	}
+	recycle(buffer)
+	if largeBuffers.take(5+length) == nil {
+		t.Fatal("the message's own buffer was not kept")
+	}
+}

@@ -265,7 +265,11 @@ func (s *stream) read(body io.Reader) {
 	defer close(s.readDone)
 	for s.waitForRoom() {
 		var prefix [5]byte
-		if n, err := io.ReadFull(body, prefix[:]); err != nil {
+		n, err := io.ReadFull(body, prefix[:])
+		if n > 0 {
+			s.gateway.taken.Add(1) // a message is activity: the idle hand-back waits for a quiet stream
+		}
+		if err != nil {
 			if errors.Is(err, io.ErrUnexpectedEOF) {
 				s.forward(bytes.NewReader(prefix[:n])) // Python's part says what a torn message is
 			}
@@ -326,7 +330,9 @@ func readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
 		if len(buffer) == cap(buffer) {
 			grown := make([]byte, len(buffer), min(need, max(2*cap(buffer), 64<<10)))
 			copy(grown, buffer)
-			recycle(buffer)
+			if cap(buffer) <= maxPooledBuffer { // larger ones, smaller than need, would fill the shelf
+				recycle(buffer)
+			}
 			buffer = grown
 		}
 		n, err := body.Read(buffer[len(buffer):min(cap(buffer), need)])
@@ -341,7 +347,6 @@ func readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
 // take answers a plain message here and hands any other to Python's part; false when the
 // stream takes no more.
 func (s *stream) take(buffer []byte) bool {
-	s.gateway.taken.Add(1) // a message is activity: the idle hand-back waits for a quiet stream
 	req := s.method.parse(buffer[5:])
 	order := &s.fp.worker.order
 	order.RLock()
