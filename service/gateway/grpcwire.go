@@ -126,22 +126,15 @@ func writeSegments(w http.ResponseWriter, segments [][]byte, free func()) error 
 	binary.BigEndian.PutUint32(segments[0][1:5], uint32(size-5))
 	segments[0][0] = 0 // not compressed
 	var err error
-	if size > maxPooledBuffer && size <= copyWholeBytes {
-		whole := largeBuffer(size)
-		for _, s := range segments {
-			whole = append(whole, s...)
-		}
-		free()
-		freed = true
-		_, err = w.Write(whole)
-		if err == nil { // as below
-			recycle(whole)
-		}
-		return err
-	}
 	if size <= copyWholeBytes {
-		pooled := buffers.Get().(*[]byte)
-		whole := (*pooled)[:0]
+		var pooled *[]byte
+		var whole []byte
+		if size > maxPooledBuffer {
+			whole = largeBuffer(size)
+		} else {
+			pooled = buffers.Get().(*[]byte)
+			whole = (*pooled)[:0]
+		}
 		for _, s := range segments {
 			whole = append(whole, s...)
 		}
@@ -150,9 +143,13 @@ func writeSegments(w http.ResponseWriter, segments [][]byte, free func()) error 
 		_, err = w.Write(whole)
 		// Reused only after a write that completed: an abandoned frame may still
 		// reference it.
-		if err == nil && cap(whole) <= maxPooledBuffer {
-			*pooled = whole
-			buffers.Put(pooled)
+		if err == nil {
+			if pooled != nil && cap(whole) <= maxPooledBuffer {
+				*pooled = whole
+				buffers.Put(pooled) // its own pointer again: no allocation per answer
+			} else {
+				recycle(whole)
+			}
 		}
 		return err
 	}
