@@ -27,7 +27,7 @@ func TestFiniteFindsEveryNonFiniteValueAtEveryPlace(t *testing.T) {
 	large16 := []uint16{0x7bff, 0xfbff, 0x0000, 0x8000}
 	bad16 := []uint16{0x7e00, 0x7c01, 0x7c00, 0xfc00, 0xffff}
 	for _, size := range []int64{2, 4} {
-		for count := 0; count <= 21; count++ {
+		for count := 0; count <= 70; count++ { // past two 64-byte turns and a tail, in both sizes
 			raw := make([]byte, int64(count)*size)
 			for i := 0; i < count; i++ {
 				if size == 4 {
@@ -57,7 +57,7 @@ func TestFiniteFindsEveryNonFiniteValueAtEveryPlace(t *testing.T) {
 func TestFiniteAgreesWithTheDefinitionOnRandomBits(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	for round := 0; round < 2000; round++ {
-		raw := make([]byte, 4*rng.IntN(40))
+		raw := make([]byte, 4*rng.IntN(80))
 		for i := range raw {
 			raw[i] = byte(rng.Uint32())
 		}
