@@ -188,20 +188,24 @@ func finite(raw []byte, size int64) bool {
 	i := 0
 	for ; i+64 <= len(raw); i += 64 {
 		w := raw[i : i+64 : i+64]
-		s0 |= (binary.LittleEndian.Uint64(w[0:])&exponent + one) | (binary.LittleEndian.Uint64(w[32:])&exponent + one)
-		s1 |= (binary.LittleEndian.Uint64(w[8:])&exponent + one) | (binary.LittleEndian.Uint64(w[40:])&exponent + one)
-		s2 |= (binary.LittleEndian.Uint64(w[16:])&exponent + one) | (binary.LittleEndian.Uint64(w[48:])&exponent + one)
-		s3 |= (binary.LittleEndian.Uint64(w[24:])&exponent + one) | (binary.LittleEndian.Uint64(w[56:])&exponent + one)
+		s0 |= (lanes(w[0:])&exponent + one) | (lanes(w[32:])&exponent + one)
+		s1 |= (lanes(w[8:])&exponent + one) | (lanes(w[40:])&exponent + one)
+		s2 |= (lanes(w[16:])&exponent + one) | (lanes(w[48:])&exponent + one)
+		s3 |= (lanes(w[24:])&exponent + one) | (lanes(w[56:])&exponent + one)
 	}
 	seen := s0 | s1 | s2 | s3
 	for ; i+8 <= len(raw); i += 8 {
-		seen |= binary.LittleEndian.Uint64(raw[i:])&exponent + one
+		seen |= lanes(raw[i:])&exponent + one
 	}
 	if seen&top != 0 {
 		return false
 	}
 	return finiteTail(raw[i:], size)
 }
+
+// lanes is the word at the start of b: two float32 or four float16 values of a tensor (not
+// an IPC field, whose offsets are generated).
+func lanes(b []byte) uint64 { return binary.LittleEndian.Uint64(b) }
 
 // finiteTail is finite for the last few bytes (fewer than eight), a value at a time.
 func finiteTail(raw []byte, size int64) bool {
