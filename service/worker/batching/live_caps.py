@@ -8,9 +8,12 @@ cost. Per position, so that within a bucket a batch of shorter sequences does no
 cheaper than one of longer ones; and buckets stay a power of two wide even where the
 warm-up caps merged neighbours with equal caps, since costs per position still differ
 several-fold between length 64 and 512. Now and then a bucket tries the next size up (bounded
-exploration), so a cap set too low at start can grow. Costs are medians of the last few
-batches (robust to a stray slow one), and a change needs a clear win (hysteresis), so caps
-do not flap on noise.
+exploration), so a cap set too low at start can grow. A batch of another size is compared
+with the batches at the cap around it (their median cost then), never with costs measured
+minutes apart: the host's own speed drifts (a noisy neighbour makes every batch 20-30 %
+dearer for a while), and a try of the larger size made before such a slowdown would look
+cheaper than the cap's batches during it. A change needs the median of the last few such
+ratios to show a clear win (hysteresis), so caps do not flap on noise or drift.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ from collections.abc import Callable
 
 from service.catalog import BatchCaps, length_buckets
 
-WINDOW = 9  # batches per (bucket, size) whose median cost is compared
-MIN_SAMPLES = 5  # before a size's cost is trusted
-EXPLORE_EVERY = 32  # batches of a bucket at its cap between two tries of the next size up
+WINDOW = 9  # batches per (bucket, size) whose median cost, or median ratio, is compared
+MIN_SAMPLES = 5  # before a size's cost, or its ratio to the cap's, is trusted
+EXPLORE_EVERY = 16  # full batches of a bucket between two tries (twice and half its cap, by turns)
 # A larger size must cost this much less per sequence to become the cap, a smaller one this
 # much less to take it back: beyond timing noise (~5 % on one CPU core), and near-ties stay
 # with the larger batch (its per-batch work is shared by more sequences).
 GROW_WIN = 0.06
 SHRINK_WIN = 0.10
+UP, DOWN = 1, -1  # a try's direction
 
 
 def size_class(sequences: int) -> int:
@@ -50,9 +54,16 @@ class LiveCaps:
         self._caps = [min(initial.cap_for(length), max_batch_size) for length in self._lengths]
         self._max = max_batch_size
         self._on_change = on_change
+        # Costs per position of the latest batches at each bucket's cap (by size class).
         self._costs: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
+        # Other sizes' costs, each divided by the cap's median cost when it was measured.
+        self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(
+            lambda: deque(maxlen=WINDOW)
+        )
         self._since_try = [0] * len(self._lengths)
-        self._trying = [False] * len(self._lengths)
+        # The size the next batch tries: UP (twice the cap), DOWN (half its size class) or 0.
+        self._trying = [0] * len(self._lengths)
+        self._next_try = [UP] * len(self._lengths)  # tries alternate
 
     def _bucket(self, longest_seq: int) -> int:
         return min(bisect.bisect_left(self._lengths, longest_seq), len(self._lengths) - 1)
@@ -60,8 +71,11 @@ class LiveCaps:
     def cap_for(self, longest_seq: int) -> int:
         bucket = self._bucket(longest_seq)
         cap = self._caps[bucket]
-        if self._trying[bucket]:
+        trying = self._trying[bucket]
+        if trying == UP:
             return min(self._max, cap * 2)
+        if trying == DOWN:
+            return size_class(cap) // 2
         return cap
 
     def caps(self) -> BatchCaps:
@@ -71,38 +85,65 @@ class LiveCaps:
         """A batch of sequences (longest longest_seq, so padded to it) cost cost_s."""
         bucket = self._bucket(longest_seq)
         size = size_class(sequences)
-        self._costs[(bucket, size)].append(cost_s / (sequences * max(1, longest_seq)))
+        cost = cost_s / (sequences * max(1, longest_seq))
         cap = self._caps[bucket]
-        if self._trying[bucket] and size > cap:
-            self._trying[bucket] = False  # one batch of the larger size per try
-        elif size >= cap:
+        at_cap = size_class(cap)
+        if size == at_cap:
+            self._costs[(bucket, size)].append(cost)
+        else:
+            current = self._median(self._costs, bucket, at_cap)
+            if current is not None and current > 0:
+                self._ratios[(bucket, size)].append(cost / current)
+        trying = self._trying[bucket]
+        if trying and (size > at_cap if trying == UP else size < at_cap):
+            self._trying[bucket] = 0  # one batch of the other size per try
+        elif sequences >= cap:
             self._since_try[bucket] += 1
-            if self._since_try[bucket] >= EXPLORE_EVERY and cap < self._max:
+            if self._since_try[bucket] >= EXPLORE_EVERY:
                 self._since_try[bucket] = 0
-                self._trying[bucket] = True
+                self._trying[bucket] = self._next_direction(bucket)
         self._decide(bucket)
 
-    def _median(self, bucket: int, size: int) -> float | None:
-        costs = self._costs.get((bucket, size))
-        if costs is None or len(costs) < MIN_SAMPLES:
+    def _next_direction(self, bucket: int) -> int:
+        """UP and DOWN by turns, each where it exists: a busy queue fills every batch to the
+        cap, so without a try down a cap too high would never see a smaller batch."""
+        cap = self._caps[bucket]
+        possible = [d for d in (UP, DOWN) if (cap < self._max if d == UP else cap > 1)]
+        if not possible:
+            return 0
+        direction = self._next_try[bucket] if self._next_try[bucket] in possible else possible[0]
+        self._next_try[bucket] = -direction
+        return direction
+
+    @staticmethod
+    def _median(
+        samples: dict[tuple[int, int], deque[float]], bucket: int, size: int
+    ) -> float | None:
+        values = samples.get((bucket, size))
+        if values is None or len(values) < MIN_SAMPLES:
             return None
-        return statistics.median(costs)
+        return statistics.median(values)
 
     def _decide(self, bucket: int) -> None:
+        """Move the bucket's cap when another size's median ratio to it is a clear win."""
         cap = self._caps[bucket]
-        current = self._median(bucket, size_class(cap))
-        if current is None:
-            return
-        larger = self._median(bucket, size_class(cap) * 2) if cap < self._max else None
-        smaller = self._median(bucket, size_class(cap) // 2) if cap > 1 else None
-        if larger is not None and larger < current * (1 - GROW_WIN):
-            self._set(bucket, min(self._max, size_class(cap) * 2))
-        elif smaller is not None and smaller < current * (1 - SHRINK_WIN):
-            self._set(bucket, size_class(cap) // 2)
+        at_cap = size_class(cap)
+        larger = self._median(self._ratios, bucket, at_cap * 2) if cap < self._max else None
+        smaller = self._median(self._ratios, bucket, at_cap // 2) if cap > 1 else None
+        if larger is not None and larger < 1 - GROW_WIN:
+            self._set(bucket, min(self._max, at_cap * 2))
+        elif smaller is not None and smaller < 1 - SHRINK_WIN:
+            self._set(bucket, at_cap // 2)
 
     def _set(self, bucket: int, cap: int) -> None:
         if cap == self._caps[bucket]:
             return
         self._caps[bucket] = cap
         self._since_try[bucket] = 0
+        self._trying[bucket] = 0
+        # Every ratio was to the old cap, and the new cap's costs (if any) are old: measure
+        # afresh.
+        for samples in (self._costs, self._ratios):
+            for key in [key for key in samples if key[0] == bucket]:
+                del samples[key]
         self._on_change(self.caps())
