@@ -128,8 +128,8 @@ class Settings:
     )
     live_batch_caps: str = _doc(
         "on: after warm-up, each length's batch cap follows the measured cost of the batches "
-        "the worker runs (now and then trying the next size up and down); off: the caps measured at "
-        "warm-up stay; no effect with --batch-cap-budget-s 0",
+        "the worker runs (now and then trying the next size up and down); off: the caps "
+        "measured at warm-up stay; no effect with --batch-cap-budget-s 0",
         default="on",
     )
     max_queue_bytes: int = _doc(

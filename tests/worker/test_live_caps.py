@@ -121,3 +121,45 @@ def test_a_host_that_slows_down_does_not_make_a_worse_size_look_cheaper() -> Non
         caps.observe(100, size, size * costs[size] * slowdown * jitter)
     assert not changes
     assert caps.caps().cap_for(100) == 8
+
+
+def test_a_maximum_that_is_not_a_power_of_two_is_not_tried_within_the_caps_size_class() -> None:
+    # With --max-batch-size 48 and a cap of 32, twice the cap is 48: the same size class as 32,
+    # so a try of it could never be told apart from the cap's own batches. It is not made.
+    changes: list[BatchCaps] = []
+    caps = LiveCaps(BatchCaps(((512, 32),)), 48, on_change=changes.append)
+    costs = {16: 1.08, 32: 1.0, 48: 1.4}
+    sizes = _run(caps, costs.__getitem__, 5000, noise=0.03)
+    assert 48 not in sizes
+    assert not changes
+    assert caps.caps().cap_for(100) == 32
+
+
+def test_a_smaller_batch_is_not_compared_with_batches_at_the_cap_long_before_it() -> None:
+    # A busy minute on a slow host at the cap (8), then a quiet one; later, light load on a
+    # host back to normal speed sends batches of 4, which cost 8 % more per sequence than 8
+    # on the same host. Against the slow batches of a minute before they would look 14 %
+    # cheaper and take the cap down.
+    now = [0.0]
+    changes: list[BatchCaps] = []
+    caps = LiveCaps(BatchCaps(((512, 8),)), MAX, on_change=changes.append, clock=lambda: now[0])
+    for _ in range(200):
+        now[0] += 0.05
+        if caps.cap_for(100) == 8:
+            caps.observe(100, 8, 8 * 1.25)
+    now[0] += 60
+    for _ in range(100):
+        now[0] += 0.5
+        caps.observe(100, 4, 4 * 1.08)
+    assert not changes
+    assert caps.caps().cap_for(100) == 8
+
+
+def test_batches_whose_cost_is_not_observed_do_not_take_a_try() -> None:
+    caps = LiveCaps(BatchCaps(((512, 8),)), MAX)
+    tries = set()
+    for _ in range(4 * EXPLORE_EVERY):
+        tries.add(caps.cap_for(100))
+        assert caps.cap_for(100, exploring=False) == 8  # a batch with attention weights
+        caps.observe(100, caps.cap_for(100), caps.cap_for(100) * 1.0)
+    assert tries == {4, 8, 16}

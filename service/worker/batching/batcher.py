@@ -804,7 +804,13 @@ class Batcher:
 
     def _cap(self, queue: _Queue, longest_seq: int) -> int:
         """Most sequences worth batching at this length: the measured cap, within the limit."""
-        return min(self._limits.max_batch_size, self._caps_of(queue.runner).cap_for(longest_seq))
+        caps = self._caps_of(queue.runner)
+        if isinstance(caps, LiveCaps):
+            # Only output-only batches report their cost, so only they may try another size.
+            cap = caps.cap_for(longest_seq, exploring=not queue.with_weights)
+        else:
+            cap = caps.cap_for(longest_seq)
+        return min(self._limits.max_batch_size, cap)
 
     def _caps_of(self, runner: Runner) -> BatchCaps | LiveCaps:
         """The runner's caps: measured at warm-up, then following live costs when enabled."""

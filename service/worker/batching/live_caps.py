@@ -7,19 +7,22 @@ and size class (powers of two); each bucket's cap moves to the size class with t
 cost. Per position, so that within a bucket a batch of shorter sequences does not look
 cheaper than one of longer ones; and buckets stay a power of two wide even where the
 warm-up caps merged neighbours with equal caps, since costs per position still differ
-several-fold between length 64 and 512. Now and then a bucket tries the next size up (bounded
-exploration), so a cap set too low at start can grow. A batch of another size is compared
-with the batches at the cap around it (their median cost then), never with costs measured
-minutes apart: the host's own speed drifts (a noisy neighbour makes every batch 20-30 %
-dearer for a while), and a try of the larger size made before such a slowdown would look
-cheaper than the cap's batches during it. A change needs the median of the last few such
-ratios to show a clear win (hysteresis), so caps do not flap on noise or drift.
+several-fold between length 64 and 512. Now and then a bucket tries the next size class up
+or down, by turns (bounded exploration): a busy queue fills every batch to the cap, so
+without the tries a cap set too low could not grow, nor one set too high come down. A batch
+of another size is compared with the latest batches at the cap before it (their median
+cost then, from the last PAIR_WINDOW_S), never with costs measured minutes apart: the
+host's own speed drifts (a noisy neighbour makes every batch 20-30 % dearer for a while),
+and a try made before such a slowdown would look cheaper than the cap's batches during it.
+A change needs the median of the last few such ratios to show a clear win (hysteresis), so
+caps do not flap on noise or drift.
 """
 
 from __future__ import annotations
 
 import bisect
 import statistics
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 
@@ -27,7 +30,10 @@ from service.catalog import BatchCaps, length_buckets
 
 WINDOW = 9  # batches per (bucket, size) whose median cost, or median ratio, is compared
 MIN_SAMPLES = 5  # before a size's cost, or its ratio to the cap's, is trusted
-EXPLORE_EVERY = 16  # full batches of a bucket between two tries (twice and half its cap, by turns)
+EXPLORE_EVERY = 16  # full batches of a bucket between two tries (up and down, by turns)
+# A batch of another size is compared only with batches at the cap this recent: older ones
+# may have run on a host of another speed.
+PAIR_WINDOW_S = 10.0
 # A larger size must cost this much less per sequence to become the cap, a smaller one this
 # much less to take it back: beyond timing noise (~5 % on one CPU core), and near-ties stay
 # with the larger batch (its per-batch work is shared by more sequences).
@@ -49,34 +55,45 @@ class LiveCaps:
         initial: BatchCaps,
         max_batch_size: int,
         on_change: Callable[[BatchCaps], None] = lambda caps: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lengths = length_buckets(initial.caps[-1][0])
         self._caps = [min(initial.cap_for(length), max_batch_size) for length in self._lengths]
         self._max = max_batch_size
         self._on_change = on_change
-        # Costs per position of the latest batches at each bucket's cap (by size class).
-        self._costs: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
+        self._clock = clock
+        # (when, cost per position) of the latest batches at each bucket's cap (by size class).
+        self._costs: dict[tuple[int, int], deque[tuple[float, float]]] = defaultdict(
+            lambda: deque(maxlen=WINDOW)
+        )
         # Other sizes' costs, each divided by the cap's median cost when it was measured.
         self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=WINDOW)
         )
         self._since_try = [0] * len(self._lengths)
-        # The size the next batch tries: UP (twice the cap), DOWN (half its size class) or 0.
+        # What the bucket's next batch tries: UP (twice the cap, within the maximum), DOWN
+        # (half the cap's size class) or nothing (0); a try lasts until a batch of that
+        # size class has run.
         self._trying = [0] * len(self._lengths)
         self._next_try = [UP] * len(self._lengths)  # tries alternate
 
     def _bucket(self, longest_seq: int) -> int:
         return min(bisect.bisect_left(self._lengths, longest_seq), len(self._lengths) - 1)
 
-    def cap_for(self, longest_seq: int) -> int:
+    def cap_for(self, longest_seq: int, *, exploring: bool = True) -> int:
+        """The cap for a batch this long; with a try due, the try's size unless not
+        exploring (a batch whose cost is not observed: it would never end the try)."""
         bucket = self._bucket(longest_seq)
         cap = self._caps[bucket]
-        trying = self._trying[bucket]
+        trying = self._trying[bucket] if exploring else 0
         if trying == UP:
-            return min(self._max, cap * 2)
+            return self._up(cap)
         if trying == DOWN:
             return size_class(cap) // 2
         return cap
+
+    def _up(self, cap: int) -> int:
+        return min(self._max, cap * 2)
 
     def caps(self) -> BatchCaps:
         return BatchCaps(tuple(zip(self._lengths, self._caps, strict=True))).merged()
@@ -88,10 +105,11 @@ class LiveCaps:
         cost = cost_s / (sequences * max(1, longest_seq))
         cap = self._caps[bucket]
         at_cap = size_class(cap)
+        now = self._clock()
         if size == at_cap:
-            self._costs[(bucket, size)].append(cost)
+            self._costs[(bucket, size)].append((now, cost))
         else:
-            current = self._median(self._costs, bucket, at_cap)
+            current = self._recent_cost(bucket, at_cap, now)
             if current is not None and current > 0:
                 self._ratios[(bucket, size)].append(cost / current)
         trying = self._trying[bucket]
@@ -108,30 +126,39 @@ class LiveCaps:
         """UP and DOWN by turns, each where it exists: a busy queue fills every batch to the
         cap, so without a try down a cap too high would never see a smaller batch."""
         cap = self._caps[bucket]
-        possible = [d for d in (UP, DOWN) if (cap < self._max if d == UP else cap > 1)]
+        # Up only where twice the cap is another size class (not with a maximum of 48 and a
+        # cap of 32: 48 is in 32's class, and its try would never end).
+        can_grow = size_class(self._up(cap)) > size_class(cap)
+        possible = [d for d in (UP, DOWN) if (can_grow if d == UP else cap > 1)]
         if not possible:
             return 0
         direction = self._next_try[bucket] if self._next_try[bucket] in possible else possible[0]
         self._next_try[bucket] = -direction
         return direction
 
-    @staticmethod
-    def _median(
-        samples: dict[tuple[int, int], deque[float]], bucket: int, size: int
-    ) -> float | None:
-        values = samples.get((bucket, size))
-        if values is None or len(values) < MIN_SAMPLES:
+    def _recent_cost(self, bucket: int, size: int, now: float) -> float | None:
+        """The median cost of the batches at the cap within PAIR_WINDOW_S of now, if enough."""
+        costs = self._costs.get((bucket, size))
+        if costs is None:
             return None
-        return statistics.median(values)
+        recent = [cost for when, cost in costs if now - when <= PAIR_WINDOW_S]
+        return statistics.median(recent) if len(recent) >= MIN_SAMPLES else None
+
+    def _median_ratio(self, bucket: int, size: int) -> float | None:
+        ratios = self._ratios.get((bucket, size))
+        if ratios is None or len(ratios) < MIN_SAMPLES:
+            return None
+        return statistics.median(ratios)
 
     def _decide(self, bucket: int) -> None:
         """Move the bucket's cap when another size's median ratio to it is a clear win."""
         cap = self._caps[bucket]
         at_cap = size_class(cap)
-        larger = self._median(self._ratios, bucket, at_cap * 2) if cap < self._max else None
-        smaller = self._median(self._ratios, bucket, at_cap // 2) if cap > 1 else None
+        up = self._up(cap)
+        larger = self._median_ratio(bucket, size_class(up)) if size_class(up) > at_cap else None
+        smaller = self._median_ratio(bucket, at_cap // 2) if cap > 1 else None
         if larger is not None and larger < 1 - GROW_WIN:
-            self._set(bucket, min(self._max, at_cap * 2))
+            self._set(bucket, up)
         elif smaller is not None and smaller < 1 - SHRINK_WIN:
             self._set(bucket, at_cap // 2)
 
