@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable
 
 from service.catalog import BatchCaps
-from service.worker.batching.live_caps import EXPLORE_EVERY, LiveCaps
+from service.worker.batching.live_caps import EXPLORE_EVERY, SETTLED_EXPLORE_EVERY, LiveCaps
 
 MAX = 32
 
@@ -163,3 +163,17 @@ def test_batches_whose_cost_is_not_observed_do_not_take_a_try() -> None:
         assert caps.cap_for(100, exploring=False) == 8  # a batch with attention weights
         caps.observe(100, caps.cap_for(100), caps.cap_for(100) * 1.0)
     assert tries == {4, 8, 16}
+
+
+def test_a_settled_cap_tries_other_sizes_rarely() -> None:
+    # As on a GPU: a batch takes about the same time whatever its size, so a try of half the
+    # cap is half a batch of work lost. Once the tries have shown the cap is better, they
+    # space out.
+    caps = LiveCaps(BatchCaps(((512, 32),)), MAX)
+    sizes = _run(caps, lambda size: 1.0 / size, 10_000, noise=0.03)
+    assert caps.caps().cap_for(100) == 32
+    early = sum(1 for size in sizes[:1000] if size != 32)
+    late = sum(1 for size in sizes[1000:] if size != 32)
+    assert early >= 5  # enough tries to know
+    assert late <= 9000 // 64  # at most one batch in 64 once settled (1.5 %)
+    assert SETTLED_EXPLORE_EVERY >= 64

@@ -31,6 +31,10 @@ from service.catalog import BatchCaps, length_buckets
 WINDOW = 9  # batches per (bucket, size) whose median cost, or median ratio, is compared
 MIN_SAMPLES = 5  # before a size's cost, or its ratio to the cap's, is trusted
 EXPLORE_EVERY = 16  # full batches of a bucket between two tries (up and down, by turns)
+# ... once that direction's ratios say the cap is better: each try of a size that costs more
+# per sequence is lost work (on a GPU a batch of half the cap takes nearly a full batch's
+# time), so a settled bucket tries rarely; a move resets it.
+SETTLED_EXPLORE_EVERY = 128
 # A batch of another size is compared only with batches at the cap this recent: older ones
 # may have run on a host of another speed.
 PAIR_WINDOW_S = 10.0
@@ -117,9 +121,11 @@ class LiveCaps:
             self._trying[bucket] = 0  # one batch of the other size per try
         elif sequences >= cap:
             self._since_try[bucket] += 1
-            if self._since_try[bucket] >= EXPLORE_EVERY:
+            direction = self._next_direction(bucket)
+            if direction and self._since_try[bucket] >= self._interval(bucket, direction):
                 self._since_try[bucket] = 0
-                self._trying[bucket] = self._next_direction(bucket)
+                self._trying[bucket] = direction
+                self._next_try[bucket] = -direction
         self._decide(bucket)
 
     def _next_direction(self, bucket: int) -> int:
@@ -132,9 +138,15 @@ class LiveCaps:
         possible = [d for d in (UP, DOWN) if (can_grow if d == UP else cap > 1)]
         if not possible:
             return 0
-        direction = self._next_try[bucket] if self._next_try[bucket] in possible else possible[0]
-        self._next_try[bucket] = -direction
-        return direction
+        return self._next_try[bucket] if self._next_try[bucket] in possible else possible[0]
+
+    def _interval(self, bucket: int, direction: int) -> int:
+        """Full batches before a try this way: few while its ratios are unknown, many once
+        they say the cap is better (a clear win would have moved the cap already)."""
+        at_cap = size_class(self._caps[bucket])
+        tried = size_class(self._up(self._caps[bucket])) if direction == UP else at_cap // 2
+        settled = self._median_ratio(bucket, tried) is not None
+        return SETTLED_EXPLORE_EVERY if settled else EXPLORE_EVERY
 
     def _recent_cost(self, bucket: int, size: int, now: float) -> float | None:
         """The median cost of the batches at the cap within PAIR_WINDOW_S of now, if enough."""
