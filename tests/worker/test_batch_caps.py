@@ -4,6 +4,7 @@ the batcher and both APIs use and show them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from service.client import AttentionClient
 from service.worker.batching.batcher import Batcher
+from service.worker.batching.live_caps import EXPLORE_EVERY
 from service.worker.batching.policy import choose_batch
 from service.worker.batching.protocol import BatchLimits
 from service.worker.engine.caps import (
@@ -264,3 +266,42 @@ def test_the_servers_per_batch_work_breaks_near_ties_towards_larger_batches() ->
         batch_overhead_s=SERVER_BATCH_OVERHEAD_S,
     )
     assert caps.cap_for(128) == 2
+
+
+def test_batches_with_weights_keep_the_cap_while_live_caps_try_another_size() -> None:
+    # Live caps try twice the cap after EXPLORE_EVERY full output-only batches; only those
+    # batches report a cost, so a batch with attention weights must not take the try.
+    runner = RecordingRunner(batch_caps=BatchCaps(((512, 4),)))
+    limits = BatchLimits(max_batch_size=32, max_queue_delay_s=30, max_queue_size=100)
+
+    async def body() -> None:
+        batcher = Batcher(dataclasses.replace(limits, live_caps=True))
+        await batcher.start()
+        try:
+            for _ in range(EXPLORE_EVERY):  # full batches of 4, closed at the cap
+                await asyncio.wait_for(
+                    asyncio.gather(
+                        *(
+                            batcher.submit(
+                                runner, np.ones((1, 8, 2), np.float32), with_weights=False
+                            )
+                            for _ in range(4)
+                        )
+                    ),
+                    timeout=20,
+                )
+            runner.batches.clear()
+            await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        batcher.submit(runner, np.ones((1, 8, 2), np.float32), with_weights=True)
+                        for _ in range(8)
+                    )
+                ),
+                timeout=20,
+            )
+        finally:
+            await batcher.stop()
+
+    asyncio.run(body())
+    assert runner.batches == [(4, 8, 2), (4, 8, 2)]

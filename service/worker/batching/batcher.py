@@ -847,7 +847,7 @@ class Batcher:
                     [ticket.embeddings.shape[1] for ticket in items],
                     max_sequences=self._limits.max_batch_size,
                     max_padding=self._limits.max_padding_ratio,
-                    cap_for=self._caps_of(queue.runner).cap_for,
+                    cap_for=functools.partial(self._cap, queue),
                     group_by_length=self._limits.group_by_length,
                 )
             ]

@@ -11,7 +11,7 @@ several-fold between length 64 and 512. Now and then a bucket tries the next siz
 or down, by turns (bounded exploration): a busy queue fills every batch to the cap, so
 without the tries a cap set too low could not grow, nor one set too high come down. A batch
 of another size is compared with the latest batches at the cap before it (their median
-cost then, from the last PAIR_WINDOW_S), never with costs measured minutes apart: the
+cost then, back to the first gap of PAIR_WINDOW_S), never with costs minutes apart: the
 host's own speed drifts (a noisy neighbour makes every batch 20-30 % dearer for a while),
 and a try made before such a slowdown would look cheaper than the cap's batches during it.
 A change needs the median of the last few such ratios to show a clear win (hysteresis), so
@@ -30,13 +30,13 @@ from service.catalog import BatchCaps, length_buckets
 
 WINDOW = 9  # batches per (bucket, size) whose median cost, or median ratio, is compared
 MIN_SAMPLES = 5  # before a size's cost, or its ratio to the cap's, is trusted
-EXPLORE_EVERY = 16  # full batches of a bucket between two tries (up and down, by turns)
+EXPLORE_EVERY = 32  # full batches of a bucket between two tries of one direction (up, down)
 # ... once that direction's ratios say the cap is better: each try of a size that costs more
 # per sequence is lost work (on a GPU a batch of half the cap takes nearly a full batch's
 # time), so a settled bucket tries rarely; a move resets it.
 SETTLED_EXPLORE_EVERY = 128
-# A batch of another size is compared only with batches at the cap this recent: older ones
-# may have run on a host of another speed.
+# A batch of another size is compared only with the batches at the cap since the last gap
+# this long between them: older ones may have run on a host of another speed.
 PAIR_WINDOW_S = 10.0
 # A larger size must cost this much less per sequence to become the cap, a smaller one this
 # much less to take it back: beyond timing noise (~5 % on one CPU core), and near-ties stay
@@ -74,12 +74,13 @@ class LiveCaps:
         self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=WINDOW)
         )
-        self._since_try = [0] * len(self._lengths)
+        # Full batches at the cap since each direction's last try, per bucket.
+        self._since_try = [{UP: 0, DOWN: 0} for _ in self._lengths]
         # What the bucket's next batch tries: UP (twice the cap, within the maximum), DOWN
         # (half the cap's size class) or nothing (0); a try lasts until a batch of that
         # size class has run.
         self._trying = [0] * len(self._lengths)
-        self._next_try = [UP] * len(self._lengths)  # tries alternate
+        self._next_try = [UP] * len(self._lengths)  # when both are due, they alternate
 
     def _bucket(self, longest_seq: int) -> int:
         return min(bisect.bisect_left(self._lengths, longest_seq), len(self._lengths) - 1)
@@ -120,40 +121,53 @@ class LiveCaps:
         if trying and (size > at_cap if trying == UP else size < at_cap):
             self._trying[bucket] = 0  # one batch of the other size per try
         elif sequences >= cap:
-            self._since_try[bucket] += 1
-            direction = self._next_direction(bucket)
-            if direction and self._since_try[bucket] >= self._interval(bucket, direction):
-                self._since_try[bucket] = 0
+            since = self._since_try[bucket]
+            for direction in since:
+                since[direction] += 1
+            due = [d for d in self._directions(bucket) if since[d] >= self._interval(bucket, d)]
+            if due:
+                direction = self._next_try[bucket] if self._next_try[bucket] in due else due[0]
+                since[direction] = 0
                 self._trying[bucket] = direction
                 self._next_try[bucket] = -direction
         self._decide(bucket)
 
-    def _next_direction(self, bucket: int) -> int:
-        """UP and DOWN by turns, each where it exists: a busy queue fills every batch to the
-        cap, so without a try down a cap too high would never see a smaller batch."""
+    def _directions(self, bucket: int) -> list[int]:
+        """The tries that exist: a busy queue fills every batch to the cap, so without a try
+        down a cap too high would never see a smaller batch."""
         cap = self._caps[bucket]
         # Up only where twice the cap is another size class (not with a maximum of 48 and a
         # cap of 32: 48 is in 32's class, and its try would never end).
         can_grow = size_class(self._up(cap)) > size_class(cap)
-        possible = [d for d in (UP, DOWN) if (can_grow if d == UP else cap > 1)]
-        if not possible:
-            return 0
-        return self._next_try[bucket] if self._next_try[bucket] in possible else possible[0]
+        return [d for d in (UP, DOWN) if (can_grow if d == UP else cap > 1)]
+
+    def _tried_size(self, bucket: int, direction: int) -> int:
+        cap = self._caps[bucket]
+        return size_class(self._up(cap)) if direction == UP else size_class(cap) // 2
 
     def _interval(self, bucket: int, direction: int) -> int:
-        """Full batches before a try this way: few while its ratios are unknown, many once
-        they say the cap is better (a clear win would have moved the cap already)."""
-        at_cap = size_class(self._caps[bucket])
-        tried = size_class(self._up(self._caps[bucket])) if direction == UP else at_cap // 2
-        settled = self._median_ratio(bucket, tried) is not None
-        return SETTLED_EXPLORE_EVERY if settled else EXPLORE_EVERY
+        """Full batches before a try this way: few while its ratios are unknown or the
+        latest one is a win, many once they say the cap is better (a clear win would have
+        moved the cap already)."""
+        ratios = self._ratios.get((bucket, self._tried_size(bucket, direction)))
+        if ratios is None or len(ratios) < MIN_SAMPLES:
+            return EXPLORE_EVERY
+        win = GROW_WIN if direction == UP else SHRINK_WIN
+        return EXPLORE_EVERY if ratios[-1] < 1 - win else SETTLED_EXPLORE_EVERY
 
     def _recent_cost(self, bucket: int, size: int, now: float) -> float | None:
-        """The median cost of the batches at the cap within PAIR_WINDOW_S of now, if enough."""
+        """The median cost of the latest batches at the cap, if enough of them: those back
+        from now with no gap over PAIR_WINDOW_S between two of them (a bucket whose batches
+        are seconds apart still pairs; one that was quiet for a minute starts afresh)."""
         costs = self._costs.get((bucket, size))
         if costs is None:
             return None
-        recent = [cost for when, cost in costs if now - when <= PAIR_WINDOW_S]
+        recent, later = [], now
+        for when, cost in reversed(costs):
+            if later - when > PAIR_WINDOW_S:
+                break
+            recent.append(cost)
+            later = when
         return statistics.median(recent) if len(recent) >= MIN_SAMPLES else None
 
     def _median_ratio(self, bucket: int, size: int) -> float | None:
@@ -178,7 +192,7 @@ class LiveCaps:
         if cap == self._caps[bucket]:
             return
         self._caps[bucket] = cap
-        self._since_try[bucket] = 0
+        self._since_try[bucket] = {UP: 0, DOWN: 0}
         self._trying[bucket] = 0
         # Every ratio was to the old cap, and the new cap's costs (if any) are old: measure
         # afresh.
