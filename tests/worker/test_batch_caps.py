@@ -269,16 +269,17 @@ def test_the_servers_per_batch_work_breaks_near_ties_towards_larger_batches() ->
 
 
 def test_batches_with_weights_keep_the_cap_while_live_caps_try_another_size() -> None:
-    # Live caps try twice the cap after EXPLORE_EVERY full output-only batches; only those
-    # batches report a cost, so a batch with attention weights must not take the try.
+    # Live caps try twice the cap after EXPLORE_EVERY full output-only batches (and half of
+    # it halfway, a round that then has no full batch); only output-only batches report a
+    # cost, so a batch with attention weights must not take the try.
     runner = RecordingRunner(batch_caps=BatchCaps(((512, 4),)))
-    limits = BatchLimits(max_batch_size=32, max_queue_delay_s=30, max_queue_size=100)
+    limits = BatchLimits(max_batch_size=32, max_queue_delay_s=0.05, max_queue_size=100)
 
     async def body() -> None:
         batcher = Batcher(dataclasses.replace(limits, live_caps=True))
         await batcher.start()
         try:
-            for _ in range(EXPLORE_EVERY):  # full batches of 4, closed at the cap
+            for _ in range(EXPLORE_EVERY + 1):  # batches of 4, closed at the cap
                 await asyncio.wait_for(
                     asyncio.gather(
                         *(

@@ -203,3 +203,28 @@ def test_a_settled_cap_still_follows_a_change_of_costs() -> None:
     costs[16] = 0.8
     sizes = _run(caps, costs.__getitem__, 400, noise=0.03, seed=1)
     assert caps.caps().cap_for(100) == 16, sizes.count(16)
+
+
+def test_slow_batches_run_back_to_back_still_compare_across_a_long_try() -> None:
+    # Each batch takes its cost in time, back to back: 5 s for a batch of 8, 10 s for a try
+    # of 16. The try's own run is no pause between the cap's batches.
+    now = [0.0]
+    caps = LiveCaps(BatchCaps(((512, 8),)), MAX, clock=lambda: now[0])
+    per_sequence = {2: 0.75, 4: 0.5, 8: 0.625, 16: 0.7}  # seconds; 4 is 20 % cheaper than 8
+    for _ in range(1500):
+        size = caps.cap_for(100)
+        cost = size * per_sequence[size]
+        now[0] += cost
+        caps.observe(100, size, cost)
+    assert caps.caps().cap_for(100) == 4
+
+
+def test_a_try_the_queue_cannot_fill_ends_with_the_next_batch() -> None:
+    # One caller at a time: every batch holds one sequence. A try up (2) cannot be filled and
+    # must not keep the cap at 2 (a queue delay would then wait for a second request).
+    caps = LiveCaps(BatchCaps(((512, 1),)), MAX)
+    offered = []
+    for _ in range(640):
+        offered.append(caps.cap_for(100))
+        caps.observe(100, 1, 1.0)
+    assert offered.count(1) >= 640 - 640 // EXPLORE_EVERY - 1

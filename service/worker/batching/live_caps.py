@@ -8,10 +8,10 @@ cost. Per position, so that within a bucket a batch of shorter sequences does no
 cheaper than one of longer ones; and buckets stay a power of two wide even where the
 warm-up caps merged neighbours with equal caps, since costs per position still differ
 several-fold between length 64 and 512. Now and then a bucket tries the next size class up
-or down, by turns (bounded exploration): a busy queue fills every batch to the cap, so
-without the tries a cap set too low could not grow, nor one set too high come down. A batch
-of another size is compared with the latest batches at the cap before it (their median
-cost then, back to the first gap of PAIR_WINDOW_S), never with costs minutes apart: the
+and down (bounded exploration): a busy queue fills every batch to the cap, so without the
+tries a cap set too low could not grow, nor one set too high come down. A batch of another
+size is compared with the latest batches at the cap before it (their median cost then,
+since the bucket's last pause of PAIR_WINDOW_S), never with costs from before a pause: the
 host's own speed drifts (a noisy neighbour makes every batch 20-30 % dearer for a while),
 and a try made before such a slowdown would look cheaper than the cap's batches during it.
 A change needs the median of the last few such ratios to show a clear win (hysteresis), so
@@ -31,12 +31,13 @@ from service.catalog import BatchCaps, length_buckets
 WINDOW = 9  # batches per (bucket, size) whose median cost, or median ratio, is compared
 MIN_SAMPLES = 5  # before a size's cost, or its ratio to the cap's, is trusted
 EXPLORE_EVERY = 32  # full batches of a bucket between two tries of one direction (up, down)
-# ... once that direction's ratios say the cap is better: each try of a size that costs more
-# per sequence is lost work (on a GPU a batch of half the cap takes nearly a full batch's
-# time), so a settled bucket tries rarely; a move resets it.
+# ... while that direction has MIN_SAMPLES ratios or more and its latest is no win: each try
+# of a size that costs more per sequence is lost work (on a GPU a batch of half the cap takes
+# nearly a full batch's time), so a settled direction is tried rarely; a move resets it.
 SETTLED_EXPLORE_EVERY = 128
-# A batch of another size is compared only with the batches at the cap since the last gap
-# this long between them: older ones may have run on a host of another speed.
+# A batch of another size is compared only with the bucket's batches at the cap since its
+# last pause this long (between one batch's end and the next one's start): older ones may
+# have run on a host of another speed.
 PAIR_WINDOW_S = 10.0
 # A larger size must cost this much less per sequence to become the cap, a smaller one this
 # much less to take it back: beyond timing noise (~5 % on one CPU core), and near-ties stay
@@ -44,6 +45,11 @@ PAIR_WINDOW_S = 10.0
 GROW_WIN = 0.06
 SHRINK_WIN = 0.10
 UP, DOWN = 1, -1  # a try's direction
+
+
+def _staggered() -> dict[int, int]:
+    """Try counters that do not come due on the same batch."""
+    return {UP: 0, DOWN: EXPLORE_EVERY // 2}
 
 
 def size_class(sequences: int) -> int:
@@ -74,11 +80,15 @@ class LiveCaps:
         self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=WINDOW)
         )
-        # Full batches at the cap since each direction's last try, per bucket.
-        self._since_try = [{UP: 0, DOWN: 0} for _ in self._lengths]
+        # Full batches at the cap since each direction's last try, per bucket (staggered).
+        self._since_try = [_staggered() for _ in self._lengths]
+        # When each bucket's latest batch ended, and when its batches resumed after a pause
+        # of over PAIR_WINDOW_S (only batches at the cap since then are paired with).
+        self._last_end: list[float | None] = [None] * len(self._lengths)
+        self._resumed = [float("-inf")] * len(self._lengths)
         # What the bucket's next batch tries: UP (twice the cap, within the maximum), DOWN
-        # (half the cap's size class) or nothing (0); a try lasts until a batch of that
-        # size class has run.
+        # (half the cap's size class) or nothing (0); a try is the bucket's next batch,
+        # whatever size the queue gave it.
         self._trying = [0] * len(self._lengths)
         self._next_try = [UP] * len(self._lengths)  # when both are due, they alternate
 
@@ -111,15 +121,20 @@ class LiveCaps:
         cap = self._caps[bucket]
         at_cap = size_class(cap)
         now = self._clock()
+        last_end, started = self._last_end[bucket], now - cost_s
+        if last_end is not None and started - last_end > PAIR_WINDOW_S:
+            self._resumed[bucket] = started  # a pause: the host may have changed meanwhile
+        self._last_end[bucket] = now
         if size == at_cap:
             self._costs[(bucket, size)].append((now, cost))
         else:
-            current = self._recent_cost(bucket, at_cap, now)
+            current = self._recent_cost(bucket, at_cap)
             if current is not None and current > 0:
                 self._ratios[(bucket, size)].append(cost / current)
-        trying = self._trying[bucket]
-        if trying and (size > at_cap if trying == UP else size < at_cap):
-            self._trying[bucket] = 0  # one batch of the other size per try
+        if self._trying[bucket]:
+            # One batch per try: one the load could not fill (a try up with too few
+            # requests queued) must not hold the bucket's cap at the try's size.
+            self._trying[bucket] = 0
         elif sequences >= cap:
             since = self._since_try[bucket]
             for direction in since:
@@ -155,19 +170,15 @@ class LiveCaps:
         win = GROW_WIN if direction == UP else SHRINK_WIN
         return EXPLORE_EVERY if ratios[-1] < 1 - win else SETTLED_EXPLORE_EVERY
 
-    def _recent_cost(self, bucket: int, size: int, now: float) -> float | None:
-        """The median cost of the latest batches at the cap, if enough of them: those back
-        from now with no gap over PAIR_WINDOW_S between two of them (a bucket whose batches
-        are seconds apart still pairs; one that was quiet for a minute starts afresh)."""
+    def _recent_cost(self, bucket: int, size: int) -> float | None:
+        """The median cost of the latest batches at the cap since the bucket's last pause,
+        if enough of them (a bucket whose batches are seconds apart still pairs; one that
+        was quiet for a minute starts afresh)."""
         costs = self._costs.get((bucket, size))
         if costs is None:
             return None
-        recent, later = [], now
-        for when, cost in reversed(costs):
-            if later - when > PAIR_WINDOW_S:
-                break
-            recent.append(cost)
-            later = when
+        resumed = self._resumed[bucket]
+        recent = [cost for ended, cost in costs if ended >= resumed]
         return statistics.median(recent) if len(recent) >= MIN_SAMPLES else None
 
     def _median_ratio(self, bucket: int, size: int) -> float | None:
@@ -192,7 +203,7 @@ class LiveCaps:
         if cap == self._caps[bucket]:
             return
         self._caps[bucket] = cap
-        self._since_try[bucket] = {UP: 0, DOWN: 0}
+        self._since_try[bucket] = _staggered()
         self._trying[bucket] = 0
         # Every ratio was to the old cap, and the new cap's costs (if any) are old: measure
         # afresh.
