@@ -104,7 +104,7 @@ class LiveCaps:
         if trying == UP:
             return self._up(cap)
         if trying == DOWN:
-            return size_class(cap) // 2
+            return self._tried_size(bucket, DOWN)
         return cap
 
     def _up(self, cap: int) -> int:
@@ -189,15 +189,15 @@ class LiveCaps:
 
     def _decide(self, bucket: int) -> None:
         """Move the bucket's cap when another size's median ratio to it is a clear win."""
-        cap = self._caps[bucket]
-        at_cap = size_class(cap)
-        up = self._up(cap)
-        larger = self._median_ratio(bucket, size_class(up)) if size_class(up) > at_cap else None
-        smaller = self._median_ratio(bucket, at_cap // 2) if cap > 1 else None
+        directions = self._directions(bucket)
+        larger, smaller = (
+            self._median_ratio(bucket, self._tried_size(bucket, d)) if d in directions else None
+            for d in (UP, DOWN)
+        )
         if larger is not None and larger < 1 - GROW_WIN:
-            self._set(bucket, up)
+            self._set(bucket, self._up(self._caps[bucket]))
         elif smaller is not None and smaller < 1 - SHRINK_WIN:
-            self._set(bucket, at_cap // 2)
+            self._set(bucket, self._tried_size(bucket, DOWN))
 
     def _set(self, bucket: int, cap: int) -> None:
         if cap == self._caps[bucket]:
