@@ -16,6 +16,14 @@ package main
 // 64 KiB windows took 10.7 ms instead of 5.3 ms for a seq-128 answer, 311 ms instead of 93 ms
 // for a seq-512 answer with weights). The connection follows the client's windows from the
 // SETTINGS and WINDOW_UPDATE frames it reads and the DATA frames it writes (flowWindows).
+//
+// net/http also grants the client more of the connection's window, in a WINDOW_UPDATE of its
+// own write, for every request body it reads: one caller's call took three writes to its
+// socket (that update, the answer, the trailers), a refusal two. While the client can still
+// send windowHoldFloor bytes on the connection without it, such an update is held too and
+// leaves with the answer (or the refusal) that follows, or at the backstop: a client is
+// never short of window for it. The connection counts the DATA bytes it reads and the
+// increments that reached the socket (receiveWindow).
 
 import (
 	"encoding/binary"
@@ -42,6 +50,11 @@ const (
 	frameWindowUpdate    = 0x8
 	settingInitialWindow = 0x4
 	defaultWindow        = 65535
+	// A connection-level WINDOW_UPDATE is held only while the client may still send this
+	// much on the connection without it (the gateway grants 8 MiB): far more than it can
+	// send before the backstop.
+	windowHoldFloor   = 1 << 20
+	windowUpdateBytes = 4
 )
 
 var holdBuffers = sync.Pool{New: func() any {
@@ -68,6 +81,23 @@ type answerFrames struct {
 	messages  map[uint32]*outMessage // streams in the middle of a message
 	untracked bool                   // something it cannot follow was written: hold nothing
 	flow      flowWindows
+	receive   receiveWindow
+	increment [windowUpdateBytes]byte // a WINDOW_UPDATE's payload as it passes
+}
+
+// receiveWindow is how many DATA bytes this side lets the client send on the connection:
+// defaultWindow + granted - received. Increments written but still held are owed.
+type receiveWindow struct {
+	granted, owed int64
+	received      int64 // DATA bytes read from the client: set before each feed
+}
+
+func (w *receiveWindow) room() int64 { return defaultWindow + w.granted - w.received }
+
+// written: everything fed so far reached the socket, its increments with it.
+func (f *answerFrames) written() {
+	f.receive.granted += f.receive.owed
+	f.receive.owed = 0
 }
 
 // flowWindows is how many DATA bytes the client lets this side send, on the connection and
@@ -137,6 +167,9 @@ func (f *answerFrames) feed(p []byte, onHeader func(h []byte)) bool {
 		n := min(f.left, len(p))
 		if f.kind == frameData && !f.untracked {
 			f.follow(p[:n])
+		} else if f.kind == frameWindowUpdate && f.stream == 0 {
+			at := windowUpdateBytes - f.left
+			copy(f.increment[max(0, at):], p[:n])
 		}
 		f.left -= n
 		p = p[n:]
@@ -155,6 +188,9 @@ func (f *answerFrames) started(onHeader func(h []byte)) {
 	if f.kind == frameData && f.flags&flagPadded != 0 {
 		f.untracked = true // net/http never pads; padding bytes would read as message bytes
 	}
+	if f.kind == frameWindowUpdate && f.stream == 0 && f.left != windowUpdateBytes {
+		f.untracked = true // net/http writes none: nothing to read an increment from
+	}
 	if f.kind == frameData && f.left > 0 { // the whole frame counts against both windows
 		f.flow.connSent += int64(f.left)
 		if f.flow.track(f.stream) {
@@ -171,6 +207,9 @@ func (f *answerFrames) started(onHeader func(h []byte)) {
 // ended closes the current frame: the header of the next one comes.
 func (f *answerFrames) ended() {
 	f.have = 0
+	if f.kind == frameWindowUpdate && f.stream == 0 {
+		f.receive.owed += int64(binary.BigEndian.Uint32(f.increment[:]) & 0x7fffffff)
+	}
 	if f.flags&flagEndStream != 0 || f.kind == frameRSTStream {
 		delete(f.messages, f.stream)
 		delete(f.flow.streams, f.stream)
@@ -236,6 +275,8 @@ func (f *answerFrames) moreToCome() bool {
 		}
 		// The rest of this frame is granted already; the message's bytes beyond it are not.
 		return int64(m.left-f.left) <= room
+	case frameWindowUpdate:
+		return f.stream == 0 && f.receive.room() >= windowHoldFloor
 	}
 	return false
 }

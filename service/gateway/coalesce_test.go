@@ -293,3 +293,116 @@ func TestHoldingStopsAtItsBound(t *testing.T) {
 		t.Fatalf("%d writes for 4 bounds' worth of one message", count)
 	}
 }
+
+// granted is a connection whose client got the gateway's 8 MiB connection window, as
+// net/http grants it once the connection starts (written at once: 64 KiB is all it had).
+func granted(t *testing.T) (*policedConn, *writeRecorder) {
+	t.Helper()
+	conn, socket := recorded()
+	grant := windowUpdate(0, 8<<20-defaultWindow)
+	_, _ = conn.Write(grant)
+	if count, all := socket.taken(); count != 1 || !bytes.Equal(all, grant) {
+		t.Fatalf("the first grant: %d writes; a client with HTTP/2's first window must see it", count)
+	}
+	return conn, socket
+}
+
+// aRequest has the client send a request of size bytes on stream.
+func aRequest(t *testing.T, conn *policedConn, stream uint32, size int) {
+	t.Helper()
+	frames := [][]byte{frame(frameHeaders, 0x4, stream, []byte{0x83})}
+	frames = append(frames, dataFrames(stream, grpcFrame(make([]byte, size)), 16<<10, true)...)
+	fromClient(t, conn, frames...)
+}
+
+func TestTheConnectionsWindowUpdateLeavesWithTheAnswer(t *testing.T) {
+	// net/http grants the connection's window back for each request body it reads, in a
+	// write of its own: held, it leaves with the answer's headers and message.
+	conn, socket := granted(t)
+	aRequest(t, conn, 1, 32<<10)
+	update := windowUpdate(0, 32<<10+grpcPrefixBytes)
+	headers := frame(frameHeaders, 0x4, 1, []byte{0x88, 0x5f})
+	message := dataFrames(1, grpcFrame(make([]byte, 32<<10)), 16<<10, false)
+	trailers := frame(frameHeaders, flagEndStream|0x4, 1, []byte{0x88})
+	for _, f := range append([][]byte{update, headers}, message...) {
+		_, _ = conn.Write(f)
+	}
+	count, all := socket.taken()
+	want := bytes.Join(append([][]byte{windowUpdate(0, 8<<20-defaultWindow), update, headers}, message...), nil)
+	if count != 2 || !bytes.Equal(all, want) {
+		t.Fatalf("%d writes (want 2: the first grant, then the update with the answer)", count)
+	}
+	_, _ = conn.Write(trailers)
+	if count, _ := socket.taken(); count != 3 {
+		t.Fatalf("after the trailers: %d writes (want 3)", count)
+	}
+	if conn.out.receive.owed != 0 || conn.out.receive.granted != 8<<20-defaultWindow+32<<10+grpcPrefixBytes {
+		t.Fatalf("increments on the socket %d, owed %d", conn.out.receive.granted, conn.out.receive.owed)
+	}
+}
+
+func TestARefusalTakesOneWriteWithTheWindowUpdate(t *testing.T) {
+	conn, socket := granted(t)
+	aRequest(t, conn, 1, 128<<10)
+	update := windowUpdate(0, 128<<10+grpcPrefixBytes)
+	refusal := frame(frameHeaders, flagEndStream|0x4, 1, []byte{0x88, 0x40})
+	_, _ = conn.Write(update)
+	_, _ = conn.Write(refusal)
+	if count, all := socket.taken(); count != 2 || !bytes.HasSuffix(all, append(bytes.Clone(update), refusal...)) {
+		t.Fatalf("%d writes (want 2: the first grant, then the update with the refusal)", count)
+	}
+}
+
+func TestAWindowUpdateIsWrittenAtOnceWhenTheClientRunsShort(t *testing.T) {
+	// The client has sent all but under windowHoldFloor of its window: it may be waiting
+	// for this update, so it is not held.
+	conn, socket := granted(t)
+	for stream := uint32(1); conn.out.receive.room() >= windowHoldFloor || conn.dataRead.Load() == 0; stream += 2 {
+		aRequest(t, conn, stream, 512<<10)
+		conn.out.receive.received = conn.dataRead.Load()
+	}
+	update := windowUpdate(0, 512<<10+grpcPrefixBytes)
+	_, _ = conn.Write(update)
+	if count, _ := socket.taken(); count != 2 || conn.answers.size() != 0 {
+		t.Fatalf("%d writes, %d bytes held: an update the client may wait for was held", count, conn.answers.size())
+	}
+	// Written, it counts: the room is back above the floor, and the next one is held.
+	if conn.out.receive.room() < windowHoldFloor {
+		t.Fatalf("room %d after the update reached the socket", conn.out.receive.room())
+	}
+	_, _ = conn.Write(windowUpdate(0, 4<<10))
+	if count, _ := socket.taken(); count != 2 {
+		t.Fatalf("%d writes: an update with room to spare was not held", count)
+	}
+}
+
+func TestAHeldWindowUpdateLeavesByTheBackstop(t *testing.T) {
+	// No answer follows (a stream still reading, a slow computation): the backstop writes it.
+	conn, socket := granted(t)
+	conn.answers.backstop = holdFor
+	aRequest(t, conn, 1, 32<<10)
+	update := windowUpdate(0, 32<<10+grpcPrefixBytes)
+	_, _ = conn.Write(update)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if count, all := socket.taken(); count == 2 {
+			if !bytes.HasSuffix(all, update) || conn.answers.size() != 0 || conn.out.receive.owed != 0 {
+				t.Fatal("the backstop wrote other bytes, kept some, or still owes the increment")
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the held update never left")
+		}
+		time.Sleep(holdFor / 4)
+	}
+}
+
+func TestAStreamsWindowUpdateIsNeverHeld(t *testing.T) {
+	conn, socket := granted(t)
+	aRequest(t, conn, 1, 32<<10)
+	_, _ = conn.Write(windowUpdate(1, 32<<10))
+	if count, _ := socket.taken(); count != 2 {
+		t.Fatalf("%d writes: a stream's WINDOW_UPDATE was held", count)
+	}
+}

@@ -51,6 +51,8 @@ type policedConn struct {
 	scratch     []byte
 	scratchFlow []byte
 
+	dataRead atomic.Int64 // DATA bytes read from the client (the receive window's use)
+
 	mu         sync.Mutex
 	out        answerFrames
 	answers    heldAnswers // outbound bytes held back (coalesce.go)
@@ -201,6 +203,10 @@ func (c *policedConn) flowControl() {
 // received sees each frame header the client sends.
 func (c *policedConn) received(h []byte) {
 	kind, flags := h[3], h[4]
+	if kind == frameData {
+		c.dataRead.Add(int64(h[0])<<16 | int64(h[1])<<8 | int64(h[2]))
+		return
+	}
 	stream := binary.BigEndian.Uint32(h[5:9]) & 0x7fffffff
 	if kind == frameHeaders || kind == frameRSTStream {
 		c.mu.Lock()
@@ -252,6 +258,7 @@ func (c *policedConn) Write(p []byte) (int, error) {
 	if c.answers.err != nil {
 		return 0, c.answers.err
 	}
+	c.out.receive.received = c.dataRead.Load()
 	if c.out.feed(p, c.sent) && c.answers.size()+len(p) <= holdBytes {
 		c.answers.keep(p, c.flushLate)
 		return len(p), nil
@@ -266,6 +273,7 @@ func (c *policedConn) Write(p []byte) (int, error) {
 // writeThrough writes what is held and p, in one write when they fit the hold's buffer; n
 // counts p's bytes written. Under mu.
 func (c *policedConn) writeThrough(p []byte) (int, error) {
+	defer c.out.written()
 	held := c.answers.size()
 	if held == 0 {
 		return c.Conn.Write(p)
