@@ -116,8 +116,8 @@ class FrontendServer:
 
     @property
     def ready(self) -> bool:
-        """Warm worker connected, not draining: V2 ServerReady / ModelReady."""
-        return self.plane.ready and self._started
+        """Warm worker connected, not draining: V2 ServerReady / ModelReady, REST's ready."""
+        return self.plane.ready and self._started and not self._draining
 
     async def start(self, port: int, http_port: int = 0) -> int:
         """Serve gRPC on port and HTTP/REST on http_port (0: none); the gRPC port bound."""

@@ -131,8 +131,9 @@ func (fp *fastPath) serveHealth(w http.ResponseWriter, r *http.Request, call hea
 		return false // Python answers DEADLINE_EXCEEDED
 	}
 	snapshot := fp.worker.snapshot()
-	state := healthState{served: snapshot, ready: snapshot.ready && fp.accepting.Load(),
-		draining: fp.draining.Load(), shown: fp.worker.wasShown}
+	draining := fp.draining.Load() // not ready from the signal on, as Python's
+	state := healthState{served: snapshot, ready: snapshot.ready && fp.accepting.Load() && !draining,
+		draining: draining, shown: fp.worker.wasShown}
 	answer, plain := call(state, message)
 	if !plain {
 		return false

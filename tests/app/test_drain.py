@@ -8,6 +8,8 @@ import shutil
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.harness import wait_for
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
+from service.generated.inference import grpc_service_pb2 as v2
+from service.generated.inference import grpc_service_pb2_grpc
 from tests.harness.server_process import ServerProcess
 
 # The gateway drains in code of its own (not serving, refusing, waiting for its calls): both ways.
@@ -63,15 +67,26 @@ def test_drain_goes_not_serving_then_unavailable_and_finishes_what_it_accepted(
     small_only: Path,
 ) -> None:
     flags = (*PARKED, "--shutdown-not-serving-s", "1.5", "--grace-period-s", "10")
-    server = ServerProcess(small_only, *flags)
+    server = ServerProcess(small_only, *flags, http=True)
     with server, grpc.insecure_channel(server.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        v2_stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        assert v2_stub.ServerReady(v2.ServerReadyRequest(), timeout=5).ready
+        urllib.request.urlopen("http://" + server.http_url + "/v2/health/ready", timeout=5).close()
         accepted = [stub.Attend.future(_request(), timeout=30) for _ in range(5)]
         server.wait_metric("attention_queue_depth_requests", 5)
         started = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         wait_for(lambda: _health(channel) == "NOT_SERVING", what="NOT_SERVING")
         assert time.monotonic() - started < 1.0  # at once, not after the drain
+        # V2's readiness and REST's say the same at once (load balancers probe any of them).
+        assert not v2_stub.ServerReady(v2.ServerReadyRequest(), timeout=5).ready
+        assert not v2_stub.ModelReady(v2.ModelReadyRequest(name="small"), timeout=5).ready
+        for path in ["/v2/health/ready", "/v2/models/small/ready"]:
+            with pytest.raises(urllib.error.HTTPError) as not_ready:
+                urllib.request.urlopen("http://" + server.http_url + path, timeout=5)
+            assert not_ready.value.code == 503, path
+        assert "refusing new requests" not in server.log  # all within the NOT_SERVING period
         late = stub.Attend.future(_request(), timeout=30)  # still accepted while NOT_SERVING
         server.wait_metric("attention_queue_depth_requests", 6)
         wait_for(lambda: "refusing new requests" in server.log, what="refusals")
