@@ -391,7 +391,12 @@ func run(o options) error {
 		return err
 	}
 	server := &http.Server{Handler: logCalls(g), IdleTimeout: o.idle, ReadHeaderTimeout: 10 * time.Second,
-		ErrorLog: log.New(io.Discard, "", 0),
+		// Past net/http's 500 header values it answers 431, which gRPC clients report as
+		// UNKNOWN; gRPC core bounds only the block's size. Every value costs at least 32
+		// bytes of the header list, so its size bound comes first and the metadata check
+		// in ServeHTTP answers as core does.
+		MaxHeaderValueCount: http.DefaultMaxHeaderBytes / 32,
+		ErrorLog:            log.New(io.Discard, "", 0),
 		ConnContext: func(ctx context.Context, _ net.Conn) context.Context {
 			if o.maxAge <= 0 {
 				return ctx
