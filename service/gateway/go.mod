@@ -1,3 +1,3 @@
 module attention/gateway
 
-go 1.24
+go 1.27
