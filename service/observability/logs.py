@@ -159,6 +159,9 @@ def configure(process: str, state: LogState) -> None:
         root.removeHandler(old)
         old.close()
     root.addHandler(handler)
+    # Python's warnings (a library's RuntimeWarning, a DeprecationWarning) through logging
+    # too, in the same format: printed as they are, they broke JSON's one object per line.
+    logging.captureWarnings(True)
     apply(state)
 
 

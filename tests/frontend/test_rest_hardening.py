@@ -257,6 +257,27 @@ def test_nested_and_ragged_json_data(server: ServerProcess) -> None:
     assert "not a regular array" in _error(headers, raw)
 
 
+def test_numbers_the_datatype_cannot_hold_and_booleans_among_numbers_are_400(
+    server: ServerProcess,
+) -> None:
+    """1e39 is a finite JSON number that FP32 cannot hold: refused as such (it read as a
+    non-finite input, and numpy's overflow warning went to the log as a bare line); true
+    among numbers is a boolean, as it is alone (numpy read it as 1.0)."""
+    values = [0.5] * (4 * D)
+    cases = {
+        "outside FP32's range (such as 1e+39": [1e39, *values[1:]],
+        "holds booleans": [True, *values[1:]],
+    }
+    for expected, data in cases.items():
+        for shaped in (data, [[data[i : i + D] for i in range(0, 4 * D, D)]]):
+            tensor = {"name": "embeddings", "shape": [1, 4, D], "datatype": "FP32", "data": shaped}
+            body = json.dumps({"inputs": [tensor]}).encode()
+            status, headers, raw = _request(server, "POST", INFER, body)
+            assert status == 400, raw[:300]
+            assert expected in _error(headers, raw), raw[:300]
+    assert "Warning" not in server.log, server.log[-2000:]
+
+
 # -- item 3: integers past Python's digit limit ----------------------------------------------
 
 HUGE = "9" * 5000  # json.loads and int() refuse more than 4300 digits with a bare ValueError

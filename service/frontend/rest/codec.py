@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -199,7 +200,23 @@ def _json_data(tensor: dict[str, Any], shape: list[int], where: str) -> bytes:
         raise InvalidInput(
             f"{where} data has {size} values; shape {shape} needs {math.prod(shape)}"
         )
-    return b"".join(array_bytes(array.astype(dtype, copy=False)) for array in arrays)
+    return b"".join(array_bytes(_cast(array, dtype, where, tensor["datatype"])) for array in arrays)
+
+
+def _cast(array: np.ndarray, dtype: np.dtype[Any], where: str, datatype: str) -> np.ndarray:
+    """JSON numbers in the tensor's dtype; InvalidInput for a finite number the dtype cannot
+    hold (1e39 in FP32 would become inf, and then read as a non-finite input)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = array.astype(dtype, copy=False)
+    if cast.dtype.kind == "f" and cast is not array and not np.isfinite(cast).all():
+        outside = ~np.isfinite(cast) & np.isfinite(array)
+        if outside.any():
+            raise InvalidInput(
+                f"{where} data holds {int(np.count_nonzero(outside))} numbers outside "
+                f"{datatype}'s range (such as {float(array[outside][0]):g}; largest "
+                f"{float(np.finfo(cast.dtype).max):g}); expected finite {datatype} values"
+            )
+    return cast
 
 
 def _add_input(

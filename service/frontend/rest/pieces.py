@@ -11,6 +11,7 @@ call). The REST front end runs anything larger than INLINE_BYTES on its codec th
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -152,7 +153,20 @@ def flat_pieces(data: Any) -> Iterator[np.ndarray]:
             yield from flat_pieces(item)
         return
     for start in range(0, len(data), rows):
-        piece = np.asarray(data[start : start + rows])  # ValueError when ragged inside
+        items = data[start : start + rows]
+        piece = np.asarray(items)  # ValueError when ragged inside
         if piece.shape[1:] != inner:
             raise ValueError(f"its rows differ in shape; expected each {list(inner)}")
+        if piece.dtype.kind in "fiu" and _holds_booleans(items, len(inner)):
+            # numpy read true as 1 and false as 0 among numbers; JSON's booleans are no numbers.
+            yield piece.astype(bool)  # the caller refuses booleans
+            return
         yield piece.reshape(-1)
+
+
+def _holds_booleans(items: list[Any], depth: int) -> bool:
+    """Whether lists nested depth deep below items hold a JSON boolean (C-level loops: about
+    a fifth of the piece's np.asarray)."""
+    for _ in range(depth):
+        items = list(itertools.chain.from_iterable(items))
+    return bool in set(map(type, items))
