@@ -230,7 +230,10 @@ class V2Plane:
             ]
         )
 
-    async def load(self, repository: str, name: str, parameters: Iterable[str]) -> None:
+    async def load(
+        self, repository: str, name: str, parameters: Iterable[str], asked_by: str
+    ) -> None:
+        """Load name; asked_by (who asked, as logged) goes to the worker's log line too."""
         check_repository_name(repository)
         names = list(parameters)
         if names:
@@ -238,9 +241,11 @@ class V2Plane:
                 f"RepositoryModelLoad parameters {_names(names)} are not "
                 "supported (no config or file overrides): load the files in the repository"
             )
-        await self._plane.load(name)
+        await self._plane.load(name, asked_by)
 
-    async def unload(self, repository: str, name: str, parameters: Iterable[str]) -> None:
+    async def unload(
+        self, repository: str, name: str, parameters: Iterable[str], asked_by: str
+    ) -> None:
         check_repository_name(repository)
         unknown = set(parameters) - UNLOAD_PARAMETERS
         if unknown:
@@ -248,7 +253,7 @@ class V2Plane:
                 f"RepositoryModelUnload parameters {_names(unknown)} are not supported; "
                 f"expected only {sorted(UNLOAD_PARAMETERS)}"
             )
-        await self._plane.unload(name)
+        await self._plane.unload(name, asked_by)
 
     async def infer(self, request: v2.ModelInferRequest, context: HasDeadline) -> Inferred:
         """The one ModelInfer path: gRPC unary, gRPC streamed, and HTTP/REST."""

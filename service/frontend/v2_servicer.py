@@ -136,16 +136,20 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: v2.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelLoadResponse:
-        log.info("RepositoryModelLoad %s asked by %s", shown(request.model_name), caller(context))
-        await self.plane.load(request.repository_name, request.model_name, request.parameters)
+        who = caller(context)
+        log.info("RepositoryModelLoad %s asked by %s", shown(request.model_name), who)
+        await self.plane.load(request.repository_name, request.model_name, request.parameters, who)
         return v2.RepositoryModelLoadResponse()
 
     @rpc(Api.V2)
     async def RepositoryModelUnload(
         self, request: v2.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
     ) -> v2.RepositoryModelUnloadResponse:
-        log.info("RepositoryModelUnload %s asked by %s", shown(request.model_name), caller(context))
-        await self.plane.unload(request.repository_name, request.model_name, request.parameters)
+        who = caller(context)
+        log.info("RepositoryModelUnload %s asked by %s", shown(request.model_name), who)
+        await self.plane.unload(
+            request.repository_name, request.model_name, request.parameters, who
+        )
         return v2.RepositoryModelUnloadResponse()
 
     # The system shared-memory extension: the shared-memory group of --restricted-api.

@@ -194,6 +194,17 @@ def test_the_key_opens_them_and_changes_are_logged_with_the_caller(
     assert [m["name"] for m in index["models"]] == ["mha"]
     assert "RepositoryModelUnload 'mha' asked by peer 'ipv4:127.0.0.1:" in restricted.log
     assert "RepositoryModelLoad 'mha' asked by peer 'ipv4:127.0.0.1:" in restricted.log
+    # The worker's own line names the caller too, and so do REST's (it named no one).
+    assert "load of model 'mha' asked by peer 'ipv4:127.0.0.1:" in restricted.log
+    import tritonclient.http as triton_http
+
+    rest = triton_http.InferenceServerClient(restricted.http_url)
+    rest.unload_model("mha", headers=headers)
+    rest.load_model("mha", headers=headers)
+    for op in ("unload", "load"):
+        assert f"REST {op} of model 'mha' asked by peer '127.0.0.1'" in restricted.log
+        assert f": {op} of model 'mha' asked by peer '127.0.0.1'" in restricted.log  # worker
+    assert "asked by \n" not in restricted.log
     assert "model-repository API unrestricted" not in restricted.log
 
 

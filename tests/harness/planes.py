@@ -44,10 +44,10 @@ class LocalPlane:
     async def index(self, *, ready_only: bool) -> list[IndexEntry]:
         raise NotSupported("no model repository in this test")
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, peer: str = "") -> None:
         raise NotSupported("no model repository in this test")
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, peer: str = "") -> None:
         raise NotSupported("no model repository in this test")
 
     async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,8 @@ from service.frontend.rest.codec import (
 from service.frontend.v2_plane import Inferred, V2Plane
 from service.observability import logs
 from service.text import shown
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from service.frontend.rest.app import RestFrontend
@@ -249,13 +252,17 @@ class _Endpoints:
     async def load(self, request: web.Request) -> web.Response:
         body = await self._json_body(request, "the load request", empty_ok=True)
         names = _parameter_names(body, "the load request's")
-        await self.plane.load("", request.match_info["model"], names)
+        model, who = request.match_info["model"], _asked_by(request)
+        log.info("REST load of model %s asked by %s", shown(model), who)
+        await self.plane.load("", model, names, who)
         return json_response({})
 
     async def unload(self, request: web.Request) -> web.Response:
         body = await self._json_body(request, "the unload request", empty_ok=True)
         names = _parameter_names(body, "the unload request's")
-        await self.plane.unload("", request.match_info["model"], names)
+        model, who = request.match_info["model"], _asked_by(request)
+        log.info("REST unload of model %s asked by %s", shown(model), who)
+        await self.plane.unload("", model, names, who)
         return json_response({})
 
     # The system shared-memory extension: the shared-memory group of --restricted-api.
@@ -291,8 +298,12 @@ class _Endpoints:
     async def update_log_settings(self, request: web.Request) -> web.Response:
         changes = await self._json_body(request, "the log settings request")
         counted(changes, MAX_PARAMETERS, "the log settings request")
-        who = f"peer {shown(str(request.remote or 'unknown'))}"
-        return json_response(self.plane.update_log_settings(changes, who))
+        return json_response(self.plane.update_log_settings(changes, _asked_by(request)))
+
+
+def _asked_by(request: web.Request) -> str:
+    """Who sent request, as the audit lines name a caller (the client's own words, escaped)."""
+    return f"peer {shown(str(request.remote or 'unknown'))}"
 
 
 def _encoded(body: InferBody, inferred: Inferred) -> tuple[list[bytes], int | None]:
