@@ -57,6 +57,9 @@ def _reservation_addresses(host: str) -> list[tuple[socket.AddressFamily, str]]:
 
 def _check_free(family: socket.AddressFamily, address: str, port: int) -> None:
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As every server binds: connections of a previous run closed within the last minute
+        # (TIME_WAIT) do not make the port taken; a listener does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
             probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         probe.bind((address, port))
@@ -71,6 +74,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
         try:
             if port:
                 _check_free(family, address, port)  # SO_REUSEPORT alone would share a taken one
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)

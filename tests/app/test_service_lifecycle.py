@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -189,6 +190,25 @@ def test_a_taken_port_fails_fast(server: ServerProcess, model_repository: Path) 
         )
         assert done.returncode == 1, done.stderr
         assert "cannot bind" in done.stderr
+
+
+def test_a_port_left_in_time_wait_by_a_previous_run_is_free(mha_repository: Path) -> None:
+    """A restart on the same port within a minute of the last run, whose server closed its
+    connections first (they stay in TIME_WAIT on the port): it serves. Before, the port check
+    bound without SO_REUSEADDR and refused to start: 'Address already in use'."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its end waits in TIME_WAIT
+            client.recv(1)
+    with ServerProcess(mha_repository, "--grpc-port", str(port)) as restarted:
+        assert restarted.grpc_port == port
+        with grpc.insecure_channel(restarted.target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=10
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_metrics_move_as_requests_go_through(
