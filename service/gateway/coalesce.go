@@ -86,13 +86,46 @@ type answerFrames struct {
 }
 
 // receiveWindow is how many DATA bytes this side lets the client send on the connection:
-// defaultWindow + granted - received. Increments written but still held are owed.
+// defaultWindow + granted - received. Increments fed but not yet on the socket are owed;
+// those of a lone update taken back before feeding (windowUpdateToOwe) are unsent.
 type receiveWindow struct {
-	granted, owed int64
-	received      int64 // DATA bytes read from the client: set before each feed
+	granted, owed, unsent int64
+	received              int64 // DATA bytes read from the client: set before each feed
 }
 
 func (w *receiveWindow) room() int64 { return defaultWindow + w.granted - w.received }
+
+// windowUpdateToOwe takes p back when it is exactly one connection-level WINDOW_UPDATE and
+// the client can do without it for now (the room it has without it is windowHoldFloor or
+// more): its increment is added to the unsent one, which the next write carries
+// (owedWindowUpdate). Nothing else needs writing then, so no backstop is armed: the client
+// never waits on it, since each update net/http writes for further reads is looked at
+// again, and leaves with the unsent increment once the room is short.
+func (f *answerFrames) windowUpdateToOwe(p []byte) bool {
+	if len(p) != frameHeaderBytes+windowUpdateBytes || p[3] != frameWindowUpdate || f.untracked {
+		return false
+	}
+	length := int(p[0])<<16 | int(p[1])<<8 | int(p[2])
+	stream := binary.BigEndian.Uint32(p[5:9]) & 0x7fffffff
+	if length != windowUpdateBytes || stream != 0 || f.receive.room() < windowHoldFloor {
+		return false
+	}
+	f.receive.unsent += int64(binary.BigEndian.Uint32(p[9:]) & 0x7fffffff)
+	return true
+}
+
+// owedWindowUpdate is the WINDOW_UPDATE frame that grants the unsent increment (nil: none),
+// to be fed and written before what comes next; only at a frame boundary.
+func (f *answerFrames) owedWindowUpdate() []byte {
+	if f.receive.unsent == 0 || !f.atBoundary() {
+		return nil
+	}
+	frame := make([]byte, frameHeaderBytes+windowUpdateBytes)
+	frame[2], frame[3] = windowUpdateBytes, frameWindowUpdate
+	binary.BigEndian.PutUint32(frame[9:], uint32(f.receive.unsent))
+	f.receive.unsent = 0
+	return frame
+}
 
 // written: everything fed so far reached the socket, its increments with it.
 func (f *answerFrames) written() {

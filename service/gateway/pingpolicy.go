@@ -259,6 +259,13 @@ func (c *policedConn) Write(p []byte) (int, error) {
 		return 0, c.answers.err
 	}
 	c.out.receive.received = c.dataRead.Load()
+	if c.answers.size() == 0 && c.out.atBoundary() && c.out.windowUpdateToOwe(p) {
+		return len(p), nil // owed: it leaves with the next write, no timer for it
+	}
+	if owed := c.out.owedWindowUpdate(); owed != nil {
+		c.out.feed(owed, c.sent) // counted as written with what follows
+		c.answers.keep(owed, c.flushLate)
+	}
 	if c.out.feed(p, c.sent) && c.answers.size()+len(p) <= holdBytes {
 		c.answers.keep(p, c.flushLate)
 		return len(p), nil
