@@ -401,6 +401,40 @@ func TestAnOwedWindowUpdateLeavesWithTheNextWriteWhateverItIs(t *testing.T) {
 	}
 }
 
+func TestAnOwedUpdateLeavesOnceTheClientRunsShortThoughNothingIsWritten(t *testing.T) {
+	// Streams whose handlers stopped reading take the rest of the window, and another
+	// stream's handler waits for data: nothing will be written to carry the update, so the
+	// reading side sends it as the room falls below the floor.
+	conn, socket := granted(t)
+	aRequest(t, conn, 1, 32<<10)
+	increment := uint32(32<<10 + grpcPrefixBytes)
+	_, _ = conn.Write(windowUpdate(0, increment))
+	if count, _ := socket.taken(); count != 1 {
+		t.Fatalf("%d writes: the update was not owed", count)
+	}
+	for stream := uint32(3); conn.dataRead.Load() < 8<<20-windowHoldFloor; stream += 2 {
+		aRequest(t, conn, stream, 512<<10)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if count, all := socket.taken(); count == 2 {
+			if !bytes.HasSuffix(all, windowUpdate(0, increment)) {
+				t.Fatal("the second write is not the owed update")
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the owed update never left while the client ran short")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	conn.mu.Lock()
+	defer conn.mu.Unlock()
+	if conn.out.receive.unsent != 0 || conn.owedTop.Load() != 0 {
+		t.Fatal("still owed after it was written")
+	}
+}
+
 func TestAStreamsWindowUpdateIsNeverHeld(t *testing.T) {
 	conn, socket := granted(t)
 	aRequest(t, conn, 1, 32<<10)

@@ -52,6 +52,11 @@ type policedConn struct {
 	scratchFlow []byte
 
 	dataRead atomic.Int64 // DATA bytes read from the client (the receive window's use)
+	// While a WINDOW_UPDATE's increment is owed (coalesce.go): the top of the client's
+	// connection window without it (room = owedTop - dataRead); 0 when none is owed. The
+	// reading side sends the owed update once the room falls short (flushOwed).
+	owedTop      atomic.Int64
+	flushingOwed atomic.Bool
 
 	mu         sync.Mutex
 	out        answerFrames
@@ -204,7 +209,10 @@ func (c *policedConn) flowControl() {
 func (c *policedConn) received(h []byte) {
 	kind, flags := h[3], h[4]
 	if kind == frameData {
-		c.dataRead.Add(int64(h[0])<<16 | int64(h[1])<<8 | int64(h[2]))
+		read := c.dataRead.Add(int64(h[0])<<16 | int64(h[1])<<8 | int64(h[2]))
+		if top := c.owedTop.Load(); top > 0 && top-read < windowHoldFloor && c.flushingOwed.CompareAndSwap(false, true) {
+			go c.flushOwed() // the client is running short: no write may come to carry it
+		}
 		return
 	}
 	stream := binary.BigEndian.Uint32(h[5:9]) & 0x7fffffff
@@ -259,6 +267,7 @@ func (c *policedConn) Write(p []byte) (int, error) {
 		return 0, c.answers.err
 	}
 	c.out.receive.received = c.dataRead.Load()
+	defer c.noteOwed()
 	if c.answers.size() == 0 && c.out.atBoundary() && c.out.windowUpdateToOwe(p) {
 		return len(p), nil // owed: it leaves with the next write, no timer for it
 	}
@@ -275,6 +284,34 @@ func (c *policedConn) Write(p []byte) (int, error) {
 		c.sendAway()
 	}
 	return n, err
+}
+
+// noteOwed publishes what the reading side needs to know of an owed update. Under mu.
+func (c *policedConn) noteOwed() {
+	if c.out.receive.unsent > 0 {
+		c.owedTop.Store(defaultWindow + c.out.receive.granted)
+	} else {
+		c.owedTop.Store(0)
+	}
+}
+
+// flushOwed writes the owed WINDOW_UPDATE (with whatever is held) now: the client has sent
+// so much since it was owed that its room fell below windowHoldFloor.
+func (c *policedConn) flushOwed() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	defer c.flushingOwed.Store(false)
+	if c.goneAway || c.answers.err != nil {
+		return
+	}
+	if owed := c.out.owedWindowUpdate(); owed != nil { // else a write in progress ends first
+		c.out.feed(owed, c.sent)
+		if _, err := c.writeThrough(owed); err != nil {
+			c.answers.err = err
+			_ = c.Conn.Close()
+		}
+	}
+	c.noteOwed()
 }
 
 // writeThrough writes what is held and p, in one write when they fit the hold's buffer; n
