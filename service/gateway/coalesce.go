@@ -20,10 +20,13 @@ package main
 // net/http also grants the client more of the connection's window, in a WINDOW_UPDATE of its
 // own write, for every request body it reads: one caller's call took three writes to its
 // socket (that update, the answer, the trailers), a refusal two. While the client can still
-// send windowHoldFloor bytes on the connection without it, such an update is held too and
-// leaves with the answer (or the refusal) that follows, or at the backstop: a client is
-// never short of window for it. The connection counts the DATA bytes it reads and the
-// increments that reached the socket (receiveWindow).
+// send windowHoldFloor bytes on the connection without it, such an update is owed instead:
+// its increment is kept (no buffer, no backstop timer) and a WINDOW_UPDATE of the sum goes
+// in front of the next write on the connection (the answer or refusal that follows). The
+// connection counts the DATA bytes it reads and the increments that reached the socket
+// (receiveWindow); once the client's room falls under the floor, the owed update leaves at
+// once, from the next update net/http writes or from the reading side itself (flushOwed),
+// so a client is never short of window for it.
 
 import (
 	"encoding/binary"
@@ -50,9 +53,8 @@ const (
 	frameWindowUpdate    = 0x8
 	settingInitialWindow = 0x4
 	defaultWindow        = 65535
-	// A connection-level WINDOW_UPDATE is held only while the client may still send this
-	// much on the connection without it (the gateway grants 8 MiB): far more than it can
-	// send before the backstop.
+	// A connection-level WINDOW_UPDATE is owed only while the client may still send this
+	// much on the connection without it (the gateway grants 8 MiB).
 	windowHoldFloor   = 1 << 20
 	windowUpdateBytes = 4
 )

@@ -269,7 +269,10 @@ func TestAHeldPartLeavesByTheBackstop(t *testing.T) {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		if count, all := socket.taken(); count == 1 {
-			if !bytes.Equal(all, part) || conn.answers.size() != 0 {
+			conn.mu.Lock() // the backstop released the hold on its own goroutine
+			held := conn.answers.size()
+			conn.mu.Unlock()
+			if !bytes.Equal(all, part) || held != 0 {
 				t.Fatal("the backstop wrote other bytes, or kept some")
 			}
 			return
@@ -432,6 +435,18 @@ func TestAnOwedUpdateLeavesOnceTheClientRunsShortThoughNothingIsWritten(t *testi
 	defer conn.mu.Unlock()
 	if conn.out.receive.unsent != 0 || conn.owedTop.Load() != 0 {
 		t.Fatal("still owed after it was written")
+	}
+}
+
+func TestAnUpdateEndingAWriteOfOtherFramesIsNotHeldOnItsOwn(t *testing.T) {
+	// A PING's ack and an update in one write: nothing is held to go with them, so they
+	// leave at once (held, the ack would wait for the backstop and skew the client's RTT).
+	conn, socket := granted(t)
+	aRequest(t, conn, 1, 32<<10)
+	both := append(frame(framePing, flagAck, 0, make([]byte, 8)), windowUpdate(0, 32<<10)...)
+	_, _ = conn.Write(both)
+	if count, all := socket.taken(); count != 2 || !bytes.HasSuffix(all, both) {
+		t.Fatalf("%d writes: an ack with an update was held", count)
 	}
 }
 

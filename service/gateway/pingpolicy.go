@@ -268,14 +268,24 @@ func (c *policedConn) Write(p []byte) (int, error) {
 	}
 	c.out.receive.received = c.dataRead.Load()
 	defer c.noteOwed()
-	if c.answers.size() == 0 && c.out.atBoundary() && c.out.windowUpdateToOwe(p) {
-		return len(p), nil // owed: it leaves with the next write, no timer for it
-	}
-	if owed := c.out.owedWindowUpdate(); owed != nil {
+	holding := c.answers.size() > 0
+	if !holding && c.out.atBoundary() && c.out.windowUpdateToOwe(p) {
+		c.noteOwed()
+		// Published, then the room looked at again: DATA the reading side counted before the
+		// top was published was checked against none.
+		if c.owedTop.Load()-c.dataRead.Load() >= windowHoldFloor {
+			return len(p), nil // owed: it leaves with the next write, no timer for it
+		}
+		p = c.out.owedWindowUpdate() // the client ran short meanwhile: the sum, now
+	} else if owed := c.out.owedWindowUpdate(); owed != nil {
 		c.out.feed(owed, c.sent) // counted as written with what follows
 		c.answers.keep(owed, c.flushLate)
+		holding = true
 	}
-	if c.out.feed(p, c.sent) && c.answers.size()+len(p) <= holdBytes {
+	more := c.out.feed(p, c.sent)
+	// An update that ends a write of other frames (a PING's ack) is held only with an
+	// answer already held, whose backstop is armed anyway: never on a timer of its own.
+	if more && (holding || c.out.kind != frameWindowUpdate) && c.answers.size()+len(p) <= holdBytes {
 		c.answers.keep(p, c.flushLate)
 		return len(p), nil
 	}
