@@ -316,10 +316,7 @@ func (c *policedConn) flushOwed() {
 	}
 	if owed := c.out.owedWindowUpdate(); owed != nil { // else a write in progress ends first
 		c.out.feed(owed, c.sent)
-		if _, err := c.writeThrough(owed); err != nil {
-			c.answers.err = err
-			_ = c.Conn.Close()
-		}
+		c.writeLate(owed)
 	}
 	c.noteOwed()
 }
@@ -346,15 +343,20 @@ func (c *policedConn) writeThrough(p []byte) (int, error) {
 	return max(0, n-held), err
 }
 
-// flushLate writes what is still held when the backstop fires; a failure closes the
-// connection (net/http took those bytes as written) and fails every later write.
+// flushLate writes what is still held when the backstop fires.
 func (c *policedConn) flushLate() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.answers.size() == 0 || c.goneAway {
 		return
 	}
-	if _, err := c.writeThrough(nil); err != nil {
+	c.writeLate(nil)
+}
+
+// writeLate writes what is held and p outside any net/http write; a failure closes the
+// connection (net/http took those bytes as written) and fails every later write. Under mu.
+func (c *policedConn) writeLate(p []byte) {
+	if _, err := c.writeThrough(p); err != nil {
 		c.answers.err = err
 		_ = c.Conn.Close()
 	}
