@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import NoReturn
 
+from service.app import stderr_relay
 from service.memory.malloc import keep_freed_memory
 from service.observability import logs
 from service.settings import Settings
@@ -31,9 +32,10 @@ def initial_log_state(settings: Settings) -> logs.LogState:
 
 def configure_logging(settings: Settings, process: str, run_dir: Path) -> None:
     """This process's logging, as the run directory's settings say now (they may have changed
-    since the server started), else as the flags say."""
+    since the server started), else as the flags say. What else it writes to standard error
+    (gRPC core, ONNX Runtime) is relayed by the supervisor as its log lines."""
     state = logs.LogSettingsFile(run_dir).read() or initial_log_state(settings)
-    logs.configure(process, state)
+    logs.configure(process, state, output_fd=stderr_relay.attach(run_dir, process))
 
 
 def _die_with_parent() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from service.app import run_dir
 from service.app.children import initial_log_state, run_frontend, run_worker
+from service.app.stderr_relay import StderrRelay
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
 from service.observability import logs, metrics
 from service.observability.gpu_metrics import GpuCollector
@@ -108,6 +109,7 @@ class Supervisor:
         self._run_dir = run_dir.create()
         self._metrics_dir = self._run_dir / "metrics"
         self._children: dict[str, Child] = {}
+        self._stderr: dict[str, StderrRelay] = {}  # each child role's standard error
         self._restarts: deque[float] = deque()
         self._stopping = False
         self._code = 0
@@ -233,6 +235,12 @@ class Supervisor:
 
     def _spawn(self, role: str) -> None:
         settings = self._settings
+        if role not in self._stderr:
+            try:
+                relay = self._stderr[role] = StderrRelay(self._run_dir, role)
+                relay.start()
+            except OSError as err:  # no FIFO in this file system: its lines go out raw
+                log.warning("%s's standard error is not relayed into the log: %s", role, err)
         receive, send = self._context.Pipe(duplex=False)
         if role == "worker":
             target: Any = run_worker
@@ -278,6 +286,8 @@ class Supervisor:
             loop.remove_reader(child.report.fileno())
         child.process.join(1)  # the sentinel fires as it exits; reaping takes a moment
         code = child.process.exitcode
+        if child.role in self._stderr:
+            self._stderr[child.role].end()  # its last words before the news of its exit
         child.exited.set()
         _mark_dead(child.process.pid)
         if child.role == "worker":
@@ -364,11 +374,18 @@ class Supervisor:
             httpd, _ = self._metrics_http
             # shutdown() waits for the server's 0.5 s poll: on a thread, it need not delay us.
             Thread(target=_close_http, args=(httpd,), daemon=True, name="metrics-close").start()
+        self._release()
+        log.info("stopped")
+
+    def _release(self) -> None:
+        """Once every child has exited: their standard error read to the end, the ports'
+        reservations and the run directory gone."""
+        for relay in self._stderr.values():
+            relay.close()
         for reservation in (self._port_socket, self._http_socket):
             if reservation is not None:
                 reservation.close()
         shutil.rmtree(self._run_dir, ignore_errors=True)
-        log.info("stopped")
 
 
 def _serve_metrics(settings: Settings, metrics_dir: Path, own: list[Any]) -> tuple[Any, Thread]:

@@ -274,12 +274,13 @@ class Gateway:
         restricted = _restrictions_file(self._restrictions.for_gateway(ANSWERED_GROUPS))
         env[RESTRICTED_FD_VARIABLE] = str(restricted)
         try:
-            # Its log lines go straight to standard error, as this process's do; its standard
-            # output says "listening ADDRESS", or "failed WHY".
+            # Its log lines go where this process's do (standard error, not its relay); its
+            # standard output says "listening ADDRESS", or "failed WHY".
             process = await asyncio.create_subprocess_exec(
                 *self._command(address),
                 env=env,
                 stdout=asyncio.subprocess.PIPE,
+                stderr=logs.output_fd(),
                 pass_fds=(restricted,),
             )
         except OSError as err:

@@ -103,14 +103,14 @@ class LineFormatter(logging.Formatter):
         record = _without_header_values(record)
         if self.json:
             return self._json(record)
-        record.process_role = self.process
+        record.process_role = _process_of(record, self.process)
         return super().format(record)
 
     def _json(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
             "time": rfc3339(record.created),
             "level": record.levelname,
-            "process": self.process,
+            "process": _process_of(record, self.process),
             "logger": record.name,
             "message": record.getMessage(),
         }
@@ -122,6 +122,12 @@ class LineFormatter(logging.Formatter):
         if record.stack_info:
             line["stack"] = self.formatStack(record.stack_info)
         return json.dumps(line, separators=(",", ":"))
+
+
+def _process_of(record: logging.LogRecord, own: str) -> str:
+    """The process a record speaks for: a child's, for a line of its standard error that the
+    supervisor relays (relayed_from); else this one."""
+    return str(getattr(record, "relayed_from", None) or own)
 
 
 def request_fields(record: logging.LogRecord) -> dict[str, str]:
@@ -146,13 +152,21 @@ def _span_ids() -> dict[str, str]:
 
 _formatter: LineFormatter | None = None
 _state: LogState | None = None
+_output_fd: int | None = None
 
 
-def configure(process: str, state: LogState) -> None:
-    """This process's logging: one handler on standard error, in state's level and format."""
-    global _formatter
+def configure(process: str, state: LogState, output_fd: int | None = None) -> None:
+    """This process's logging: one handler on standard error (or on output_fd, a descriptor
+    of it, where descriptor 2 is relayed), in state's level and format."""
+    global _formatter, _output_fd
     _formatter = LineFormatter(process, state.format)
-    handler = logging.StreamHandler(sys.stderr)
+    _output_fd = output_fd
+    stream = sys.stderr
+    if output_fd is not None:
+        stream = open(  # noqa: SIM115 (the process's log stream: open for its whole life)
+            output_fd, "w", encoding="utf-8", errors="backslashreplace", closefd=False
+        )
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(_formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
@@ -163,6 +177,12 @@ def configure(process: str, state: LogState) -> None:
     # too, in the same format: printed as they are, they broke JSON's one object per line.
     logging.captureWarnings(True)
     apply(state)
+
+
+def output_fd() -> int | None:
+    """Where this process's log records go when that is not descriptor 2 (its gateway writes
+    its lines there too); None: descriptor 2."""
+    return _output_fd
 
 
 def apply(state: LogState) -> None:

@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
@@ -130,6 +131,32 @@ def test_every_process_writes_json_lines_with_the_fields(
         assert record["logger"], record
     gateways = [r for r in records if r["process"].startswith("gateway-")]
     assert {r["logger"] for r in gateways} <= {"gateway"}
+
+
+def test_grpc_cores_own_lines_are_json_lines_of_the_front_end(server: ServerProcess) -> None:
+    """gRPC core writes its own lines to standard error (here: a gzip call it refuses, the
+    gateway passing compressed calls to Python); they reach the log as JSON records of the
+    front end, never as bare text."""
+    start = len(server.lines)
+    compressed = grpc.insecure_channel(server.target, compression=grpc.Compression.Gzip)
+    with compressed:
+        live = compressed.unary_unary(
+            "/inference.GRPCInferenceService/ServerLive",
+            request_serializer=lambda _: b"",
+            response_deserializer=bytes,
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            live(None, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED, refused.value
+
+    def relayed() -> list[dict[str, Any]]:
+        return [r for r in _lines(server, start) if r["logger"] == "grpc.core"]
+
+    wait_for(relayed, what="gRPC core's line about the gzip call")
+    record = relayed()[0]
+    assert record["process"].startswith("frontend-"), record
+    assert record["level"] == "ERROR", record
+    assert "Compression algorithm 'gzip' is disabled" in record["message"], record
 
 
 def test_a_level_set_through_v2_logging_reaches_the_worker_and_the_gateways(

@@ -1,0 +1,107 @@
+"""A child's standard error, relayed through the supervisor into its log lines.
+
+gRPC core and ONNX Runtime write their own lines to file descriptor 2, and a dying process
+writes its last words there; raw, they break `--log-format json`'s one object per line. Each
+child's descriptor 2 is a FIFO in the run directory that the supervisor reads, logging each
+line as a record of that child in the format in force (stray_lines says which logger and
+level). The child's own log records skip the FIFO: they go to the original standard error,
+as do its gateway's. The supervisor outlives a child that crashes, so what it wrote last is
+read and logged before its exit is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from service.observability import stray_lines
+
+FIFO_PREFIX = "stderr-"
+READ_BYTES = 64 * 1024
+# A line longer than this is logged in pieces of this size (the relay buffers no more).
+MAX_LINE_BYTES = 16 * 1024
+
+
+def fifo_path(run_dir: Path, role: str) -> Path:
+    return run_dir / f"{FIFO_PREFIX}{role}"
+
+
+class StderrRelay:
+    """The FIFO one child role writes to (each restart of it too), read on the event loop."""
+
+    def __init__(self, run_dir: Path, role: str) -> None:
+        self.role = role
+        self.path = fifo_path(run_dir, role)
+        os.mkfifo(self.path, 0o600)
+        # Read and write: the relay is a writer itself, so a child's exit is no end of file
+        # (which would wake the loop for ever) and the next child opens a FIFO being read.
+        self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
+        self._partial = b""
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._fd, self.drain)
+
+    def drain(self) -> None:
+        """Log every whole line the FIFO holds now."""
+        chunks = [self._partial]
+        while True:
+            try:
+                chunk = os.read(self._fd, READ_BYTES)
+            except BlockingIOError:
+                break
+            except OSError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        *lines, self._partial = b"".join(chunks).split(b"\n")
+        while len(self._partial) > MAX_LINE_BYTES:
+            lines.append(self._partial[:MAX_LINE_BYTES])
+            self._partial = self._partial[MAX_LINE_BYTES:]
+        self._log([piece for line in lines for piece in _pieces(line)])
+
+    def end(self) -> None:
+        """The child exited: log what it wrote last, a line it did not end included."""
+        self.drain()
+        partial, self._partial = self._partial, b""
+        self._log([partial])
+
+    def close(self) -> None:
+        self.end()
+        if self._loop is not None:
+            self._loop.remove_reader(self._fd)
+        os.close(self._fd)
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    def _log(self, lines: list[bytes]) -> None:
+        for record in stray_lines.records(lines):
+            logging.getLogger(record.logger).log(
+                record.level, "%s", record.message, extra={"relayed_from": self.role}
+            )
+
+
+def _pieces(line: bytes) -> list[bytes]:
+    return [line[at : at + MAX_LINE_BYTES] for at in range(0, max(len(line), 1), MAX_LINE_BYTES)]
+
+
+def attach(run_dir: Path, role: str) -> int | None:
+    """In the child: descriptor 2 to the supervisor's FIFO for role. Returns a descriptor
+    of the original standard error, where log records go; None when there is no FIFO (a
+    child run on its own), descriptor 2 left as it was."""
+    try:
+        # Non-blocking only to fail at once where nobody reads; writes then wait as usual.
+        fifo = os.open(fifo_path(run_dir, role), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    os.set_blocking(fifo, True)
+    original = os.dup(2)
+    os.set_inheritable(original, False)
+    os.dup2(fifo, 2)
+    os.close(fifo)
+    return original

@@ -1,0 +1,133 @@
+"""A child's standard error relayed into log lines: gRPC core's and ONNX Runtime's layouts
+read back as records, and the relay reading a real process's descriptor 2 (its last words
+included, a line it never ended too)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.app import stderr_relay
+from service.app.stderr_relay import MAX_LINE_BYTES, StderrRelay
+from service.observability import stray_lines
+from service.observability.logs import LineFormatter
+from service.observability.stray_lines import StrayRecord
+
+ROOT = Path(__file__).resolve().parents[2]
+GRPC_LINE = b"E1206 17:49:28.729614   25002 call.cc:361] Compression algorithm 'gzip' is disabled."
+ORT_LINE = (
+    b"2026-12-06 17:49:28.729 [W:onnxruntime:Default, graph.cc:1234 Resolve] "
+    b"Removing initializer 'x'. It is not used by any node."
+)
+
+
+def test_grpc_core_and_onnx_runtime_lines_keep_their_level_and_source() -> None:
+    assert stray_lines.parse(GRPC_LINE) == StrayRecord(
+        "grpc.core", logging.ERROR, "Compression algorithm 'gzip' is disabled. (call.cc:361)"
+    )
+    assert stray_lines.parse(ORT_LINE) == StrayRecord(
+        "onnxruntime",
+        logging.WARNING,
+        "Removing initializer 'x'. It is not used by any node. (graph.cc:1234 Resolve)",
+    )
+    info = b"I0101 00:00:00.000001      1 ev_epoll1_linux.cc:123] using polling engine"
+    assert stray_lines.parse(info) == StrayRecord(
+        "grpc.core", logging.INFO, "using polling engine (ev_epoll1_linux.cc:123)"
+    )
+    assert stray_lines.parse(b"Traceback (most recent call last):") is None
+
+
+def test_other_lines_are_one_error_record_per_run() -> None:
+    lines = [
+        b"Fatal Python error: Segmentation fault",
+        b"",
+        b"Current thread 0x00007f (most recent call first):",
+        GRPC_LINE,
+        b'  File "x.py", line 1 in <module>\xff',
+    ]
+    assert stray_lines.records(lines) == [
+        StrayRecord(
+            "stderr",
+            logging.ERROR,
+            "Fatal Python error: Segmentation fault\nCurrent thread 0x00007f (most recent call "
+            "first):",
+        ),
+        stray_lines.parse(GRPC_LINE),
+        StrayRecord("stderr", logging.ERROR, '  File "x.py", line 1 in <module>\\xff'),
+    ]
+
+
+# A child as the supervisor starts it: descriptor 2 attached to the relay's FIFO, its log
+# records on the original standard error; then native-style writes and an unended line.
+CHILD = """
+import logging, os, sys
+from pathlib import Path
+from service.app import stderr_relay
+from service.observability import logs
+original = stderr_relay.attach(Path(sys.argv[1]), "frontend-3")
+assert original is not None
+logs.configure("frontend-3", logs.LogState("INFO", "json"), output_fd=original)
+logging.getLogger("service.child").info("a record of its own")
+os.write(2, sys.argv[2].encode() + b"\\n")
+os.write(2, b"Traceback (most recent call last):\\n  boom\\n")
+os.write(2, b"x" * int(sys.argv[3]) + b"last words, no newline")
+os._exit(3)
+"""
+
+
+@pytest.fixture
+def relayed(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.DEBUG)
+    return caplog
+
+
+def test_the_relay_logs_a_childs_stderr_as_that_childs_records(
+    tmp_path: Path, relayed: pytest.LogCaptureFixture
+) -> None:
+    long = MAX_LINE_BYTES + 10
+
+    async def main() -> subprocess.CompletedProcess[bytes]:
+        relay = StderrRelay(tmp_path, "frontend-3")
+        relay.start()
+        child = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", CHILD, str(tmp_path), GRPC_LINE.decode(), str(long)],
+            capture_output=True,
+            cwd=ROOT,
+        )
+        relay.close()
+        return child
+
+    child = asyncio.run(main())
+    assert child.returncode == 3, child.stderr
+    # Its own record went straight to its original standard error, as JSON.
+    own = json.loads(child.stderr.decode().strip())
+    assert own["process"] == "frontend-3"
+    assert own["message"] == "a record of its own"
+    records = [r for r in relayed.records if getattr(r, "relayed_from", None) == "frontend-3"]
+    assert [(r.name, r.levelno) for r in records[:2]] == [
+        ("grpc.core", logging.ERROR),
+        ("stderr", logging.ERROR),
+    ]
+    assert {(r.name, r.levelno) for r in records[2:]} == {("stderr", logging.ERROR)}
+    assert records[0].getMessage() == "Compression algorithm 'gzip' is disabled. (call.cc:361)"
+    assert records[1].getMessage().startswith("Traceback (most recent call last):\n  boom\n")
+    # The line it never ended: logged at its exit, in pieces no longer than the bound.
+    assert records[-1].getMessage().endswith("xlast words, no newline")
+    text = "\n".join(r.getMessage() for r in records[1:])
+    assert text.count("x") == long
+    assert max(len(line) for line in text.split("\n")) <= MAX_LINE_BYTES
+    assert not (tmp_path / "stderr-frontend-3").exists()
+    line = json.loads(LineFormatter("supervisor", "json").format(records[0]))
+    assert line["process"] == "frontend-3"
+    assert line["logger"] == "grpc.core"
+
+
+def test_a_child_run_without_a_relay_keeps_its_stderr(tmp_path: Path) -> None:
+    assert stderr_relay.attach(tmp_path, "worker") is None
