@@ -13,16 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 from pathlib import Path
 
 from service.observability import stray_lines
 
+log = logging.getLogger(__name__)
 FIFO_PREFIX = "stderr-"
+# What a child may write before it waits for the supervisor to read (the kernel's default
+# is 64 KiB; a burst of gRPC core's lines should not hold up a request).
+FIFO_BYTES = 1024 * 1024
 READ_BYTES = 64 * 1024
-# A line longer than this is logged in pieces of this size (the relay buffers no more).
-MAX_LINE_BYTES = 16 * 1024
+# Read per turn of the supervisor's loop, so that a child writing without pause cannot hold
+# up its other work; the rest is read on the next turns.
+READ_PER_TURN_BYTES = 4 * READ_BYTES
+# A line not ended within this many bytes is logged as it stands (the relay holds no more).
+MAX_LINE_BYTES = 64 * 1024
 
 
 def fifo_path(run_dir: Path, role: str) -> Path:
@@ -36,9 +44,16 @@ class StderrRelay:
         self.role = role
         self.path = fifo_path(run_dir, role)
         os.mkfifo(self.path, 0o600)
-        # Read and write: the relay is a writer itself, so a child's exit is no end of file
-        # (which would wake the loop for ever) and the next child opens a FIFO being read.
-        self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
+        try:
+            # Read and write: the relay is a writer itself, so a child's exit is no end of
+            # file (which would wake the loop for ever) and the next child opens a FIFO that
+            # is being read.
+            self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
+        except OSError:
+            self.path.unlink()
+            raise
+        with contextlib.suppress(OSError):  # above the system's limit: the default size
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, FIFO_BYTES)
         self._partial = b""
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -46,48 +61,52 @@ class StderrRelay:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._fd, self.drain)
 
-    def drain(self) -> None:
-        """Log every whole line the FIFO holds now."""
+    def drain(self, limit: int = READ_PER_TURN_BYTES) -> None:
+        """Log the whole lines among the next limit bytes the FIFO holds."""
         chunks = [self._partial]
-        while True:
+        taken = 0
+        while taken < limit:
             try:
                 chunk = os.read(self._fd, READ_BYTES)
             except BlockingIOError:
                 break
-            except OSError:
+            except OSError as err:  # cannot happen to a FIFO it holds open; never spin on it
+                log.error("cannot read %s's standard error any more: %s", self.role, err)
+                self._stop_reading()
                 break
             if not chunk:
                 break
             chunks.append(chunk)
+            taken += len(chunk)
         *lines, self._partial = b"".join(chunks).split(b"\n")
-        while len(self._partial) > MAX_LINE_BYTES:
-            lines.append(self._partial[:MAX_LINE_BYTES])
-            self._partial = self._partial[MAX_LINE_BYTES:]
-        self._log([piece for line in lines for piece in _pieces(line)])
+        if len(self._partial) > MAX_LINE_BYTES:
+            lines.append(self._partial)
+            self._partial = b""
+        self._log(lines)
 
     def end(self) -> None:
-        """The child exited: log what it wrote last, a line it did not end included."""
-        self.drain()
+        """The child exited: log all it wrote, a line it did not end included."""
+        self.drain(limit=FIFO_BYTES + READ_BYTES)
         partial, self._partial = self._partial, b""
         self._log([partial])
 
     def close(self) -> None:
         self.end()
-        if self._loop is not None:
-            self._loop.remove_reader(self._fd)
+        self._stop_reading()
         os.close(self._fd)
         with contextlib.suppress(OSError):
             self.path.unlink()
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            self._loop = None
 
     def _log(self, lines: list[bytes]) -> None:
         for record in stray_lines.records(lines):
             logging.getLogger(record.logger).log(
                 record.level, "%s", record.message, extra={"relayed_from": self.role}
             )
-
-
-def _pieces(line: bytes) -> list[bytes]:
-    return [line[at : at + MAX_LINE_BYTES] for at in range(0, max(len(line), 1), MAX_LINE_BYTES)]
 
 
 def attach(run_dir: Path, role: str) -> int | None:
@@ -100,8 +119,7 @@ def attach(run_dir: Path, role: str) -> int | None:
     except OSError:
         return None
     os.set_blocking(fifo, True)
-    original = os.dup(2)
-    os.set_inheritable(original, False)
+    original = os.dup(2)  # not inherited: the gateway is given it by name
     os.dup2(fifo, 2)
     os.close(fifo)
     return original

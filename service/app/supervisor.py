@@ -237,10 +237,12 @@ class Supervisor:
         settings = self._settings
         if role not in self._stderr:
             try:
-                relay = self._stderr[role] = StderrRelay(self._run_dir, role)
-                relay.start()
+                relay = StderrRelay(self._run_dir, role)
             except OSError as err:  # no FIFO in this file system: its lines go out raw
                 log.warning("%s's standard error is not relayed into the log: %s", role, err)
+            else:
+                relay.start()
+                self._stderr[role] = relay
         receive, send = self._context.Pipe(duplex=False)
         if role == "worker":
             target: Any = run_worker

@@ -17,13 +17,15 @@ from service.app import stderr_relay
 from service.app.stderr_relay import MAX_LINE_BYTES, StderrRelay
 from service.observability import stray_lines
 from service.observability.logs import LineFormatter
-from service.observability.stray_lines import StrayRecord
+from service.observability.stray_lines import MAX_RECORD_BYTES, StrayRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPC_LINE = b"E1206 17:49:28.729614   25002 call.cc:361] Compression algorithm 'gzip' is disabled."
+# As ONNX Runtime 1.31 writes a warning: in colours, its logger id empty.
 ORT_LINE = (
-    b"2026-12-06 17:49:28.729 [W:onnxruntime:Default, graph.cc:1234 Resolve] "
-    b"Removing initializer 'x'. It is not used by any node."
+    b"\x1b[0;93m2026-12-06 18:22:49.400441111 [W:onnxruntime:, graph.cc:5777 "
+    b"CleanUnusedInitializersAndNodeArgs] Removing initializer 'unused'. It is not used by any "
+    b"node and should be removed from the model.\x1b[m"
 )
 
 
@@ -34,13 +36,35 @@ def test_grpc_core_and_onnx_runtime_lines_keep_their_level_and_source() -> None:
     assert stray_lines.parse(ORT_LINE) == StrayRecord(
         "onnxruntime",
         logging.WARNING,
-        "Removing initializer 'x'. It is not used by any node. (graph.cc:1234 Resolve)",
+        "Removing initializer 'unused'. It is not used by any node and should be removed from "
+        "the model. (graph.cc:5777 CleanUnusedInitializersAndNodeArgs)",
+    )
+    # An error's colour reset on a line of its own is no line; absl's time before it is set.
+    assert stray_lines.records(
+        [b"\x1b[1;31m2026-12-06 18:22:49.4 [E:onnxruntime:, x.cc:1 F] bad", b"\x1b[m"]
+    ) == [StrayRecord("onnxruntime", logging.ERROR, "bad (x.cc:1 F)")]
+    early = b"W0000 00:00:1733507368.729614   77 init.cc:5] early"
+    assert stray_lines.parse(early) == StrayRecord(
+        "grpc.core", logging.WARNING, "early (init.cc:5)"
     )
     info = b"I0101 00:00:00.000001      1 ev_epoll1_linux.cc:123] using polling engine"
     assert stray_lines.parse(info) == StrayRecord(
         "grpc.core", logging.INFO, "using polling engine (ev_epoll1_linux.cc:123)"
     )
     assert stray_lines.parse(b"Traceback (most recent call last):") is None
+
+
+def test_no_record_is_longer_than_the_bound() -> None:
+    """A long line in pieces of the line's logger and level, never cut inside a character;
+    a run of other lines ends where the next would pass the bound."""
+    long_grpc = b"E1206 17:49:28.729614   25002 call.cc:361] " + "é".encode() * 3000
+    pieces = stray_lines.records([long_grpc])
+    assert {(r.logger, r.level) for r in pieces} == {("grpc.core", logging.ERROR)}
+    assert all(len(r.message.encode()) <= MAX_RECORD_BYTES for r in pieces)
+    assert "".join(r.message for r in pieces) == "é" * 3000 + " (call.cc:361)"
+    run = stray_lines.records([b"a" * 1500, b"b" * 1500, b"c" * 5000])
+    assert [len(r.message) for r in run] == [1500, 1500, 2048, 2048, 904]
+    assert all(r.logger == "stderr" for r in run)
 
 
 def test_other_lines_are_one_error_record_per_run() -> None:
@@ -74,6 +98,17 @@ original = stderr_relay.attach(Path(sys.argv[1]), "frontend-3")
 assert original is not None
 logs.configure("frontend-3", logs.LogState("INFO", "json"), output_fd=original)
 logging.getLogger("service.child").info("a record of its own")
+import numpy as np, onnx.helper as h, onnxruntime
+from onnx import TensorProto, numpy_helper
+graph = h.make_graph(
+    [h.make_node("Identity", ["x"], ["y"])], "g",
+    [h.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+    [h.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    initializer=[numpy_helper.from_array(np.ones(1, np.float32), "unused")],
+)
+model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
+model.ir_version = 8
+onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 os.write(2, sys.argv[2].encode() + b"\\n")
 os.write(2, b"Traceback (most recent call last):\\n  boom\\n")
 os.write(2, b"x" * int(sys.argv[3]) + b"last words, no newline")
@@ -111,20 +146,22 @@ def test_the_relay_logs_a_childs_stderr_as_that_childs_records(
     assert own["process"] == "frontend-3"
     assert own["message"] == "a record of its own"
     records = [r for r in relayed.records if getattr(r, "relayed_from", None) == "frontend-3"]
-    assert [(r.name, r.levelno) for r in records[:2]] == [
+    assert [(r.name, r.levelno) for r in records[:3]] == [
+        ("onnxruntime", logging.WARNING),
         ("grpc.core", logging.ERROR),
         ("stderr", logging.ERROR),
     ]
-    assert {(r.name, r.levelno) for r in records[2:]} == {("stderr", logging.ERROR)}
-    assert records[0].getMessage() == "Compression algorithm 'gzip' is disabled. (call.cc:361)"
-    assert records[1].getMessage().startswith("Traceback (most recent call last):\n  boom\n")
-    # The line it never ended: logged at its exit, in pieces no longer than the bound.
-    assert records[-1].getMessage().endswith("xlast words, no newline")
-    text = "\n".join(r.getMessage() for r in records[1:])
-    assert text.count("x") == long
-    assert max(len(line) for line in text.split("\n")) <= MAX_LINE_BYTES
+    assert "Removing initializer 'unused'" in records[0].getMessage()
+    assert records[1].getMessage() == "Compression algorithm 'gzip' is disabled. (call.cc:361)"
+    assert records[2].getMessage() == "Traceback (most recent call last):\n  boom"
+    # The line it never ended: logged at its exit, in records no longer than the bound.
+    rest = records[3:]
+    assert {(r.name, r.levelno) for r in rest} == {("stderr", logging.ERROR)}
+    assert rest[-1].getMessage().endswith("xlast words, no newline")
+    assert "".join(r.getMessage() for r in rest).count("x") == long
+    assert max(len(r.getMessage()) for r in rest) <= MAX_RECORD_BYTES
     assert not (tmp_path / "stderr-frontend-3").exists()
-    line = json.loads(LineFormatter("supervisor", "json").format(records[0]))
+    line = json.loads(LineFormatter("supervisor", "json").format(records[1]))
     assert line["process"] == "frontend-3"
     assert line["logger"] == "grpc.core"
 
