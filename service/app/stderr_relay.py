@@ -28,7 +28,7 @@ FIFO_BYTES = 1024 * 1024
 READ_BYTES = 64 * 1024
 # Read per turn of the supervisor's loop, so that a child writing without pause cannot hold
 # up its other work; the rest is read on the next turns.
-READ_PER_TURN_BYTES = 4 * READ_BYTES
+READ_PER_TURN_BYTES = READ_BYTES
 # A line not ended within this many bytes is logged as it stands (the relay holds no more).
 MAX_LINE_BYTES = 64 * 1024
 

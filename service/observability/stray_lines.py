@@ -6,14 +6,16 @@ Runtime its own, `2026-12-06 17:49:28.729 [W:onnxruntime:, graph.cc:12 Fn] messa
 terminal colours. Anything else (a traceback, a fatal error) is an error: nothing writes
 there when all is well.
 
-A record holds at most MAX_RECORD_BYTES of text: a longer line is logged in pieces, each a
-record of the line's logger and level. A log line of plain text then stays short enough for
-one write to a pipe to carry it whole (a container's standard error is one), so no other
-process's line can land inside it.
+A record's message costs at most MAX_RECORD_COST characters written as JSON (ASCII only,
+as the log lines are: `é` is `\u00e9`, six): a longer line is logged in pieces, each a record
+of the line's logger and level. A log line then stays short enough for one write to a pipe
+to carry it whole (a container's standard error is one), so no other process's line can
+land inside it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -21,21 +23,22 @@ from dataclasses import dataclass
 GRPC_CORE = "grpc.core"
 ONNX_RUNTIME = "onnxruntime"
 STDERR = "stderr"
-MAX_RECORD_BYTES = 2048
+MAX_RECORD_COST = 2048
 
-_COLOUR = re.compile(rb"\x1b\[[0-9;]*m")
+# Terminal control sequences (colours, cursor moves): ONNX Runtime colours its lines.
+_CONTROL = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # absl's time is `MMDD HH:MM:SS.micros`, or `0000 00:00:SECONDS.micros` before it is set up.
-_ABSL = re.compile(rb"^([IWEF])\d{4} [\d:.]+ +\d+ ([^\]\s]+)\] ?(.*)$", re.DOTALL)
+_ABSL = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ ([^\]\s]+)\] ?(.*)$", re.DOTALL)
 _ORT = re.compile(
-    rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \[([VIWEF]):onnxruntime:[^,\]]*, ?([^\]]*)\] ?(.*)$",
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \[([VIWEF]):onnxruntime:[^,\]]*, ?([^\]]*)\] ?(.*)$",
     re.DOTALL,
 )
 _LEVEL_OF = {
-    b"V": logging.DEBUG,
-    b"I": logging.INFO,
-    b"W": logging.WARNING,
-    b"E": logging.ERROR,
-    b"F": logging.CRITICAL,
+    "V": logging.DEBUG,
+    "I": logging.INFO,
+    "W": logging.WARNING,
+    "E": logging.ERROR,
+    "F": logging.CRITICAL,
 }
 
 
@@ -47,62 +50,75 @@ class StrayRecord:
 
 
 def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", errors="backslashreplace")
+    """A line as text, its control sequences taken out (bytes that are not UTF-8 shown)."""
+    return _CONTROL.sub("", raw.decode("utf-8", errors="backslashreplace")).rstrip("\r")
+
+
+def json_cost(text: str) -> int:
+    """What text costs written as a JSON string (without its quotes), as log lines are."""
+    return len(json.dumps(text)) - 2
 
 
 def parse(line: bytes) -> StrayRecord | None:
-    """gRPC core's or ONNX Runtime's line (colours taken out) as one record, where it came
-    from after the message; None for a line in neither layout."""
-    line = _COLOUR.sub(b"", line)
+    """gRPC core's or ONNX Runtime's line as one record, where it came from after the
+    message; None for a line in neither layout."""
+    return _parsed(_text(line))
+
+
+def _parsed(text: str) -> StrayRecord | None:
     for layout, logger in ((_ABSL, GRPC_CORE), (_ORT, ONNX_RUNTIME)):
-        found = layout.match(line)
+        found = layout.match(text)
         if found is not None:
             level, source, message = found.groups()
-            return StrayRecord(logger, _LEVEL_OF[level], f"{_text(message)} ({_text(source)})")
+            return StrayRecord(logger, _LEVEL_OF[level], f"{message} ({source})")
     return None
 
 
 def records(lines: list[bytes]) -> list[StrayRecord]:
     """lines as records: each recognised line one, each run of other lines (a traceback read
-    at once) one ERROR record of those lines; none over MAX_RECORD_BYTES."""
+    at once) one ERROR record of those lines; none over MAX_RECORD_COST."""
     found: list[StrayRecord] = []
-    run: list[bytes] = []
+    run: list[str] = []
+    run_cost = 0
 
     def end_run() -> None:
+        nonlocal run_cost
         if run:
-            found.append(StrayRecord(STDERR, logging.ERROR, _text(b"\n".join(run))))
+            found.append(StrayRecord(STDERR, logging.ERROR, "\n".join(run)))
             run.clear()
+            run_cost = 0
 
     for line in lines:
-        line = _COLOUR.sub(b"", line).rstrip(b"\r")
-        if not line.strip():
+        text = _text(line)
+        if not text.strip():
             continue
-        record = parse(line)
+        record = _parsed(text)
         if record is not None:
             end_run()
-            found.extend(_pieces(record))
+            found.extend(
+                StrayRecord(record.logger, record.level, piece) for piece in _cut(record.message)
+            )
             continue
-        for piece in _cut(line):
-            if run and sum(len(part) + 1 for part in run) + len(piece) > MAX_RECORD_BYTES:
+        for piece in _cut(text):
+            cost = json_cost(piece) + 2  # and the newline joining it to the run
+            if run and run_cost + cost > MAX_RECORD_COST:
                 end_run()
             run.append(piece)
+            run_cost += cost
     end_run()
     return found
 
 
-def _pieces(record: StrayRecord) -> list[StrayRecord]:
-    raw = record.message.encode()
-    return [StrayRecord(record.logger, record.level, _text(piece)) for piece in _cut(raw)]
-
-
-def _cut(raw: bytes) -> list[bytes]:
-    """raw in pieces of at most MAX_RECORD_BYTES, never inside a UTF-8 character."""
+def _cut(text: str) -> list[str]:
+    """text in pieces that cost at most MAX_RECORD_COST each in JSON."""
     pieces = []
-    while len(raw) > MAX_RECORD_BYTES:
-        end = MAX_RECORD_BYTES
-        while end > MAX_RECORD_BYTES - 4 and raw[end] & 0xC0 == 0x80:  # a continuation byte
-            end -= 1
-        pieces.append(raw[:end])
-        raw = raw[end:]
-    pieces.append(raw)
-    return pieces
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + MAX_RECORD_COST)  # a character costs 1 or more
+        cost = json_cost(text[start:end])
+        while cost > MAX_RECORD_COST:
+            end = start + max(1, (end - start) * MAX_RECORD_COST // cost)
+            cost = json_cost(text[start:end])
+        pieces.append(text[start:end])
+        start = end
+    return pieces or [text]

@@ -17,7 +17,7 @@ from service.app import stderr_relay
 from service.app.stderr_relay import MAX_LINE_BYTES, StderrRelay
 from service.observability import stray_lines
 from service.observability.logs import LineFormatter
-from service.observability.stray_lines import MAX_RECORD_BYTES, StrayRecord
+from service.observability.stray_lines import MAX_RECORD_COST, StrayRecord, json_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPC_LINE = b"E1206 17:49:28.729614   25002 call.cc:361] Compression algorithm 'gzip' is disabled."
@@ -54,17 +54,44 @@ def test_grpc_core_and_onnx_runtime_lines_keep_their_level_and_source() -> None:
     assert stray_lines.parse(b"Traceback (most recent call last):") is None
 
 
-def test_no_record_is_longer_than_the_bound() -> None:
-    """A long line in pieces of the line's logger and level, never cut inside a character;
-    a run of other lines ends where the next would pass the bound."""
-    long_grpc = b"E1206 17:49:28.729614   25002 call.cc:361] " + "é".encode() * 3000
-    pieces = stray_lines.records([long_grpc])
-    assert {(r.logger, r.level) for r in pieces} == {("grpc.core", logging.ERROR)}
-    assert all(len(r.message.encode()) <= MAX_RECORD_BYTES for r in pieces)
-    assert "".join(r.message for r in pieces) == "é" * 3000 + " (call.cc:361)"
+def _json_line(record: StrayRecord) -> str:
+    """The record as the supervisor writes it with --log-format json."""
+    line = logging.LogRecord(
+        record.logger, record.level, __file__, 1, "%s", (record.message,), None
+    )
+    line.relayed_from = "frontend-1"
+    return LineFormatter("supervisor", "json").format(line)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["é" * 3000, "\U0001f600" * 3000, "\x01" * 5000, "\\" * 5000, '"' * 5000, "中" * 3000],
+    ids=["accented", "emoji", "control", "backslash", "quote", "cjk"],
+)
+def test_no_json_line_outgrows_one_atomic_pipe_write(text: str) -> None:
+    """A long line, whatever its characters cost escaped, is logged in pieces of the line's
+    logger and level, each JSON line well within the 4096 bytes a pipe writes whole."""
+    for prefix, logger in (
+        (b"E1206 17:49:28.729614   25002 call.cc:361] ", "grpc.core"),
+        (b"", "stderr"),
+    ):
+        pieces = stray_lines.records([prefix + text.encode()])
+        assert {r.logger for r in pieces} == {logger}
+        assert all(json_cost(r.message) <= MAX_RECORD_COST for r in pieces)
+        assert max(len(_json_line(r).encode()) for r in pieces) < 4096
+        joined = "".join(r.message for r in pieces)
+        assert joined.startswith(text)
+    not_utf8 = stray_lines.records([b"\xff" * 5000])
+    assert max(len(_json_line(r).encode()) for r in not_utf8) < 4096
+    assert "".join(r.message for r in not_utf8) == "\\xff" * 5000
+
+
+def test_runs_of_other_lines_end_at_the_bound() -> None:
     run = stray_lines.records([b"a" * 1500, b"b" * 1500, b"c" * 5000])
     assert [len(r.message) for r in run] == [1500, 1500, 2048, 2048, 904]
     assert all(r.logger == "stderr" for r in run)
+    # Control sequences other than colours go too; a line of nothing else is no line.
+    assert stray_lines.records([b"\x1b[K\x1b[2J" * 100]) == []
 
 
 def test_other_lines_are_one_error_record_per_run() -> None:
@@ -159,7 +186,7 @@ def test_the_relay_logs_a_childs_stderr_as_that_childs_records(
     assert {(r.name, r.levelno) for r in rest} == {("stderr", logging.ERROR)}
     assert rest[-1].getMessage().endswith("xlast words, no newline")
     assert "".join(r.getMessage() for r in rest).count("x") == long
-    assert max(len(r.getMessage()) for r in rest) <= MAX_RECORD_BYTES
+    assert max(json_cost(r.getMessage()) for r in rest) <= MAX_RECORD_COST
     assert not (tmp_path / "stderr-frontend-3").exists()
     line = json.loads(LineFormatter("supervisor", "json").format(records[1]))
     assert line["process"] == "frontend-3"
