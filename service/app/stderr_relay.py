@@ -18,7 +18,7 @@ import logging
 import os
 from pathlib import Path
 
-from service.observability import stray_lines
+from service.observability import logs, stray_lines
 
 log = logging.getLogger(__name__)
 FIFO_PREFIX = "stderr-"
@@ -105,7 +105,7 @@ class StderrRelay:
     def _log(self, lines: list[bytes]) -> None:
         for record in stray_lines.records(lines):
             logging.getLogger(record.logger).log(
-                record.level, "%s", record.message, extra={"relayed_from": self.role}
+                record.level, "%s", record.message, extra={logs.RELAYED_FROM: self.role}
             )
 
 

@@ -39,6 +39,8 @@ FOLLOW_INTERVAL_S = 0.25  # how often each process looks at the settings file
 TEXT_LAYOUT = "%(asctime)s %(levelname)s [%(process_role)s] %(name)s: %(message)s"
 
 log = logging.getLogger(__name__)
+# A record's attribute naming the child whose standard error the supervisor relays it for.
+RELAYED_FROM = "relayed_from"
 # The id of the request a line is logged for ("" outside one); set by the front ends.
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="")
 
@@ -126,8 +128,8 @@ class LineFormatter(logging.Formatter):
 
 def _process_of(record: logging.LogRecord, own: str) -> str:
     """The process a record speaks for: a child's, for a line of its standard error that the
-    supervisor relays (relayed_from); else this one."""
-    return str(getattr(record, "relayed_from", None) or own)
+    supervisor relays (RELAYED_FROM); else this one."""
+    return str(getattr(record, RELAYED_FROM, None) or own)
 
 
 def request_fields(record: logging.LogRecord) -> dict[str, str]:
