@@ -66,6 +66,7 @@ def variables() -> dict[str, str]:
     return {
         "metricsVariable": gateway.METRICS_VARIABLE,
         "restrictedFDVariable": gateway.RESTRICTED_FD_VARIABLE,
+        "logFDVariable": gateway.LOG_FD_VARIABLE,
     }
 
 

@@ -4,9 +4,11 @@ gRPC core and ONNX Runtime write their own lines to file descriptor 2, and a dyi
 writes its last words there; raw, they break `--log-format json`'s one object per line. Each
 child's descriptor 2 is a FIFO in the run directory that the supervisor reads, logging each
 line as a record of that child in the format in force (stray_lines says which logger and
-level). The child's own log records skip the FIFO: they go to the original standard error,
-as do its gateway's. The supervisor outlives a child that crashes, so what it wrote last is
-read and logged before its exit is.
+level). The child's own log records skip the FIFO: they go to the original standard error.
+A gateway has a FIFO of its own (role gateway-K), for what Go's runtime writes there (a
+panic, a goroutine dump); its log lines, too, go to the original standard error. The
+supervisor outlives a child that crashes, so what it wrote last is read and logged before
+its exit is.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import os
 from pathlib import Path
 
 from service.observability import logs, stray_lines
+from service.observability.stderr_fifo import fifo_path, open_writer
 
 log = logging.getLogger(__name__)
-FIFO_PREFIX = "stderr-"
 # What a child may write before it waits for the supervisor to read (the kernel's default
 # is 64 KiB; a burst of gRPC core's lines should not hold up a request).
 FIFO_BYTES = 1024 * 1024
@@ -31,10 +33,6 @@ READ_BYTES = 64 * 1024
 READ_PER_TURN_BYTES = READ_BYTES
 # A line not ended within this many bytes is logged as it stands (the relay holds no more).
 MAX_LINE_BYTES = 64 * 1024
-
-
-def fifo_path(run_dir: Path, role: str) -> Path:
-    return run_dir / f"{FIFO_PREFIX}{role}"
 
 
 class StderrRelay:
@@ -113,12 +111,9 @@ def attach(run_dir: Path, role: str) -> int | None:
     """In the child: descriptor 2 to the supervisor's FIFO for role. Returns a descriptor
     of the original standard error, where log records go; None when there is no FIFO (a
     child run on its own), descriptor 2 left as it was."""
-    try:
-        # Non-blocking only to fail at once where nobody reads; writes then wait as usual.
-        fifo = os.open(fifo_path(run_dir, role), os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:
+    fifo = open_writer(run_dir, role)
+    if fifo is None:
         return None
-    os.set_blocking(fifo, True)
     original = os.dup(2)  # not inherited: the gateway is given it by name
     os.dup2(fifo, 2)
     os.close(fifo)

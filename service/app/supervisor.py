@@ -230,19 +230,25 @@ class Supervisor:
             if child.process.pid is not None and child.process.exitcode is None:
                 pids[child.role] = child.process.pid
                 if child.gateway_pid is not None:
-                    pids[child.role.replace("frontend-", "gateway-")] = child.gateway_pid
+                    pids[_gateway_role(child.role)] = child.gateway_pid
         return pids
+
+    def _relay_stderr(self, role: str) -> None:
+        if role in self._stderr:
+            return  # made for the first of role's processes, kept for every restart
+        try:
+            relay = StderrRelay(self._run_dir, role)
+        except OSError as err:  # no FIFO in this file system: its lines go out raw
+            log.warning("%s's standard error is not relayed into the log: %s", role, err)
+        else:
+            relay.start()
+            self._stderr[role] = relay
 
     def _spawn(self, role: str) -> None:
         settings = self._settings
-        if role not in self._stderr:
-            try:
-                relay = StderrRelay(self._run_dir, role)
-            except OSError as err:  # no FIFO in this file system: its lines go out raw
-                log.warning("%s's standard error is not relayed into the log: %s", role, err)
-            else:
-                relay.start()
-                self._stderr[role] = relay
+        self._relay_stderr(role)
+        if role != "worker" and settings.grpc_gateway != "off":
+            self._relay_stderr(_gateway_role(role))  # its front end opens it for the gateway
         receive, send = self._context.Pipe(duplex=False)
         if role == "worker":
             target: Any = run_worker
@@ -288,8 +294,10 @@ class Supervisor:
             loop.remove_reader(child.report.fileno())
         child.process.join(1)  # the sentinel fires as it exits; reaping takes a moment
         code = child.process.exitcode
-        if child.role in self._stderr:
-            self._stderr[child.role].end()  # its last words before the news of its exit
+        # Its last words, and its gateway's (which dies with it), before the news of its exit.
+        for role in (child.role, _gateway_role(child.role)):
+            if role in self._stderr:
+                self._stderr[role].end()
         child.exited.set()
         _mark_dead(child.process.pid)
         if child.role == "worker":
@@ -417,3 +425,8 @@ def _mark_dead(pid: int | None) -> None:
 def _close_http(httpd: Any) -> None:
     httpd.shutdown()
     httpd.server_close()
+
+
+def _gateway_role(role: str) -> str:
+    """The name of front end role's gateway in logs and metrics (gateway-K)."""
+    return role.replace("frontend-", "gateway-")

@@ -27,7 +27,7 @@ from prometheus_client.utils import floatToGoString
 from service.dataplane import DEADLINE_SLACK_S
 from service.frontend.gateway_spans import SpanSink
 from service.frontend.restricted import Restrictions
-from service.observability import logs, metrics, tracing
+from service.observability import logs, metrics, stderr_fifo, tracing
 from service.settings import Settings
 from service.transport import grpc_options
 
@@ -40,6 +40,9 @@ START_TIMEOUT_S = 10.0
 # checks their keys, which it reads from the file descriptor this variable names.
 ANSWERED_GROUPS = ("inference", "health")
 RESTRICTED_FD_VARIABLE = "ATTENTION_GATEWAY_RESTRICTED_FD"
+# The descriptor its log lines go to, where its standard error is the supervisor's FIFO for
+# what Go's runtime writes (a panic, a goroutine dump), read back as log lines.
+LOG_FD_VARIABLE = "ATTENTION_GATEWAY_LOG_FD"
 # The series the gateway writes (metrics_spec(), as JSON), in its environment.
 METRICS_VARIABLE = "ATTENTION_GATEWAY_METRICS"
 
@@ -201,6 +204,8 @@ class Gateway:
         self._name = name
         self._backend = backend
         self._worker_socket = worker_socket
+        self._run_dir = worker_socket.parent  # the supervisor's: log settings, stderr FIFOs
+        self.log_name = name.replace("frontend-", "gateway-")  # gateway-K, in logs and metrics
         self._slab_bytes = slab_bytes
         self._receive_bytes = receive_bytes
         self._process: asyncio.subprocess.Process | None = None
@@ -245,10 +250,10 @@ class Gateway:
             f"--refuse-linger-s={REFUSE_LINGER_S}",
             # It writes its own log lines, in the format and at the level every process uses,
             # and follows their changes in the run directory's settings file.
-            f"--log-process={self._name.replace('frontend-', 'gateway-')}",
+            f"--log-process={self.log_name}",
             f"--log-level={state.level}",
             f"--log-format={state.format}",
-            f"--log-settings={self._worker_socket.parent / logs.SETTINGS_FILE}",
+            f"--log-settings={self._run_dir / logs.SETTINGS_FILE}",
         ]
         if self._spans is not None:
             command += [
@@ -273,20 +278,28 @@ class Gateway:
         # anyone on the host can read) nor in its environment.
         restricted = _restrictions_file(self._restrictions.for_gateway(ANSWERED_GROUPS))
         env[RESTRICTED_FD_VARIABLE] = str(restricted)
+        # Its log lines go where this process's do (standard error, not its relay); what
+        # Go's runtime writes, into its own relay where the supervisor made one. Its
+        # standard output says "listening ADDRESS", or "failed WHY".
+        own = logs.output_fd()
+        log_fd = os.dup(2 if own is None else own)
+        relay = stderr_fifo.open_writer(self._run_dir, self.log_name)
+        if relay is not None:
+            env[LOG_FD_VARIABLE] = str(log_fd)
         try:
-            # Its log lines go where this process's do (standard error, not its relay); its
-            # standard output says "listening ADDRESS", or "failed WHY".
             process = await asyncio.create_subprocess_exec(
                 *self._command(address),
                 env=env,
                 stdout=asyncio.subprocess.PIPE,
-                stderr=logs.output_fd(),
-                pass_fds=(restricted,),
+                stderr=log_fd if relay is None else relay,
+                pass_fds=(restricted, log_fd),
             )
         except OSError as err:
             raise GatewayError(f"cannot run the gateway: {err}") from err
         finally:
-            os.close(restricted)
+            for fd in (restricted, log_fd, relay):
+                if fd is not None:
+                    os.close(fd)
         self._process = process
         assert process.stdout is not None
         try:

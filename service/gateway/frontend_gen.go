@@ -13,6 +13,7 @@ const (
 const (
 	metricsVariable      = "ATTENTION_GATEWAY_METRICS"
 	restrictedFDVariable = "ATTENTION_GATEWAY_RESTRICTED_FD"
+	logFDVariable        = "ATTENTION_GATEWAY_LOG_FD"
 )
 
 // metricSpec names and describes a counter or a gauge (its one sample).

@@ -165,6 +165,10 @@ func (h *lineHandler) textLine(line *bytes.Buffer, r slog.Record, attrs []slog.A
 // the flags say, and follows the settings file.
 func startLogging() {
 	logs.shared.process = *logProcess
+	logTo, logFDErr := logOutput()
+	if logTo != nil {
+		logs.shared.out = logTo
+	}
 	understood := logs.apply(logSettings{Level: *logLevelFlag, Format: *logFormatFlag})
 	if !understood {
 		logs.apply(logSettings{Level: "INFO", Format: "text"})
@@ -175,10 +179,34 @@ func startLogging() {
 		slog.Warn(fmt.Sprintf("--log-level %q / --log-format %q not understood: INFO, text",
 			*logLevelFlag, *logFormatFlag))
 	}
+	if logFDErr != nil {
+		slog.Warn(fmt.Sprintf("logging to standard error: %v", logFDErr))
+	}
 	slog.Info(fmt.Sprintf("gateway %s started (pid %d)", *logProcess, os.Getpid()))
 	if *logSettingsFile != "" {
 		go logs.follow(*logSettingsFile, followLogSettingsS)
 	}
+}
+
+// logOutput is the descriptor logFDVariable names, where the front end has made standard
+// error a FIFO that relays what Go's runtime writes there (a panic, a goroutine dump) as log
+// lines: this process's own lines go to the descriptor, never through the relay. nil, nil
+// when it names none (standard error, then).
+func logOutput() (*os.File, error) {
+	number := os.Getenv(logFDVariable)
+	if number == "" {
+		return nil, nil
+	}
+	os.Unsetenv(logFDVariable)
+	fd, err := strconv.Atoi(number)
+	if err != nil || fd < 3 {
+		return nil, fmt.Errorf("%s=%q is not a file descriptor", logFDVariable, number)
+	}
+	var stat syscall.Stat_t
+	if err := syscall.Fstat(fd, &stat); err != nil {
+		return nil, fmt.Errorf("%s=%d: %w", logFDVariable, fd, err)
+	}
+	return os.NewFile(uintptr(fd), "log"), nil
 }
 
 // fileSignature tells a rewritten settings file (renamed over the old one) from the last.

@@ -3,9 +3,11 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -105,5 +107,40 @@ func TestTraceIDOfATraceparent(t *testing.T) {
 		if got, _ := traceIDOf(header); got != want {
 			t.Errorf("traceIDOf(%q) = %q, want %q", header, got, want)
 		}
+	}
+}
+
+func TestLogLinesGoToTheDescriptorTheFrontEndNames(t *testing.T) {
+	read, write, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer read.Close()
+	t.Setenv(logFDVariable, strconv.Itoa(int(write.Fd())))
+	out, err := logOutput()
+	if err != nil || out == nil {
+		t.Fatalf("logOutput() = %v, %v", out, err)
+	}
+	if os.Getenv(logFDVariable) != "" {
+		t.Error("the variable is left for processes this one starts")
+	}
+	h := newLineHandler(out, "gateway-0")
+	h.apply(logSettings{Level: "INFO", Format: "text"})
+	slog.New(h).Info("to the descriptor")
+	out.Close()
+	got, _ := io.ReadAll(read)
+	if !strings.Contains(string(got), "INFO [gateway-0] gateway: to the descriptor") {
+		t.Errorf("read %q", got)
+	}
+
+	for _, bad := range []string{"two", "1", "999999"} {
+		t.Setenv(logFDVariable, bad)
+		if out, err := logOutput(); out != nil || err == nil {
+			t.Errorf("%s=%s: %v, %v; want an error", logFDVariable, bad, out, err)
+		}
+	}
+	os.Unsetenv(logFDVariable)
+	if out, err := logOutput(); out != nil || err != nil {
+		t.Errorf("unset: %v, %v; want nil, nil", out, err)
 	}
 }

@@ -4,6 +4,7 @@ Attend calls itself and hands everything else to the Python front end. Real serv
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
+from bench.harness import wait_for
 from service.client import attend_request
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
@@ -418,6 +420,39 @@ def test_a_killed_gateway_is_restarted_with_its_front_end(model_repository: Path
                 512,
             )
         assert server.terminate() == 0, server.log
+
+
+def test_a_gateways_crash_output_reaches_the_log_as_its_records(model_repository: Path) -> None:
+    """What Go's runtime writes to standard error (here the goroutine dump of a SIGQUIT, as
+    a panic writes one) comes out as JSON records of gateway-0, like every other log line;
+    the gateway's own lines, before and after its restart, too."""
+    with ServerProcess(model_repository, "--grpc-gateway", "on", "--log-format", "json") as server:
+        first = gateway_pids(server)[0]
+        os.kill(first, signal.SIGQUIT)
+        wait_for(lambda: len(gateway_pids(server)) >= 2, what="the gateway restarted")
+        server.wait_serving()
+        records = []
+        for line in server.lines:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pytest.fail(f"not a JSON log line: {line!r}")
+        dump = [r for r in records if r["process"] == "gateway-0" and r["logger"] == "stderr"]
+        assert dump, server.log
+        assert dump[0]["message"].startswith("SIGQUIT: quit"), dump[0]
+        assert all(r["level"] == "ERROR" for r in dump), dump
+        assert any("goroutine" in r["message"] for r in dump), dump
+        started = [r for r in records if r["process"] == "gateway-0" and r["logger"] == "gateway"]
+        assert [r["message"].startswith("gateway gateway-0 started") for r in started] == [
+            True,
+            True,
+        ], started
+        with triton.InferenceServerClient(server.target) as client:
+            assert infer(client, np.ones((1, 3, 512), np.float32)).as_numpy("output").shape == (
+                1,
+                3,
+                512,
+            )
 
 
 def test_sigterm_finishes_accepted_calls(model_repository: Path) -> None:
