@@ -19,7 +19,6 @@ import fcntl
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.observability import tracing
+from service.observability import stray_lines, tracing
 from service.text import SHOWN_CHARS
 
 FORMATS = ("text", "json")
@@ -37,6 +36,10 @@ OFF = logging.CRITICAL + 10
 SETTINGS_FILE = "log-settings.json"
 FOLLOW_INTERVAL_S = 0.25  # how often each process looks at the settings file
 TEXT_LAYOUT = "%(asctime)s %(levelname)s [%(process_role)s] %(name)s: %(message)s"
+
+# One write of at most this many bytes to a pipe (a container's standard error) is atomic
+# (POSIX's PIPE_BUF): no other process's line lands inside it, however full the pipe.
+ATOMIC_WRITE_BYTES = 4096
 
 log = logging.getLogger(__name__)
 # A record's attribute naming the child whose standard error the supervisor relays it for.
@@ -152,6 +155,54 @@ def _span_ids() -> dict[str, str]:
     return {"trace_id": format(ids.trace_id, "032x"), "span_id": format(ids.span_id, "016x")}
 
 
+class LineHandler(logging.Handler):
+    """Writes each record to a descriptor in one write of at most ATOMIC_WRITE_BYTES, so
+    the processes sharing a pipe never cut into each other's lines. A longer record (a long
+    traceback) is written as several, each a piece of its message and traceback, in the
+    record's level, logger and request."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self._encoded(record)
+            if len(line) > ATOMIC_WRITE_BYTES:
+                for piece in _pieces(record):
+                    self._write(self._encoded(piece))
+            else:
+                self._write(line)
+        except Exception:
+            self.handleError(record)
+
+    def _encoded(self, record: logging.LogRecord) -> bytes:
+        return (self.format(record) + "\n").encode("utf-8", "backslashreplace")
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)  # handle() holds the lock: threads' lines stay whole too
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+
+def _pieces(record: logging.LogRecord) -> list[logging.LogRecord]:
+    """record as records whose messages are the pieces of its message and traceback (each
+    costs at most stray_lines.MAX_RECORD_COST in JSON, the fields around it a few hundred)."""
+    text = record.getMessage()
+    if record.exc_info or record.exc_text:
+        text += "\n" + (record.exc_text or _TRACEBACKS.formatException(record.exc_info))  # type: ignore[arg-type]
+    if record.stack_info:
+        text += "\n" + record.stack_info
+    pieces = []
+    for piece in stray_lines.cut(text):
+        copy = logging.makeLogRecord(record.__dict__)
+        copy.msg, copy.args = piece, None
+        copy.exc_info, copy.exc_text, copy.stack_info = None, None, None
+        pieces.append(copy)
+    return pieces
+
+
+_TRACEBACKS = logging.Formatter()
 _formatter: LineFormatter | None = None
 _state: LogState | None = None
 _output_fd: int | None = None
@@ -163,12 +214,7 @@ def configure(process: str, state: LogState, output_fd: int | None = None) -> No
     global _formatter, _output_fd
     _formatter = LineFormatter(process, state.format)
     _output_fd = output_fd
-    stream = sys.stderr
-    if output_fd is not None:
-        stream = open(  # noqa: SIM115 (the process's log stream: open for its whole life)
-            output_fd, "w", encoding="utf-8", errors="backslashreplace", closefd=False
-        )
-    handler = logging.StreamHandler(stream)
+    handler = LineHandler(2 if output_fd is None else output_fd)
     handler.setFormatter(_formatter)
     root = logging.getLogger()
     for old in list(root.handlers):

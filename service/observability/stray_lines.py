@@ -96,10 +96,10 @@ def records(lines: list[bytes]) -> list[StrayRecord]:
         if record is not None:
             end_run()
             found.extend(
-                StrayRecord(record.logger, record.level, piece) for piece in _cut(record.message)
+                StrayRecord(record.logger, record.level, piece) for piece in cut(record.message)
             )
             continue
-        for piece in _cut(text):
+        for piece in cut(text):
             cost = json_cost(piece) + 2  # and the newline joining it to the run
             if run and run_cost + cost > MAX_RECORD_COST:
                 end_run()
@@ -109,7 +109,7 @@ def records(lines: list[bytes]) -> list[StrayRecord]:
     return found
 
 
-def _cut(text: str) -> list[str]:
+def cut(text: str) -> list[str]:
     """text in pieces that cost at most MAX_RECORD_COST each in JSON."""
     pieces = []
     start = 0

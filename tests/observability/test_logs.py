@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import re
+import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -19,6 +22,7 @@ from service.generated.inference import grpc_service_pb2 as v2
 from service.observability import logs
 from service.observability.logs import LineFormatter, LogSettingsFile, LogState
 
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "log-settings.json"
 
 
@@ -150,7 +154,7 @@ def root_logging() -> object:
 
 
 def test_apply_sets_level_and_format_and_off_silences(
-    root_logging: logging.Logger, capsys: pytest.CaptureFixture[str]
+    root_logging: logging.Logger, capfd: pytest.CaptureFixture[str]
 ) -> None:
     logs.configure("worker", LogState("WARNING", "json"))
     log = logging.getLogger("service.unit")
@@ -158,7 +162,7 @@ def test_apply_sets_level_and_format_and_off_silences(
     log.warning("shown")
     logs.apply(LogState("OFF", "json"))
     log.error("hidden too")
-    lines = capsys.readouterr().err.splitlines()
+    lines = capfd.readouterr().err.splitlines()
     assert [json.loads(line)["message"] for line in lines] == ["shown"]
     assert logs.current() == LogState("OFF", "json")
 
@@ -280,3 +284,79 @@ def test_a_change_is_written_for_every_process(
     assert LogSettingsFile(tmp_path).read() == LogState("DEBUG", "json")
     assert logs.current() == LogState("DEBUG", "json")  # this process at once
     assert control.view() == view
+
+
+# -- lines whole in a shared pipe ---------------------------------------------------------------
+
+# A process that logs tracebacks longer than a pipe's atomic write, as fast as it can, to
+# the descriptor argv[4] names (in the given format); each message names the process and a
+# counter.
+_LONG_RECORDS = """
+import logging, sys
+from service.observability import logs
+logs.configure(sys.argv[1], logs.LogState("INFO", sys.argv[2]), output_fd=int(sys.argv[4]))
+log = logging.getLogger("service.flood")
+def deep(n):
+    if n == 0:
+        raise ValueError("é" * 300 + "x" * 3000)
+    deep(n - 1)
+for i in range(int(sys.argv[3])):
+    try:
+        deep(40)
+    except ValueError:
+        log.exception("%s record %d", sys.argv[1], i)
+"""
+
+
+@pytest.mark.parametrize("format_name", ["json", "text"])
+def test_long_records_from_processes_sharing_a_pipe_stay_whole(format_name: str) -> None:
+    """Three processes log records of about 10 KiB (a deep traceback) into one pipe read
+    slowly, as a container's standard error can be: every line read is one of theirs, whole
+    (one JSON object; in text, a line of a known kind), and each process's text comes back
+    complete and in order."""
+    read_end, write_end = os.pipe()
+    writers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _LONG_RECORDS,
+                f"frontend-{k}",
+                format_name,
+                "30",
+                f"{write_end}",
+            ],
+            cwd=ROOT,
+            pass_fds=(write_end,),
+            stdin=subprocess.DEVNULL,
+        )
+        for k in range(3)
+    ]
+    os.close(write_end)
+    received = bytearray()
+    with open(read_end, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(512):  # small reads: the pipe stays full, writers wait
+            received += chunk
+    assert [writer.wait(timeout=60) for writer in writers] == [0, 0, 0]
+    lines = received.decode().splitlines()
+    # Each process's records' text (message, traceback), the pieces of a long one joined back.
+    pieces: dict[str, list[list[str]]] = {f"frontend-{k}": [] for k in range(3)}
+    for line in lines:
+        assert len(line.encode()) < logs.ATOMIC_WRITE_BYTES, line[:200]
+        if format_name == "json":
+            record = json.loads(line)
+            assert (record["level"], record["logger"]) == ("ERROR", "service.flood"), record
+            pieces[record["process"]].append([record["message"]])
+            continue
+        header = re.match(r"\S+ \S+ ([A-Z]+) \[(frontend-\d)\] (\S+): ", line)
+        if header is not None:
+            assert (header[1], header[3]) == ("ERROR", "service.flood"), line[:200]
+            current = pieces[header[2]]
+            current.append([line[header.end() :]])
+        else:  # a traceback's line, in the write that began with the last header
+            current[-1].append(line)
+    for process, written in pieces.items():
+        text = "".join("\n".join(piece) for piece in written)
+        assert text.count("Traceback (most recent call last)") == 30, process
+        assert text.count("ValueError: " + "é" * 300 + "x" * 3000) == 30, process
+        assert [int(n) for n in re.findall(rf"{process} record (\d+)", text)] == list(range(30))
