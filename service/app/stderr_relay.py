@@ -38,7 +38,9 @@ MAX_LINE_BYTES = 64 * 1024
 class StderrRelay:
     """The FIFO one child role writes to (each restart of it too), read on the event loop."""
 
-    def __init__(self, run_dir: Path, role: str) -> None:
+    def __init__(self, run_dir: Path, role: str, fifo_bytes: int | None = FIFO_BYTES) -> None:
+        """fifo_bytes: what the FIFO holds (None: the kernel's default, 64 KiB; enough for a
+        writer that writes only as it dies, such as a gateway)."""
         self.role = role
         self.path = fifo_path(run_dir, role)
         os.mkfifo(self.path, 0o600)
@@ -50,8 +52,9 @@ class StderrRelay:
         except OSError:
             self.path.unlink()
             raise
-        with contextlib.suppress(OSError):  # above the system's limit: the default size
-            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, FIFO_BYTES)
+        if fifo_bytes is not None:
+            with contextlib.suppress(OSError):  # above the system's limit: the default size
+                fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, fifo_bytes)
         self._partial = b""
         self._loop: asyncio.AbstractEventLoop | None = None
 

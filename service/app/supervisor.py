@@ -26,7 +26,7 @@ from typing import Any
 
 from service.app import run_dir
 from service.app.children import initial_log_state, run_frontend, run_worker
-from service.app.stderr_relay import StderrRelay
+from service.app.stderr_relay import FIFO_BYTES, StderrRelay
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
 from service.observability import logs, metrics
 from service.observability.gpu_metrics import GpuCollector
@@ -233,11 +233,11 @@ class Supervisor:
                     pids[_gateway_role(child.role)] = child.gateway_pid
         return pids
 
-    def _relay_stderr(self, role: str) -> None:
+    def _relay_stderr(self, role: str, fifo_bytes: int | None = FIFO_BYTES) -> None:
         if role in self._stderr:
             return  # made for the first of role's processes, kept for every restart
         try:
-            relay = StderrRelay(self._run_dir, role)
+            relay = StderrRelay(self._run_dir, role, fifo_bytes)
         except OSError as err:  # no FIFO in this file system: its lines go out raw
             log.warning("%s's standard error is not relayed into the log: %s", role, err)
         else:
@@ -248,7 +248,8 @@ class Supervisor:
         settings = self._settings
         self._relay_stderr(role)
         if role != "worker" and settings.grpc_gateway != "off":
-            self._relay_stderr(_gateway_role(role))  # its front end opens it for the gateway
+            # Its front end opens it for the gateway, which writes there only as it dies.
+            self._relay_stderr(_gateway_role(role), fifo_bytes=None)
         receive, send = self._context.Pipe(duplex=False)
         if role == "worker":
             target: Any = run_worker
@@ -295,7 +296,7 @@ class Supervisor:
         child.process.join(1)  # the sentinel fires as it exits; reaping takes a moment
         code = child.process.exitcode
         # Its last words, and its gateway's (which dies with it), before the news of its exit.
-        for role in (child.role, _gateway_role(child.role)):
+        for role in dict.fromkeys((child.role, _gateway_role(child.role))):
             if role in self._stderr:
                 self._stderr[role].end()
         child.exited.set()

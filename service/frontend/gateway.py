@@ -278,15 +278,18 @@ class Gateway:
         # anyone on the host can read) nor in its environment.
         restricted = _restrictions_file(self._restrictions.for_gateway(ANSWERED_GROUPS))
         env[RESTRICTED_FD_VARIABLE] = str(restricted)
-        # Its log lines go where this process's do (standard error, not its relay); what
-        # Go's runtime writes, into its own relay where the supervisor made one. Its
-        # standard output says "listening ADDRESS", or "failed WHY".
-        own = logs.output_fd()
-        log_fd = os.dup(2 if own is None else own)
-        relay = stderr_fifo.open_writer(self._run_dir, self.log_name)
-        if relay is not None:
-            env[LOG_FD_VARIABLE] = str(log_fd)
+        env.pop(LOG_FD_VARIABLE, None)  # set below, or not at all: never an inherited one
+        log_fd: int | None = None
+        relay: int | None = None
         try:
+            # Its log lines go where this process's do (standard error, not its relay); what
+            # Go's runtime writes, into its own relay where the supervisor made one. Its
+            # standard output says "listening ADDRESS", or "failed WHY".
+            own = logs.output_fd()
+            log_fd = os.dup(2 if own is None else own)
+            relay = stderr_fifo.open_writer(self._run_dir, self.log_name)
+            if relay is not None:
+                env[LOG_FD_VARIABLE] = str(log_fd)
             process = await asyncio.create_subprocess_exec(
                 *self._command(address),
                 env=env,

@@ -18,6 +18,7 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -207,6 +208,26 @@ func logOutput() (*os.File, error) {
 		return nil, fmt.Errorf("%s=%d: %w", logFDVariable, fd, err)
 	}
 	return os.NewFile(uintptr(fd), "log"), nil
+}
+
+// serverErrors is net/http's ErrorLog. It logs a handler's panic, which net/http recovers
+// (resetting the call) and reports only there, at ERROR, its stack cut to maxPanicBytes;
+// the rest it reports there (a client's broken TLS handshake or HTTP/2 preface) is the
+// client's doing, and not logged.
+type serverErrors struct{}
+
+const maxPanicBytes = 3000
+
+func (serverErrors) Write(p []byte) (int, error) {
+	line := strings.TrimRight(string(p), "\n")
+	if strings.Contains(line, ": panic serving ") {
+		if len(line) > maxPanicBytes {
+			line = fmt.Sprintf("%s ... (%d bytes more)", strings.ToValidUTF8(line[:maxPanicBytes], ""),
+				len(line)-maxPanicBytes)
+		}
+		slog.Error(line)
+	}
+	return len(p), nil
 }
 
 // fileSignature tells a rewritten settings file (renamed over the old one) from the last.

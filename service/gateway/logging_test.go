@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/json"
 	"io"
+	"log"
 	"log/slog"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -142,5 +144,31 @@ func TestLogLinesGoToTheDescriptorTheFrontEndNames(t *testing.T) {
 	os.Unsetenv(logFDVariable)
 	if out, err := logOutput(); out != nil || err != nil {
 		t.Errorf("unset: %v, %v; want nil, nil", out, err)
+	}
+}
+
+func TestAHandlersPanicIsLoggedAndClientNoiseIsNot(t *testing.T) {
+	var out bytes.Buffer
+	h := newLineHandler(&out, "gateway-0")
+	h.apply(logSettings{Level: "INFO", Format: "json"})
+	previous := slog.Default()
+	slog.SetDefault(slog.New(h))
+	defer slog.SetDefault(previous)
+	server := &http.Server{ErrorLog: log.New(serverErrors{}, "", 0)}
+	server.ErrorLog.Printf("http: TLS handshake error from 127.0.0.1:5: EOF")
+	server.ErrorLog.Printf("http2: server: error reading preface from client 127.0.0.1:6: EOF")
+	if out.Len() != 0 {
+		t.Fatalf("client noise logged: %q", out.String())
+	}
+	stack := strings.Repeat("main.(*fastPath).serve(...)\n\t/src/infer.go:1 +0x1d\n", 200)
+	server.ErrorLog.Printf("http2: panic serving 127.0.0.1:7: runtime error: index out of range\n%s", stack)
+	var record map[string]any
+	if err := json.Unmarshal(out.Bytes(), &record); err != nil {
+		t.Fatalf("%v: %q", err, out.String())
+	}
+	message, _ := record["message"].(string)
+	if record["level"] != "ERROR" || !strings.HasPrefix(message, "http2: panic serving 127.0.0.1:7: runtime error") ||
+		!strings.HasSuffix(message, "bytes more)") || len(message) > maxPanicBytes+40 {
+		t.Errorf("record %v", record)
 	}
 }

@@ -396,7 +396,7 @@ func run(o options) error {
 		// bytes of the header list, so its size bound comes first and the metadata check
 		// in ServeHTTP answers as core does.
 		MaxHeaderValueCount: http.DefaultMaxHeaderBytes / 32,
-		ErrorLog:            log.New(io.Discard, "", 0),
+		ErrorLog:            log.New(serverErrors{}, "", 0),
 		ConnContext: func(ctx context.Context, _ net.Conn) context.Context {
 			if o.maxAge <= 0 {
 				return ctx

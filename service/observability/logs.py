@@ -167,6 +167,7 @@ class LineHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            record = _without_header_values(record)  # the pieces are cut from its message too
             line = self._encoded(record)
             if len(line) > ATOMIC_WRITE_BYTES:
                 for piece in _pieces(record):

@@ -69,6 +69,35 @@ def test_an_undecodable_header_value_grpc_logs_is_never_shown(format_name: str) 
     assert logs.HIDDEN_HEADER in line
 
 
+@pytest.mark.parametrize("format_name", ["text", "json"])
+def test_an_undecodable_header_value_is_not_shown_in_a_record_written_in_pieces(
+    format_name: str,
+) -> None:
+    """The same record with a traceback long enough to be written in pieces."""
+    read_end, write_end = os.pipe()
+    handler = logs.LineHandler(write_end)
+    handler.setFormatter(LineFormatter("frontend-0", format_name))
+    try:
+        raise ValueError("x" * 3 * logs.ATOMIC_WRITE_BYTES)
+    except ValueError:
+        record = logging.LogRecord(
+            "grpc._cython.cygrpc",
+            logging.ERROR,
+            __file__,
+            1,
+            "Invalid encoding on %s",
+            (b"secret-key\xff",),
+            sys.exc_info(),
+        )
+    handler.emit(record)
+    os.close(write_end)
+    with open(read_end, "rb") as pipe:
+        written = pipe.read().decode()
+    assert len(written.splitlines()) > 3  # in pieces
+    assert "secret-key" not in written
+    assert logs.HIDDEN_HEADER in written
+
+
 def test_json_lines_hold_an_exception_and_no_request_id_outside_a_request() -> None:
     formatter = LineFormatter("worker", "json")
     try:
