@@ -55,6 +55,10 @@ SCAN_BYTES = 64 << 10
 # Strings have no hook: the quotes a large body may hold (names, datatypes, parameters; a
 # tensor's data is numbers). Each string costs one short C scan.
 MAX_QUOTES = 1 << 14
+# Objects have a hook, but a request holds few (its inputs, outputs and parameters):
+# millions of them (`[{},{},...]`) cost a garbage collection pass over them all while parsing,
+# and freeing them once refused, each holding the GIL for a tenth of a second or more.
+MAX_OBJECTS = 1 << 10
 # In each slice outside strings, at most this many more containers and literals than hooked
 # tokens (digits, objects): each a C allocation with no Python frame between (~0.1 us each).
 SLACK_TOKENS = 4096
@@ -102,8 +106,13 @@ def _escaped(text: bytes, opening: int, closing: int) -> bool:
 def check_hooked(text: bytes) -> None:
     """HookFree unless parsing text with the hooks of loads() calls a hook every few
     thousand tokens: JSON of millions of empty arrays, strings or nulls (no number, so no
-    hook) held the GIL for seconds."""
+    hook) held the GIL for seconds; so did millions of objects (MAX_OBJECTS)."""
     bare = _outside_strings(text)
+    if bare.count(b"{") > MAX_OBJECTS:
+        raise HookFree(
+            f"holds more than {MAX_OBJECTS} objects (inputs, outputs and parameters are few); "
+            "expected tensor data as numbers"
+        )
     for start in range(0, len(bare), SCAN_BYTES):
         piece = bare[start : start + SCAN_BYTES]
         unhooked = len(piece.translate(None, _UNHOOKED))
