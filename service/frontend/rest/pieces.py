@@ -106,12 +106,16 @@ def _escaped(text: bytes, opening: int, closing: int) -> bool:
 def check_hooked(text: bytes) -> None:
     """HookFree unless parsing text with the hooks of loads() calls a hook every few
     thousand tokens: JSON of millions of empty arrays, strings or nulls (no number, so no
-    hook) held the GIL for seconds; so did millions of objects (MAX_OBJECTS)."""
+    hook) held the GIL for seconds; so did millions of objects (MAX_OBJECTS). The scan reads
+    UTF-8 only (json.loads would also take UTF-16 and UTF-32, whose bytes it misreads)."""
+    encoding = json.detect_encoding(text)
+    if encoding not in ("utf-8", "utf-8-sig"):  # a BOM: json.loads says what is wrong
+        raise HookFree(f"is {encoding.upper()} JSON; expected UTF-8 (RFC 8259)")
     bare = _outside_strings(text)
     if bare.count(b"{") > MAX_OBJECTS:
         raise HookFree(
-            f"holds more than {MAX_OBJECTS} objects (inputs, outputs and parameters are few); "
-            "expected tensor data as numbers"
+            f"holds more than {MAX_OBJECTS} objects; a request holds a few (such as its "
+            "inputs, outputs and parameters), and tensor data as numbers"
         )
     for start in range(0, len(bare), SCAN_BYTES):
         piece = bare[start : start + SCAN_BYTES]
