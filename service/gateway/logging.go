@@ -194,14 +194,9 @@ func startLogging() {
 // lines: this process's own lines go to the descriptor, never through the relay. nil, nil
 // when it names none (standard error, then).
 func logOutput() (*os.File, error) {
-	number := os.Getenv(logFDVariable)
-	if number == "" {
-		return nil, nil
-	}
-	os.Unsetenv(logFDVariable)
-	fd, err := strconv.Atoi(number)
-	if err != nil || fd < 3 {
-		return nil, fmt.Errorf("%s=%q is not a file descriptor", logFDVariable, number)
+	fd, named, err := inheritedFD(logFDVariable)
+	if !named {
+		return nil, err
 	}
 	var stat syscall.Stat_t
 	if err := syscall.Fstat(fd, &stat); err != nil {
@@ -228,6 +223,22 @@ func (serverErrors) Write(p []byte) (int, error) {
 		slog.Error(line)
 	}
 	return len(p), nil
+}
+
+// inheritedFD is the descriptor the front end names in variable, which it unsets so that
+// what this process starts never sees it; named is false when the variable names none (err
+// says why where it holds something else).
+func inheritedFD(variable string) (fd int, named bool, err error) {
+	number := os.Getenv(variable)
+	if number == "" {
+		return 0, false, nil
+	}
+	os.Unsetenv(variable)
+	fd, err = strconv.Atoi(number)
+	if err != nil || fd < 3 {
+		return 0, false, fmt.Errorf("%s=%q is not a file descriptor", variable, number)
+	}
+	return fd, true, nil
 }
 
 // fileSignature tells a rewritten settings file (renamed over the old one) from the last.

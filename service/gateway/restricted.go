@@ -19,7 +19,6 @@ import (
 	"net/http"
 	"net/textproto"
 	"os"
-	"strconv"
 	"unicode/utf8"
 )
 
@@ -33,14 +32,9 @@ type restrictions struct {
 // loadRestrictions reads and closes the descriptor restrictedFDVariable names (nil, nil
 // when it names none), and checks that every method answered here has its key.
 func loadRestrictions() (*restrictions, error) {
-	number := os.Getenv(restrictedFDVariable)
-	if number == "" {
-		return nil, nil
-	}
-	os.Unsetenv(restrictedFDVariable)
-	fd, err := strconv.Atoi(number)
-	if err != nil || fd < 3 {
-		return nil, fmt.Errorf("%s=%q is not a file descriptor", restrictedFDVariable, number)
+	fd, named, err := inheritedFD(restrictedFDVariable)
+	if !named {
+		return nil, err
 	}
 	file := os.NewFile(uintptr(fd), "restrictions")
 	data, err := io.ReadAll(file)

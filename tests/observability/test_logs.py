@@ -12,6 +12,7 @@ import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,20 +52,24 @@ def test_json_lines_carry_the_fields_and_the_request_id() -> None:
     assert "trace_id" not in record  # tracing is off
 
 
-@pytest.mark.parametrize("format_name", ["text", "json"])
-def test_an_undecodable_header_value_grpc_logs_is_never_shown(format_name: str) -> None:
-    """gRPC's Python layer logs a metadata value that is not UTF-8; a key, one stray byte
-    apart, must not reach the log."""
-    record = logging.LogRecord(
+def _undecodable_header_record(exc_info: Any = None) -> logging.LogRecord:
+    """gRPC's record of a metadata value that is not UTF-8 (a key, one stray byte apart)."""
+    return logging.LogRecord(
         "grpc._cython.cygrpc",
         logging.ERROR,
         __file__,
         1,
         "Invalid encoding on %s",
         (b"secret-key\xff",),
-        None,
+        exc_info,
     )
-    line = LineFormatter("frontend-0", format_name).format(record)
+
+
+@pytest.mark.parametrize("format_name", ["text", "json"])
+def test_an_undecodable_header_value_grpc_logs_is_never_shown(format_name: str) -> None:
+    """gRPC's Python layer logs a metadata value that is not UTF-8; a key, one stray byte
+    apart, must not reach the log."""
+    line = LineFormatter("frontend-0", format_name).format(_undecodable_header_record())
     assert "secret-key" not in line
     assert logs.HIDDEN_HEADER in line
 
@@ -80,15 +85,7 @@ def test_an_undecodable_header_value_is_not_shown_in_a_record_written_in_pieces(
     try:
         raise ValueError("x" * 3 * logs.ATOMIC_WRITE_BYTES)
     except ValueError:
-        record = logging.LogRecord(
-            "grpc._cython.cygrpc",
-            logging.ERROR,
-            __file__,
-            1,
-            "Invalid encoding on %s",
-            (b"secret-key\xff",),
-            sys.exc_info(),
-        )
+        record = _undecodable_header_record(sys.exc_info())
     handler.emit(record)
     os.close(write_end)
     with open(read_end, "rb") as pipe:
