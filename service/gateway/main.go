@@ -342,6 +342,7 @@ func main() {
 	if err != nil {
 		fatal(err)
 	}
+	startStackBallast()
 	err = run(o)
 	stopProfile()
 	if err != nil {
