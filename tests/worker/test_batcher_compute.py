@@ -23,7 +23,7 @@ class ThreadRecordingRunner(RecordingRunner):
         self.seconds_per_sequence = seconds_per_sequence
         self.threads: list[str] = []
 
-    def run(self, embeddings, key_padding_mask, with_weights):
+    def run(self, embeddings, key_padding_mask, with_weights, into=None):
         self.threads.append(threading.current_thread().name)
         time.sleep(self.seconds_per_sequence * embeddings.shape[0])
         return super().run(embeddings, key_padding_mask, with_weights)

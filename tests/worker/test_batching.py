@@ -103,7 +103,7 @@ class RecordingRunner:
         self.hold = hold
         self.batch_caps = batch_caps or BatchCaps.uniform(1024, 1024)
 
-    def run(self, embeddings, key_padding_mask, with_weights):
+    def run(self, embeddings, key_padding_mask, with_weights, into=None):
         self.entered.set()
         if self.hold is not None:
             self.hold.wait(10)

@@ -79,7 +79,7 @@ class FakeModel:
     def label(self) -> str:
         return self.spec.name
 
-    def run(self, embeddings: np.ndarray, mask: np.ndarray, with_weights: bool):
+    def run(self, embeddings: np.ndarray, mask: np.ndarray, with_weights: bool, into=None):
         return embeddings + self.spec.version, None
 
 

@@ -133,6 +133,8 @@ def _place(part: np.ndarray, target: Target | None) -> np.ndarray:
     """The part, contiguous: copied into its target when there is one."""
     if target is None:
         return np.ascontiguousarray(part)
+    if part is target:  # the runner wrote it there
+        return target
     if isinstance(target, np.ndarray):
         np.copyto(target, part)
         return target
@@ -151,7 +153,10 @@ def _compute(
     compute thread, or on the event loop's for a short CPU batch (compute_short_batches_inline)."""
     started, cost_started = time.monotonic(), cost_clock()
     embeddings, mask = merge(arrays)
-    output, weights = runner.run(embeddings, mask, with_weights)
+    # A batch of one whose output goes to shared memory: the runner may put it there itself.
+    alone_target = targets[0][0] if len(arrays) == 1 and targets[0] is not None else None
+    in_place = alone_target if isinstance(alone_target, np.ndarray) else None
+    output, weights = runner.run(embeddings, mask, with_weights, into=in_place)
     shapes = [(a.shape[0], a.shape[1]) for a in arrays]
     # A batch of one is merged as itself: its output is its part, nothing to split.
     pieces = [(output, weights)] if len(arrays) == 1 else split(output, weights, shapes)

@@ -33,8 +33,15 @@ class Runner(Protocol):
     def batch_caps(self) -> BatchCaps: ...
 
     def run(
-        self, embeddings: np.ndarray, key_padding_mask: np.ndarray, with_weights: bool
-    ) -> tuple[np.ndarray, np.ndarray | None]: ...
+        self,
+        embeddings: np.ndarray,
+        key_padding_mask: np.ndarray,
+        with_weights: bool,
+        into: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """into, given for a batch of one (nothing padded) whose output has a place in shared
+        memory: a runner may write the output there and return into as it."""
+        ...
 
 
 class AnswerWriter(Protocol):

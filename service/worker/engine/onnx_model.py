@@ -13,6 +13,7 @@ import onnxruntime as ort
 from service.catalog import ModelSpec
 from service.memory.budget import is_large_batch
 from service.worker.engine import fused as fusing
+from service.worker.engine.bound_runs import BoundRuns
 from service.worker.engine.caps import SERVER_BATCH_OVERHEAD_S, BatchCaps, measure_caps
 from service.worker.engine.cuda import (
     CPU,
@@ -175,6 +176,8 @@ class OnnxModel:
         self._weights_dtype = _output_dtype(self._full, "attention_weights")
         self.key = f"{files.name}/{files.version}"
         self.provider = self._common_provider()
+        # Batches of one computed in place, per output graph (on a CPU: made when first used).
+        self._in_place: dict[str, BoundRuns] = {}
         # Until measure_batch_caps() runs, only --max-batch-size limits a batch.
         self.batch_caps = BatchCaps.uniform(2**31 - 1, 2**31 - 1)
         self._check_golden(files)
@@ -254,6 +257,7 @@ class OnnxModel:
                 raise BrokenModel(f"fused graph: golden check failed: {err}") from err
             log.warning("%s: fused graph not used, golden check failed: %s", self.key, err)
             self._fused = None
+            self._in_place.pop("fused", None)
             return
         log.info("%s: fused graph passed its golden check (max error %.2e)", self.key, error)
 
@@ -267,9 +271,15 @@ class OnnxModel:
         return self._full is not None
 
     def run(
-        self, embeddings: np.ndarray, key_padding_mask: np.ndarray, with_weights: bool
+        self,
+        embeddings: np.ndarray,
+        key_padding_mask: np.ndarray,
+        with_weights: bool,
+        into: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Output [b, t, d], and weights [b, h, t, t] only from the graph that has them."""
+        """Output [b, t, d], and weights [b, h, t, t] only from the graph that has them.
+        into: where a batch of one's output goes (its mask all false); on a CPU ONNX Runtime
+        writes it there itself, and into is the output returned."""
         feeds = {"embeddings": embeddings, "key_padding_mask": key_padding_mask}
         if with_weights:
             assert self._full is not None, "validated before batching"
@@ -277,11 +287,22 @@ class OnnxModel:
         else:
             session = self._fused if self._use_fused and self._fused is not None else self._plain
             names = ["output"]
-        if self._shrink_after_large and self._gives_memory_back(embeddings, with_weights):
+        giving_back = self._shrink_after_large and self._gives_memory_back(embeddings, with_weights)
+        if into is not None and not with_weights and not giving_back and self.provider == CPU:
+            in_place = self._in_place_runs("fused" if session is self._fused else "plain", session)
+            if in_place.run(embeddings, into):
+                return into, None
+        if giving_back:
             outputs = self._run_giving_back(session, names, embeddings, key_padding_mask)
         else:
             outputs = session.run(names, feeds)
         return outputs[0], outputs[1] if with_weights else None
+
+    def _in_place_runs(self, graph: str, session: ort.InferenceSession) -> BoundRuns:
+        runs = self._in_place.get(graph)
+        if runs is None:
+            runs = self._in_place[graph] = BoundRuns(session, self.spec.dtype)
+        return runs
 
     def _gives_memory_back(self, embeddings: np.ndarray, with_weights: bool) -> bool:
         """A batch whose input is large, or whose attention scores ([b, h, t, t] float32,
@@ -380,4 +401,5 @@ class OnnxModel:
         self._use_fused, reason = fusing.decide(self._fused_mode, timings)
         if not self._use_fused:
             self._fused = None  # its arena goes back
+            self._in_place.pop("fused", None)
         return f"{'fused' if self._use_fused else 'unfused'} graph: {reason}"
