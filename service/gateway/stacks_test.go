@@ -1,8 +1,10 @@
 package main
 
 import (
+	"os"
 	"runtime"
 	runtimemetrics "runtime/metrics"
+	"strings"
 	"testing"
 )
 
@@ -20,6 +22,9 @@ func startingStack(t *testing.T) uint64 {
 // would grow theirs), and not larger (every goroutine would hold more memory than a call
 // needs).
 func TestTheBallastStartsNewGoroutinesAtTheStackACallNeeds(t *testing.T) {
+	if strings.Contains(os.Getenv("GODEBUG"), "adaptivestackstart=0") {
+		t.Skip("GODEBUG turns the runtime's adaptive starting stacks off")
+	}
 	runtime.GC()
 	before := startingStack(t)
 	startStackBallast()

@@ -57,7 +57,7 @@ def test_a_batch_of_one_in_place_equals_the_batched_result(
     x, into = shared.array((2, 5, d), dtype), shared.array((2, 5, d), dtype)
     rng = np.random.default_rng(3)
     x[:] = rng.standard_normal(x.shape)
-    output, weights = model.run(x, np.zeros((2, 5), dtype=bool), False, into=into)
+    output, weights = model.run(x, np.zeros((2, 5), dtype=bool), False, into=(into, None))
     assert output is into  # written where the answer goes
     assert weights is None
     other = rng.standard_normal((1, 9, d)).astype(dtype)
@@ -80,7 +80,7 @@ def test_a_request_at_the_same_place_is_computed_from_its_own_values(
     rng = np.random.default_rng(5)
     for _ in range(3):
         x[:] = rng.standard_normal(x.shape)
-        model.run(x, mask, False, into=into)
+        model.run(x, mask, False, into=(into, None))
         want, _ = model.run(x.copy(), mask, False)
         np.testing.assert_array_equal(into, want)
 
@@ -100,29 +100,54 @@ def test_more_places_than_bindings_kept_still_compute_each_right(
     for _ in range(3):
         for x, into in places:
             x[:] = rng.standard_normal(x.shape)
-            assert model.run(x, mask, False, into=into)[0] is into
+            assert model.run(x, mask, False, into=(into, None))[0] is into
             np.testing.assert_array_equal(into, model.run(x.copy(), mask, False)[0])
 
 
+def test_the_weights_are_written_in_place_too(model_repository: Path) -> None:
+    model = _model(model_repository, "small")
+    shared = _Shared()
+    x = shared.array((2, 6, 64), np.float32)
+    into = shared.array((2, 6, 64), np.float32)
+    weights_into = shared.array((2, 4, 6, 6), np.float32)
+    x[:] = np.random.default_rng(12).standard_normal(x.shape)
+    mask = np.zeros((2, 6), dtype=bool)
+    output, weights = model.run(x, mask, True, into=(into, weights_into))
+    assert output is into
+    assert weights is weights_into
+    want_output, want_weights = model.run(x.copy(), mask, True)
+    np.testing.assert_array_equal(into, want_output)
+    np.testing.assert_array_equal(weights_into, want_weights)
+    reference_output, reference_weights = attend_alone(layer_for(64, 4), np.asarray(x))
+    np.testing.assert_allclose(into, reference_output, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(weights_into, reference_weights, rtol=1e-4, atol=1e-5)
+
+
 def test_what_cannot_be_bound_is_run_as_before(model_repository: Path) -> None:
-    """A strided input, a target of another shape or dtype, or one with weights asked: the
-    output comes back as ONNX Runtime's array, the target untouched."""
+    """A strided input, a target of another shape or dtype, weights asked without a place
+    for them or with a place of the wrong shape: the answer comes back as ONNX Runtime's
+    arrays, the targets untouched."""
     model = _model(model_repository, "small")
     rng = np.random.default_rng(11)
     wide = rng.standard_normal((1, 6, 128)).astype(np.float32)
     strided = wide[:, :, ::2]
+    x = np.ascontiguousarray(strided)
     mask = np.zeros((1, 6), dtype=bool)
+    f32 = np.float32
     cases = [
-        (strided, np.zeros((1, 6, 64), np.float32), False),
-        (np.ascontiguousarray(strided), np.zeros((1, 5, 64), np.float32), False),
-        (np.ascontiguousarray(strided), np.zeros((1, 6, 64), np.float64), False),
-        (np.ascontiguousarray(strided), np.zeros((1, 6, 64), np.float32), True),
+        (strided, np.zeros((1, 6, 64), f32), None, False),
+        (x, np.zeros((1, 5, 64), f32), None, False),
+        (x, np.zeros((1, 6, 64), np.float64), None, False),
+        (x, np.zeros((1, 6, 64), f32), None, True),
+        (x, np.zeros((1, 6, 64), f32), np.zeros((1, 4, 6, 5), f32), True),
+        (x, np.zeros((1, 6, 64), f32), np.zeros((1, 4, 6, 6), f32), False),
     ]
-    want, _ = model.run(np.ascontiguousarray(strided), mask, False)
-    for x, into, with_weights in cases:
-        output, _ = model.run(x, mask, with_weights, into=into)
+    want, _ = model.run(x, mask, False)
+    for embeddings, into, weights_into, with_weights in cases:
+        output, _ = model.run(embeddings, mask, with_weights, into=(into, weights_into))
         assert output is not into
         assert not into.any()
+        assert weights_into is None or not weights_into.any()
         np.testing.assert_allclose(output, want, rtol=RTOL, atol=1e-6)
 
 

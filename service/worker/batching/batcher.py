@@ -153,10 +153,11 @@ def _compute(
     compute thread, or on the event loop's for a short CPU batch (compute_short_batches_inline)."""
     started, cost_started = time.monotonic(), cost_clock()
     embeddings, mask = merge(arrays)
-    # A batch of one whose output goes to shared memory: the runner may put it there itself.
-    alone_target = targets[0][0] if len(arrays) == 1 and targets[0] is not None else None
-    in_place = alone_target if isinstance(alone_target, np.ndarray) else None
-    output, weights = runner.run(embeddings, mask, with_weights, into=in_place)
+    in_place = _in_place(targets)
+    if in_place is None:
+        output, weights = runner.run(embeddings, mask, with_weights)
+    else:
+        output, weights = runner.run(embeddings, mask, with_weights, into=in_place)
     shapes = [(a.shape[0], a.shape[1]) for a in arrays]
     # A batch of one is merged as itself: its output is its part, nothing to split.
     pieces = [(output, weights)] if len(arrays) == 1 else split(output, weights, shapes)
@@ -177,6 +178,17 @@ def _compute(
     return _Computed(
         parts, finite, time.monotonic() - started, cost_clock() - cost_started, padding
     )
+
+
+def _in_place(targets: Sequence[Targets | None]) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Where a batch of one's answer goes when all of it goes to shared memory as arrays:
+    the runner may write it there itself. None for a batch of many, or a client's region."""
+    if len(targets) != 1 or targets[0] is None:
+        return None
+    output, weights = targets[0]
+    if isinstance(output, np.ndarray) and (weights is None or isinstance(weights, np.ndarray)):
+        return output, weights
+    return None
 
 
 def _all_finite(values: np.ndarray) -> bool:

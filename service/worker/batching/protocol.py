@@ -37,10 +37,11 @@ class Runner(Protocol):
         embeddings: np.ndarray,
         key_padding_mask: np.ndarray,
         with_weights: bool,
-        into: np.ndarray | None = None,
+        into: tuple[np.ndarray, np.ndarray | None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """into, given for a batch of one (nothing padded) whose output has a place in shared
-        memory: a runner may write the output there and return into as it."""
+        """into, given for a batch of one (nothing padded) whose answer has its place in
+        shared memory (output, and weights when asked): a runner may write it there and
+        return those arrays as the answer."""
         ...
 
 

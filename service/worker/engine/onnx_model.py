@@ -275,11 +275,11 @@ class OnnxModel:
         embeddings: np.ndarray,
         key_padding_mask: np.ndarray,
         with_weights: bool,
-        into: np.ndarray | None = None,
+        into: tuple[np.ndarray, np.ndarray | None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Output [b, t, d], and weights [b, h, t, t] only from the graph that has them.
-        into: where a batch of one's output goes (its mask all false); on a CPU ONNX Runtime
-        writes it there itself, and into is the output returned."""
+        into: where a batch of one's output (and weights) go, its mask all false; on a CPU
+        ONNX Runtime writes them there itself, and they are what is returned."""
         feeds = {"embeddings": embeddings, "key_padding_mask": key_padding_mask}
         if with_weights:
             assert self._full is not None, "validated before batching"
@@ -288,20 +288,22 @@ class OnnxModel:
             session = self._fused if self._use_fused and self._fused is not None else self._plain
             names = ["output"]
         giving_back = self._shrink_after_large and self._gives_memory_back(embeddings, with_weights)
-        if into is not None and not with_weights and not giving_back and self.provider == CPU:
-            in_place = self._in_place_runs("fused" if session is self._fused else "plain", session)
-            if in_place.run(embeddings, into):
-                return into, None
+        if into is not None and not giving_back and self.provider == CPU:
+            out_into, weights_into = into
+            if self._in_place_runs(session, with_weights).run(embeddings, out_into, weights_into):
+                return out_into, weights_into
         if giving_back:
             outputs = self._run_giving_back(session, names, embeddings, key_padding_mask)
         else:
             outputs = session.run(names, feeds)
         return outputs[0], outputs[1] if with_weights else None
 
-    def _in_place_runs(self, graph: str, session: ort.InferenceSession) -> BoundRuns:
+    def _in_place_runs(self, session: ort.InferenceSession, with_weights: bool) -> BoundRuns:
+        graph = "full" if with_weights else "fused" if session is self._fused else "plain"
         runs = self._in_place.get(graph)
         if runs is None:
-            runs = self._in_place[graph] = BoundRuns(session, self.spec.dtype)
+            weights = (self.spec.num_heads, self._weights_dtype) if with_weights else None
+            runs = self._in_place[graph] = BoundRuns(session, self.spec.dtype, weights)
         return runs
 
     def _gives_memory_back(self, embeddings: np.ndarray, with_weights: bool) -> bool:
