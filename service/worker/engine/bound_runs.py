@@ -5,8 +5,8 @@ next request at the same place.
 A front end's slab hands a lone caller the same regions call after call, so the binding
 made for its first request serves the rest. Bound by address, a run reads the input where
 it lies and writes the answer into its regions: no feed dictionary, no arrays of ONNX
-Runtime's to wrap and then copy. Measured on one core, seq 16 (d 512), output only, a bound
-run costs 23-25 us less than session.run and the copy after it (hot and cold caches alike)."""
+Runtime's to wrap and then copy. Measured on one core: a lone seq-512 request with weights
+(9 MiB of answer) runs 4% faster; at seq 16 the saving is within the worker's noise."""
 
 from __future__ import annotations
 
