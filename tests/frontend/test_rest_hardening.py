@@ -869,3 +869,29 @@ def test_no_inputs_names_none(server: ServerProcess) -> None:
     message = _error(headers, raw)
     assert "got 0" in message
     assert "got 0:" not in message
+
+
+def test_a_client_gone_mid_body_leaves_no_error_in_the_log(server: ServerProcess) -> None:
+    """A client that closes its connection while its body is still coming is an everyday
+    event, not this server's error: no ERROR record, no traceback; the next call is served."""
+    header = b'{"inputs":[{"name":"embeddings","shape":[1,16,512],"datatype":"FP32","data":['
+    for declared, sent in [(200_000, 1_000), (200_000, 100_000), (5_000, 10)]:
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+            sock.sendall(
+                b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {declared}\r\n\r\n".encode()
+                + header
+                + b"0.5," * (sent // 4)
+            )
+    status, _, raw = _request(server, "POST", "/v2/models/mha/infer", _json_infer([1, 4, 512]))
+    assert status == 200, raw[:300]
+    # A record the same process logs after those connections went: what they logged, if
+    # anything, is in the log before it.
+    _request(server, "POST", "/v2/repository/models/mha/load", b"{}")
+    deadline = time.monotonic() + 30
+    while "REST load of model" not in server.log:
+        assert time.monotonic() < deadline, server.log[-3000:]
+        time.sleep(0.05)
+    assert "never retrieved" not in server.log, server.log[-3000:]
+    assert "ConnectionResetError" not in server.log

@@ -219,6 +219,10 @@ class RestFrontend:
                 reading.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await reading
+            elif not reading.cancelled():
+                # Taken, so never logged as unretrieved: a client that went mid-body (the
+                # read failed as this handler was cancelled) is no error of this server's.
+                reading.exception()
 
     def _too_large(self, sent: str) -> HttpRefusal:
         return HttpRefusal(
