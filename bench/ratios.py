@@ -32,6 +32,7 @@ from bench.report import (
     process_cpu_us,
     round_of,
     seq_per_s,
+    unpinned_h2load_name,
     unpinned_name,
 )
 from bench.stats import ratio
@@ -211,6 +212,26 @@ def unpinned(rows: list[Row]) -> list[Row]:
             measured(find(rows, group="unpinned", name=unpinned_name(n), seq=seq))
             for n in FRONTENDS
         )
+        for frontends in FRONTENDS:
+            label = f"unpinned seq {seq} --frontends {frontends}"
+            echo = find(
+                rows, group="unpinned", name=unpinned_h2load_name(frontends, "echo"), seq=seq
+            )
+            server = find(rows, group="unpinned", name=unpinned_h2load_name(frontends), seq=seq)
+            if echo is None and server is None:
+                continue  # run without h2load
+            out.append(
+                entry(
+                    f"{label}: echo floor with h2load, requests/s",
+                    seq_per_s(measured(echo)),
+                )
+            )
+            out.append(
+                entry(
+                    f"{label}: server with h2load / in-process",
+                    ratio(seq_per_s(measured(server)), seq_per_s(limit)),
+                )
+            )
         value = ratio(seq_per_s(two), seq_per_s(one))
         goal = seq == SEQS[0]  # the target is stated at seq 16
         out.append(

@@ -43,6 +43,11 @@ def unpinned_name(frontends: int, what: str = "server") -> str:
     return f"{what} --frontends {frontends}"
 
 
+def unpinned_h2load_name(frontends: int, what: str = "server") -> str:
+    """The row name of an unpinned run with h2load as the client."""
+    return f"{unpinned_name(frontends, what)}, h2load"
+
+
 def round_name(who: str, round_: int) -> str:
     """A side-by-side row's name: which server, which round (ratios pair rows by round)."""
     return f"{who}, round {round_}"

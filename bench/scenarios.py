@@ -33,6 +33,7 @@ from bench.report import (
     find,
     one_caller_name,
     process_cpu_us,
+    unpinned_h2load_name,
     unpinned_name,
 )
 from bench.runner import Runner, log
@@ -410,15 +411,19 @@ def other_servers(r: Runner, groups: set[str]) -> None:
                     pinning=pinning,
                 )
     if "unpinned" in groups:
-        unpinned(r)
+        unpinned(r, with_h2load=H2LOAD in groups)
 
 
-def unpinned(r: Runner) -> None:
+def unpinned(r: Runner, *, with_h2load: bool = False) -> None:
     """Everything on every core: the in-process limit, the echo floor and the server with one
     and with two front ends (each row also shows the load generator's CPU). Every run here
     opens UNPINNED_CHANNELS connections: the kernel spreads connections, not calls, over the
-    front ends, and one connection would keep all but one of them idle."""
+    front ends, and one connection would keep all but one of them idle. With h2load, each
+    server again with h2load as the client over as many connections: the Python load
+    generator takes most of a core at these rates, so the echo floor's h2load row is what
+    the front of the stack can feed a model that costs nothing (the ceiling with a GPU)."""
     channels = max(r.config.channels, UNPINNED_CHANNELS)
+    h2load_shape = h2load.Shape(channels, max(1, r.config.concurrency // channels))
     for seq in SEQS:
         r.inprocess(group="unpinned", seq=seq, pinning=UNPINNED)
     for frontends in FRONTENDS:
@@ -440,6 +445,17 @@ def unpinned(r: Runner) -> None:
                         pinning=UNPINNED,
                         channels=channels,
                     )
+                if with_h2load and r.h2load_ready():
+                    for seq in SEQS:
+                        r.h2load_row(
+                            service,
+                            group="unpinned",
+                            target=target,
+                            name=unpinned_h2load_name(frontends, target),
+                            seq=seq,
+                            shape=h2load_shape,
+                            pinning=UNPINNED,
+                        )
 
 
 def run(r: Runner, groups: set[str]) -> None:

@@ -688,6 +688,48 @@ def test_unpinned_runs_one_and_two_front_ends_over_several_connections() -> None
     assert names.count("echo --frontends 1") == len(report.SEQS)
 
 
+def test_unpinned_with_h2load_measures_each_server_again_over_as_many_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(h2load, "find", lambda: "h2load")
+    runner = FakeRunner(_config())
+    scenarios.other_servers(runner, {"unpinned", report.H2LOAD})
+    channels = scenarios.UNPINNED_CHANNELS
+    h2load_rows = [row for row in runner.rows if row["name"].endswith(", h2load")]
+    assert {row["load"] for row in h2load_rows} == {
+        f"c={channels} m={runner.config.concurrency // channels}"
+    }
+    assert {(row["group"], row["name"], row["seq"]) for row in h2load_rows} == {
+        ("unpinned", report.unpinned_h2load_name(n, what), seq)
+        for n in report.FRONTENDS
+        for what in ("echo", "server")
+        for seq in report.SEQS
+    }
+    assert not any(row["pinned"] for row in h2load_rows)
+    # The Python load generator's rows are still the ones the ratios take.
+    names = [row["name"] for row in runner.rows]
+    assert names.count("server --frontends 1") == len(report.SEQS)
+
+
+def test_unpinned_ratios_print_the_echo_floor_with_h2load() -> None:
+    def row(name: str, seq: str, per_s: float) -> dict[str, object]:
+        return {"group": "unpinned", "name": name, "seq": seq, "sequences_per_s": per_s}
+
+    rows = [
+        {"group": "unpinned", "target": "in-process", "seq": "16", "sequences_per_s": 2000.0},
+        row(report.unpinned_name(1), "16", 1500.0),
+        row(report.unpinned_name(2), "16", 1600.0),
+        row(report.unpinned_h2load_name(1, "echo"), "16", 11000.0),
+        row(report.unpinned_h2load_name(1), "16", 1800.0),
+    ]
+    found = {r["name"]: r["value"] for r in ratios.unpinned(rows)}
+    assert found["unpinned seq 16 --frontends 1: echo floor with h2load, requests/s"] == 11000.0
+    assert found["unpinned seq 16 --frontends 1: server with h2load / in-process"] == 0.9
+    # Where no h2load row exists (--frontends 2 here, seq 128), no line claims one.
+    assert "unpinned seq 16 --frontends 2: echo floor with h2load, requests/s" not in found
+    assert "unpinned seq 128 --frontends 1: echo floor with h2load, requests/s" not in found
+
+
 def test_an_idle_front_end_is_noted() -> None:
     runner = FakeRunner(_config())
     runner._check_spread(
