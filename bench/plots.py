@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on servers and in CI
 import matplotlib.pyplot as plt
 
-from bench.report import H2LOAD, HEAD_TO_HEAD, ONE_CALLER
+from bench.report import HEAD_TO_HEAD, ONE_CALLER, by_h2load
 
 Row = dict[str, Any]
 
@@ -22,13 +22,14 @@ Row = dict[str, Any]
 def load_rows(document: dict[str, Any]) -> list[Row]:
     """Rows measured with the load generator that completed requests, but the side-by-side
     rounds (repeats of the peers' points), the floors' one-caller points and h2load's rows
-    (another client)."""
+    (another client, in its own group and in the unpinned one)."""
     return [
         r
         for r in document["rows"]
         if "p99_ms" in r
         and r.get("requests")
-        and r["group"] not in (HEAD_TO_HEAD, H2LOAD)
+        and r["group"] != HEAD_TO_HEAD
+        and not by_h2load(r)
         and not r["name"].endswith(ONE_CALLER)
     ]
 

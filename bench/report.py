@@ -43,9 +43,18 @@ def unpinned_name(frontends: int, what: str = "server") -> str:
     return f"{what} --frontends {frontends}"
 
 
+H2LOAD_SUFFIX = ", h2load"
+
+
 def unpinned_h2load_name(frontends: int, what: str = "server") -> str:
     """The row name of an unpinned run with h2load as the client."""
-    return f"{unpinned_name(frontends, what)}, h2load"
+    return f"{unpinned_name(frontends, what)}{H2LOAD_SUFFIX}"
+
+
+def by_h2load(row: Row) -> bool:
+    """Whether h2load, not the load generator, was the row's client (its own group's rows,
+    and the unpinned group's)."""
+    return row["group"] == H2LOAD or row["name"].endswith(H2LOAD_SUFFIX)
 
 
 def round_name(who: str, round_: int) -> str:
@@ -96,8 +105,10 @@ def at_most(value: float | None, goal: float) -> bool | None:
 
 
 def ceiling_rows(rows: list[Row]) -> list[Row]:
-    """A stack-ceiling row for each echo row that has a pinned in-process limit beside it
-    (the echo floor's one-caller row is a latency, not a ceiling)."""
+    """A stack-ceiling row for each echo row that has an in-process limit of the same group
+    and pinning beside it (the echo floor's one-caller row is a latency, not a ceiling); an
+    echo row measured with h2load gives a ceiling named after it, read against the server's
+    h2load rows."""
     made = []
     for echo in (r for r in rows if r["target"] == "echo" and not r["name"].endswith(ONE_CALLER)):
         limit = find(

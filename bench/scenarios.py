@@ -423,7 +423,12 @@ def unpinned(r: Runner, *, with_h2load: bool = False) -> None:
     generator takes most of a core at these rates, so the echo floor's h2load row is what
     the front of the stack can feed a model that costs nothing (the ceiling with a GPU)."""
     channels = max(r.config.channels, UNPINNED_CHANNELS)
-    h2load_shape = h2load.Shape(channels, max(1, r.config.concurrency // channels))
+    h2load_shape = spread(r.config.concurrency, channels)
+    if with_h2load and h2load_shape.in_flight != r.config.concurrency:
+        r.note(
+            f"unpinned h2load rows: {h2load_shape.label} keeps {h2load_shape.in_flight} calls"
+            f" in flight where the load generator keeps {r.config.concurrency}"
+        )
     for seq in SEQS:
         r.inprocess(group="unpinned", seq=seq, pinning=UNPINNED)
     for frontends in FRONTENDS:
@@ -456,6 +461,13 @@ def unpinned(r: Runner, *, with_h2load: bool = False) -> None:
                             shape=h2load_shape,
                             pinning=UNPINNED,
                         )
+
+
+def spread(concurrency: int, connections: int) -> h2load.Shape:
+    """h2load's shape for concurrency calls over up to that many connections: as many streams
+    on each as it takes (more in flight than asked only where they do not divide evenly)."""
+    used = max(1, min(connections, concurrency))
+    return h2load.Shape(used, -(-max(1, concurrency) // used))
 
 
 def run(r: Runner, groups: set[str]) -> None:

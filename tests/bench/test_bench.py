@@ -694,40 +694,104 @@ def test_unpinned_with_h2load_measures_each_server_again_over_as_many_connection
     monkeypatch.setattr(h2load, "find", lambda: "h2load")
     runner = FakeRunner(_config())
     scenarios.other_servers(runner, {"unpinned", report.H2LOAD})
-    channels = scenarios.UNPINNED_CHANNELS
-    h2load_rows = [row for row in runner.rows if row["name"].endswith(", h2load")]
-    assert {row["load"] for row in h2load_rows} == {
-        f"c={channels} m={runner.config.concurrency // channels}"
-    }
-    assert {(row["group"], row["name"], row["seq"]) for row in h2load_rows} == {
-        ("unpinned", report.unpinned_h2load_name(n, what), seq)
+    # Each server is started once; its h2load rows follow its load generator rows.
+    assert [name for name, _ in runner.servers] == [
+        "echo",
+        "server --frontends 1",
+        "echo",
+        "server --frontends 2",
+    ]
+    h2load_rows = [row for row in runner.rows if report.by_h2load(row)]
+    assert {row["load"] for row in h2load_rows} == {"c=8 m=8"}  # 64 callers over 8
+    assert sorted((row["target"], row["name"], row["seq"]) for row in h2load_rows) == sorted(
+        (what, report.unpinned_h2load_name(n, what), seq)
         for n in report.FRONTENDS
         for what in ("echo", "server")
         for seq in report.SEQS
-    }
-    assert not any(row["pinned"] for row in h2load_rows)
-    # The Python load generator's rows are still the ones the ratios take.
+    )
+    assert all(row["group"] == "unpinned" and not row["pinned"] for row in h2load_rows)
+    # The Python load generator's rows are still the ones the older ratios take.
     names = [row["name"] for row in runner.rows]
     assert names.count("server --frontends 1") == len(report.SEQS)
+    assert not runner.notes  # 64 spread evenly: nothing to say
 
 
-def test_unpinned_ratios_print_the_echo_floor_with_h2load() -> None:
-    def row(name: str, seq: str, per_s: float) -> dict[str, object]:
-        return {"group": "unpinned", "name": name, "seq": seq, "sequences_per_s": per_s}
+def test_unpinned_without_the_h2load_group_or_binary_has_no_h2load_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(h2load, "find", lambda: "h2load")
+    runner = FakeRunner(_config())
+    scenarios.other_servers(runner, {"unpinned"})
+    assert not any(report.by_h2load(row) for row in runner.rows)
+    monkeypatch.setattr(h2load, "find", lambda: None)
+    runner = FakeRunner(_config())
+    scenarios.other_servers(runner, {"unpinned", report.H2LOAD})
+    assert not any(report.by_h2load(row) for row in runner.rows)
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "connections", "label", "in_flight"),
+    [(64, 8, "c=8 m=8", 64), (4, 8, "c=4 m=1", 4), (1, 8, "c=1 m=1", 1), (100, 8, "c=8 m=13", 104)],
+)
+def test_h2load_spreads_the_callers_over_the_connections(
+    concurrency: int, connections: int, label: str, in_flight: int
+) -> None:
+    shape = scenarios.spread(concurrency, connections)
+    assert (shape.label, shape.in_flight) == (label, in_flight)
+
+
+def test_an_uneven_spread_is_noted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(h2load, "find", lambda: "h2load")
+    runner = FakeRunner(_config(concurrency=100))
+    scenarios.other_servers(runner, {"unpinned", report.H2LOAD})
+    assert any("104 calls in flight" in note and "keeps 100" in note for note in runner.notes)
+
+
+def test_unpinned_ratios_read_the_h2load_rows() -> None:
+    def row(name: str, seq: str, per_s: float, target: str = "server") -> dict[str, object]:
+        return {
+            "group": "unpinned",
+            "target": target,
+            "name": name,
+            "seq": seq,
+            "api": "v2",
+            "pinned": False,
+            "sequences_per_s": per_s,
+        }
 
     rows = [
-        {"group": "unpinned", "target": "in-process", "seq": "16", "sequences_per_s": 2000.0},
+        row("in-process", "16", 2000.0, "in-process"),
         row(report.unpinned_name(1), "16", 1500.0),
         row(report.unpinned_name(2), "16", 1600.0),
-        row(report.unpinned_h2load_name(1, "echo"), "16", 11000.0),
+        row(report.unpinned_h2load_name(1, "echo"), "16", 11000.0, "echo"),
         row(report.unpinned_h2load_name(1), "16", 1800.0),
+        row(report.unpinned_h2load_name(2, "echo"), "16", 12000.0, "echo"),
     ]
+    rows += report.ceiling_rows(rows)
     found = {r["name"]: r["value"] for r in ratios.unpinned(rows)}
-    assert found["unpinned seq 16 --frontends 1: echo floor with h2load, requests/s"] == 11000.0
-    assert found["unpinned seq 16 --frontends 1: server with h2load / in-process"] == 0.9
-    # Where no h2load row exists (--frontends 2 here, seq 128), no line claims one.
-    assert "unpinned seq 16 --frontends 2: echo floor with h2load, requests/s" not in found
-    assert "unpinned seq 128 --frontends 1: echo floor with h2load, requests/s" not in found
+    assert found["unpinned seq 16 --frontends 1: h2load, echo floor req/s"] == 11000.0
+    assert found["unpinned seq 16 --frontends 1: h2load, server / in-process"] == 0.9
+    ceiling = 1 / (1 / 11000.0 + 1 / 2000.0)
+    assert found["unpinned seq 16 --frontends 1: h2load, server / ceiling"] == pytest.approx(
+        1800.0 / ceiling
+    )
+    # An echo row without its server's: the server's ratios are not measured, not invented.
+    assert found["unpinned seq 16 --frontends 2: h2load, echo floor req/s"] == 12000.0
+    assert found["unpinned seq 16 --frontends 2: h2load, server / in-process"] is None
+    assert found["unpinned seq 16 --frontends 2: h2load, server / ceiling"] is None
+    # Where no h2load row exists (seq 128 here), no line claims one.
+    assert not any(name.startswith("unpinned seq 128") and "h2load" in name for name in found)
+
+
+def test_plots_leave_out_every_h2load_row() -> None:
+    from bench import plots  # matplotlib, only here
+
+    rows = [
+        {"group": "unpinned", "name": report.unpinned_h2load_name(1), "p99_ms": 1.0, "requests": 5},
+        {"group": report.H2LOAD, "name": "server", "p99_ms": 1.0, "requests": 5},
+        {"group": "unpinned", "name": report.unpinned_name(1), "p99_ms": 1.0, "requests": 5},
+    ]
+    assert [r["name"] for r in plots.load_rows({"rows": rows})] == [report.unpinned_name(1)]
 
 
 def test_an_idle_front_end_is_noted() -> None:
