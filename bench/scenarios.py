@@ -420,8 +420,9 @@ def unpinned(r: Runner, *, with_h2load: bool = False) -> None:
     opens UNPINNED_CHANNELS connections: the kernel spreads connections, not calls, over the
     front ends, and one connection would keep all but one of them idle. With h2load, each
     server again with h2load as the client over as many connections: the Python load
-    generator takes most of a core at these rates, so the echo floor's h2load row is what
-    the front of the stack can feed a model that costs nothing (the ceiling with a GPU)."""
+    generator takes most of a core at these rates, so the echo floor's h2load row is the
+    better estimate, on the host measured, of what the front of the stack can feed a model
+    that costs nothing."""
     channels = max(r.config.channels, UNPINNED_CHANNELS)
     h2load_shape = spread(r.config.concurrency, channels)
     if with_h2load and h2load_shape.in_flight != r.config.concurrency:
