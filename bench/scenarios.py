@@ -425,6 +425,7 @@ def unpinned(r: Runner, *, with_h2load: bool = False) -> None:
     that costs nothing."""
     channels = max(r.config.channels, UNPINNED_CHANNELS)
     h2load_shape = spread(r.config.concurrency, channels)
+    with_h2load = with_h2load and r.h2load_ready()
     if with_h2load and h2load_shape.in_flight != r.config.concurrency:
         r.note(
             f"unpinned h2load rows: {h2load_shape.label} keeps {h2load_shape.in_flight} calls"
@@ -451,7 +452,7 @@ def unpinned(r: Runner, *, with_h2load: bool = False) -> None:
                         pinning=UNPINNED,
                         channels=channels,
                     )
-                if with_h2load and r.h2load_ready():
+                if with_h2load:
                     for seq in SEQS:
                         r.h2load_row(
                             service,

@@ -761,26 +761,37 @@ def test_unpinned_ratios_read_the_h2load_rows() -> None:
 
     rows = [
         row("in-process", "16", 2000.0, "in-process"),
+        # The load generator's echo row comes first: its ceiling must not be the one taken.
+        row(report.unpinned_name(1, "echo"), "16", 6000.0, "echo"),
         row(report.unpinned_name(1), "16", 1500.0),
         row(report.unpinned_name(2), "16", 1600.0),
         row(report.unpinned_h2load_name(1, "echo"), "16", 11000.0, "echo"),
         row(report.unpinned_h2load_name(1), "16", 1800.0),
         row(report.unpinned_h2load_name(2, "echo"), "16", 12000.0, "echo"),
+        row(report.unpinned_h2load_name(2), "16", 1900.0),
+        row(report.unpinned_h2load_name(1, "echo"), "128", 3000.0, "echo"),
     ]
     rows += report.ceiling_rows(rows)
     found = {r["name"]: r["value"] for r in ratios.unpinned(rows)}
+
+    def ceiling(echo: float) -> float:
+        return 1 / (1 / echo + 1 / 2000.0)
+
     assert found["unpinned seq 16 --frontends 1: h2load, echo floor req/s"] == 11000.0
     assert found["unpinned seq 16 --frontends 1: h2load, server / in-process"] == 0.9
-    ceiling = 1 / (1 / 11000.0 + 1 / 2000.0)
     assert found["unpinned seq 16 --frontends 1: h2load, server / ceiling"] == pytest.approx(
-        1800.0 / ceiling
+        1800.0 / ceiling(11000.0)
     )
-    # An echo row without its server's: the server's ratios are not measured, not invented.
-    assert found["unpinned seq 16 --frontends 2: h2load, echo floor req/s"] == 12000.0
-    assert found["unpinned seq 16 --frontends 2: h2load, server / in-process"] is None
-    assert found["unpinned seq 16 --frontends 2: h2load, server / ceiling"] is None
-    # Where no h2load row exists (seq 128 here), no line claims one.
-    assert not any(name.startswith("unpinned seq 128") and "h2load" in name for name in found)
+    assert found["unpinned seq 16 --frontends 2: h2load, server / ceiling"] == pytest.approx(
+        1900.0 / ceiling(12000.0)
+    )
+    # An echo row without its server's (seq 128, and no in-process limit there): the
+    # server's ratios are not measured, not invented.
+    assert found["unpinned seq 128 --frontends 1: h2load, echo floor req/s"] == 3000.0
+    assert found["unpinned seq 128 --frontends 1: h2load, server / in-process"] is None
+    assert found["unpinned seq 128 --frontends 1: h2load, server / ceiling"] is None
+    # Where no h2load row exists (--frontends 2 at seq 128 here), no line claims one.
+    assert not any(name.startswith("unpinned seq 128 --frontends 2: h2load") for name in found)
 
 
 def test_plots_leave_out_every_h2load_row() -> None:
