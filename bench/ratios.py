@@ -24,6 +24,7 @@ from bench.report import (
     TRACING_SAMPLED,
     Row,
     at_least,
+    ceiling_name,
     entry,
     failed,
     find,
@@ -196,11 +197,6 @@ def weights(rows: list[Row], unary: str, pinned: bool = True) -> list[Row]:
     ]
 
 
-def h2load_ceiling(frontends: int) -> str:
-    """The name report.ceiling_rows gives the ceiling of an unpinned echo row with h2load."""
-    return f"ceiling ({unpinned_h2load_name(frontends, 'echo').removeprefix('echo ')})"
-
-
 def unpinned(rows: list[Row]) -> list[Row]:
     out = []
     for seq in SEQS:
@@ -219,14 +215,13 @@ def unpinned(rows: list[Row]) -> list[Row]:
         )
         for frontends in FRONTENDS:
             label = f"unpinned seq {seq} --frontends {frontends}"
-            echo = find(
-                rows, group="unpinned", name=unpinned_h2load_name(frontends, "echo"), seq=seq
-            )
+            echo_name = unpinned_h2load_name(frontends, "echo")
+            echo = find(rows, group="unpinned", name=echo_name, seq=seq)
             server = find(rows, group="unpinned", name=unpinned_h2load_name(frontends), seq=seq)
             if echo is None and server is None:
                 continue  # run without h2load
             ceiling = find(
-                rows, group="unpinned", target="ceiling", seq=seq, name=h2load_ceiling(frontends)
+                rows, group="unpinned", target="ceiling", seq=seq, name=ceiling_name(echo_name)
             )
             h2load_server = seq_per_s(measured(server))
             out += [

@@ -104,6 +104,13 @@ def at_most(value: float | None, goal: float) -> bool | None:
     return None if value is None else value <= goal
 
 
+def ceiling_name(echo_name: str) -> str:
+    """The name of the ceiling row made from the echo row of that name."""
+    return (
+        "stack ceiling" if echo_name == "echo" else f"ceiling ({echo_name.removeprefix('echo ')})"
+    )
+
+
 def ceiling_rows(rows: list[Row]) -> list[Row]:
     """A stack-ceiling row for each echo row that has an in-process limit of the same group
     and pinning beside it (the echo floor's one-caller row is a latency, not a ceiling); an
@@ -127,9 +134,7 @@ def ceiling_rows(rows: list[Row]) -> list[Row]:
             {
                 "group": echo["group"],
                 "target": "ceiling",
-                "name": "stack ceiling"
-                if echo["name"] == "echo"
-                else f"ceiling ({echo['name'].removeprefix('echo ')})",
+                "name": ceiling_name(echo["name"]),
                 "api": echo["api"],
                 "seq": echo["seq"],
                 "load": "-",
