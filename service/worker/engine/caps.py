@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from service.catalog import BatchCaps, length_buckets
 
 # Per-sequence costs within this fraction of the best count as a tie, won by the larger
-# batch: the same compute per sequence, and the server's per-batch work (scheduling, thread
-# hand-off, futures), which this timing leaves out, is shared by more sequences. Repeated
-# measurements of one size on one core differ by ~5 %.
-TIE_TOLERANCE = 0.08
-# What the server adds to every batch beyond the graph's run (scheduling, the hand-off to
-# and from the compute thread, splitting results, resolving futures): ~0.5 ms on one CPU
-# core. Left out, batch 1 won near-ties at seq 128 and the server ran 162 seq/s where
+# batch. The best timing of one size differs by about 3 % between starts on one core (timed
+# by the thread's CPU); the server's own work per batch is counted below, not here. At 8 %,
+# batches of 8 and 16 won ties at seq 128 that cost the server 5-10 % of its throughput
+# against caps of 2 or 4 on an Intel Xeon core (docs/batching.md).
+TIE_TOLERANCE = 0.03
+# What the worker adds to every batch beyond the graph's run (its loop, merging, splitting,
+# writing answers): a batch of one at seq 16 costs the worker about 670 us of CPU where the
+# graph alone takes 370, and batches of 32 add about 50 us a request, so about 0.25 ms a
+# batch. Left out, batch 1 won near-ties at seq 128 and the server ran 162 seq/s where
 # batches of 2 had given 237.
-SERVER_BATCH_OVERHEAD_S = 0.0005
+SERVER_BATCH_OVERHEAD_S = 0.00025
 # Growing the batch stops after two sizes in a row cost this much more than the best: far
 # beyond timing noise, and on every device measured, costs only rise from there.
 CLEARLY_WORSE = 0.25
@@ -78,46 +79,32 @@ def time_batch(
     return (min(timings) + batch_overhead_s) / size
 
 
-@dataclass(frozen=True)
-class BucketTiming:
-    """Seconds per sequence by batch size at one length, and whether the sizes left out are
-    known to be worse (the measurement saw costs rise) or merely unmeasured (budget spent)."""
-
-    costs: dict[int, float]
-    conclusive: bool
-
-
-def measure_bucket(
+def grow(
     run: Callable[[int, int], None],
     length: int,
     sizes: Sequence[int],
+    costs: dict[int, float],
     give_up: float,
     clock: Clock = time.perf_counter,
     batch_overhead_s: float = 0.0,
-) -> BucketTiming:
-    """Grow the batch size until every size is measured, two sizes in a row cost clearly
-    more than the best, or the budget ends; twice, each size keeping its best timing.
-
-    One pass is not enough: a burst of other work on the core (another process, the kernel
-    reclaiming a finished process's memory) that slows two sizes in a row stops the growth
-    at batch 1. That happened at start-up right after a previous server exited: every
-    length was capped at 1 and the server's throughput halved. The second pass rarely meets
-    the same burst, and it grows again from the best timings of both.
-    """
-    costs: dict[int, float] = {}
-    for first_pass in (True, False):
-        worse_in_a_row = 0
-        for size in sizes:
-            if worse_in_a_row >= 2:
-                break
-            if costs and clock() >= give_up:
-                # Only a first pass cut short leaves sizes unjudged.
-                return BucketTiming(costs, conclusive=not first_pass)
-            timed = time_batch(run, size, length, clock, batch_overhead_s)
-            costs[size] = min(costs.get(size, timed), timed)
-            clearly_worse = costs[size] > min(costs.values()) * (1 + CLEARLY_WORSE)
-            worse_in_a_row = worse_in_a_row + 1 if clearly_worse else 0
-    return BucketTiming(costs, conclusive=True)
+    cost_clock: Clock | None = None,
+) -> bool:
+    """One pass over a bucket: time each size in turn, each keeping its best timing in costs,
+    until every size is measured or two sizes in a row cost clearly more than the best (the
+    bucket's own costs from earlier passes included). False when the budget (give_up, by
+    clock) ended first; the bucket's first timing always runs. Timings are by cost_clock
+    (default: clock)."""
+    worse_in_a_row = 0
+    for size in sizes:
+        if worse_in_a_row >= 2:
+            break
+        if costs and clock() >= give_up:
+            return False
+        timed = time_batch(run, size, length, cost_clock or clock, batch_overhead_s)
+        costs[size] = min(costs.get(size, timed), timed)
+        clearly_worse = costs[size] > min(costs.values()) * (1 + CLEARLY_WORSE)
+        worse_in_a_row = worse_in_a_row + 1 if clearly_worse else 0
+    return True
 
 
 def measure_caps(
@@ -128,24 +115,48 @@ def measure_caps(
     budget_s: float,
     clock: Clock = time.perf_counter,
     batch_overhead_s: float = 0.0,
+    cost_clock: Clock | None = None,
 ) -> BatchCaps:
     """Time run(batch_size, seq_len) per length bucket; cap each bucket at its best size.
 
+    The budget is counted by clock (wall time), each timing by cost_clock: the computing
+    thread's CPU time where ONNX Runtime runs on that thread alone, so that processes sharing
+    the core do not count. By wall time, the front end and gateway starting beside the worker
+    on one core doubled the cost of batches of 16 and 32 at seq 16 at every start: seq 16 was
+    capped at 8, and with it every longer length.
+
+    Two passes over all buckets, the second where the budget allows, each size keeping its
+    best timing of both: a burst that still counts (the kernel reclaiming memory, or anything
+    on a clock of wall time) and slows two sizes in a row stops a bucket's growth. A second
+    pass over one bucket right after its first meets the same burst (the short buckets take
+    milliseconds); over all buckets, it comes a pass later.
+
     Caps never grow with length: a longer sequence costs at least as much per position, so
     a batch that did not pay off for shorter ones does not for longer ones either. What the
-    budget leaves unknown is never guessed smaller: a bucket whose measurement stopped early
+    budget leaves unknown is never guessed smaller: a bucket whose first pass stopped early
     keeps the cap of the shorter bucket before it (max_batch_size for the first), and
     buckets left unmeasured do the same.
     """
     give_up = clock() + budget_s
     sizes = batch_sizes(max_batch_size)
+    lengths = length_buckets(max_seq_len)
+    costs: dict[int, dict[int, float]] = {length: {} for length in lengths}
+    judged: list[int] = []  # buckets whose first pass ended (their costs decide the cap)
+    for length in lengths:
+        if judged and clock() >= give_up:
+            break
+        if not grow(
+            run, length, sizes, costs[length], give_up, clock, batch_overhead_s, cost_clock
+        ):
+            break
+        judged.append(length)
+    for length in judged:
+        if clock() >= give_up:
+            break
+        grow(run, length, sizes, costs[length], give_up, clock, batch_overhead_s, cost_clock)
     caps: list[tuple[int, int]] = []
-    for length in length_buckets(max_seq_len):
+    for length in lengths:
         shorter = caps[-1][1] if caps else max_batch_size
-        if caps and clock() >= give_up:
-            caps.append((length, shorter))
-            continue
-        timing = measure_bucket(run, length, sizes, give_up, clock, batch_overhead_s)
-        best = best_batch_size(timing.costs) if timing.conclusive else shorter
+        best = best_batch_size(costs[length]) if length in judged else shorter
         caps.append((length, min(best, shorter)))
     return BatchCaps(tuple(caps)).merged()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
@@ -149,6 +150,7 @@ class OnnxModel:
         options.enable_cpu_mem_arena = cpu_arena in ("on", "bounded")
         self._shrink_after_large = cpu_arena == "bounded"
         options.intra_op_num_threads = intra_op_threads_for(intra_op_threads, providers)
+        self._one_thread = options.intra_op_num_threads == 1
         # Spinning threads keep a core busy between ops; here that core also runs the event
         # loop that feeds the next batch, so they wait on a lock instead unless told to spin.
         options.add_session_config_entry(
@@ -369,6 +371,10 @@ class OnnxModel:
             max_seq_len=max_seq_len,
             budget_s=budget_s,
             batch_overhead_s=SERVER_BATCH_OVERHEAD_S,
+            # On one CPU thread ONNX Runtime computes on the calling thread alone: its CPU
+            # time is a batch's cost, whatever else starts on the core meanwhile (the live
+            # caps time batches the same way).
+            cost_clock=time.thread_time if self.provider == CPU and self._one_thread else None,
         )
         return self.batch_caps
 
