@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ from service.worker.batching.batcher import Batcher
 from service.worker.batching.live_caps import EXPLORE_EVERY
 from service.worker.batching.policy import choose_batch
 from service.worker.batching.protocol import BatchLimits
+from service.worker.engine import onnx_model
 from service.worker.engine.caps import (
+    SECOND_PASS_AFTER_S,
     SERVER_BATCH_OVERHEAD_S,
     BatchCaps,
     batch_sizes,
@@ -27,6 +30,7 @@ from service.worker.engine.caps import (
     measure_caps,
     time_batch,
 )
+from service.worker.engine.repository import VersionFiles
 from tests.worker.test_batching import RecordingRunner
 
 
@@ -125,25 +129,51 @@ def test_an_interrupted_bucket_keeps_the_shorter_bucket_cap() -> None:
     assert caps.caps == ((512, 4),)
 
 
-def test_the_second_pass_comes_after_every_bucket_first_pass() -> None:
-    """At every start on one core, the front end starting beside the worker doubled the cost
-    of batches of 16 and 32 at seq 16 for the few milliseconds that both passes over seq 16
-    took back to back: seq 16 was capped at 8, and with it every longer length."""
-    clean = FakeDevice(cpu_like)
+def measured_cpu(size: int, length: int) -> float:
+    """Seconds per sequence as one Intel Xeon core measured them at seq 16 (batches of 1 cost
+    twice what batches of 32 do), scaled with length up to 32; cpu_like beyond."""
+    if length > 32:
+        return cpu_like(size, length)
+    per_sequence_us = {1: 528, 2: 397, 4: 296, 8: 247, 16: 242, 32: 240}[size]
+    return per_sequence_us * 1e-6 * length / 16
+
+
+def test_a_burst_over_the_first_bucket_does_not_decide_its_cap() -> None:
+    """At every start on one core, the front end starting beside the worker doubled the wall
+    time of batches of 16 and 32 at seq 16 for longer than both passes over seq 16 took back
+    to back: seq 16 was capped at 8, and with it every longer length. A second pass that
+    stopped growing against the first pass's best (sizes 1 and 2 cost far more than it) never
+    timed 16 and 32 again either."""
+    clean = FakeDevice(measured_cpu)
     measure_caps(clean.run, max_batch_size=32, max_seq_len=16, budget_s=1e9, clock=clean.clock)
     burst_until = 2 * clean.now  # both passes over seq 16, back to back, fall within it
+    timed_at: list[tuple[float, int]] = []
 
     def cost(size: int, length: int) -> float:
+        timed_at.append((device.now, length))
         slowed = size >= 16 and device.now < burst_until
-        return cpu_like(size, length) * (2.0 if slowed else 1.0)
+        return measured_cpu(size, length) * (2.0 if slowed else 1.0)
 
     device = FakeDevice(cost)
     caps = measure_caps(
         device.run, max_batch_size=32, max_seq_len=512, budget_s=1e9, clock=device.clock
     )
     assert caps.cap_for(16) == 32
-    lengths = [length for _, length in device.calls]
-    assert lengths.index(512) < len(lengths) - 1 - lengths[::-1].index(16)
+    # The second pass over seq 16 waited SECOND_PASS_AFTER_S after its first.
+    first_pass_end = next(at for at, length in timed_at if length != 16)
+    second_pass_start = next(at for at, length in timed_at if length == 16 and at > first_pass_end)
+    assert second_pass_start - first_pass_end >= SECOND_PASS_AFTER_S
+
+
+def test_the_second_passes_of_short_buckets_come_before_the_long_buckets_end() -> None:
+    """A budget that ends during the first pass over the longest bucket still leaves the short
+    buckets their second pass (the first passes of the long ones take most of the budget)."""
+    device = FakeDevice(measured_cpu)
+    measure_caps(device.run, max_batch_size=32, max_seq_len=512, budget_s=1e9, clock=device.clock)
+    first_512 = device.calls.index(next(call for call in device.calls if call[1] == 512))
+    before_512 = [length for _, length in device.calls[:first_512]]
+    first_pass_16 = before_512.index(32)
+    assert 16 in before_512[first_pass_16:]  # seq 16's second pass ran before seq 512's first
 
 
 def test_timings_by_the_cost_clock_ignore_another_process_on_the_core() -> None:
@@ -184,6 +214,28 @@ def test_timings_by_the_cost_clock_ignore_another_process_on_the_core() -> None:
     # Ended by the budget in wall time, where the cost clock shows less time spent.
     assert budget_s <= device.now < 2 * budget_s
     assert device.cpu < budget_s
+
+
+@pytest.mark.parametrize(("threads", "cost_clock"), [(1, time.thread_time), (2, None)])
+def test_one_cpu_thread_times_batches_by_its_cpu_and_several_by_wall_time(
+    small_export, monkeypatch: pytest.MonkeyPatch, threads: int, cost_clock
+) -> None:
+    """With one intra-op thread ONNX Runtime computes on the calling thread alone, so its CPU
+    time is a batch's cost; with several, that thread's CPU time would miss the pool's work."""
+    seen: dict = {}
+
+    def measure(run, **kwargs) -> BatchCaps:
+        seen.update(kwargs)
+        run(2, 16)  # the model really runs
+        return BatchCaps.uniform(kwargs["max_batch_size"], kwargs["max_seq_len"])
+
+    monkeypatch.setattr(onnx_model, "measure_caps", measure)
+    files = small_export.files
+    model = onnx_model.OnnxModel(
+        VersionFiles("small", 1, files.output_only, files.with_weights), [onnx_model.CPU], threads
+    )
+    model.measure_batch_caps(max_batch_size=4, max_seq_len=16, budget_s=1.0)
+    assert seen["cost_clock"] is cost_clock
 
 
 def test_caps_never_grow_with_length() -> None:

@@ -9,13 +9,16 @@ measured version of Triton's preferred batch sizes. --max-batch-size stays the u
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from service.catalog import BatchCaps, length_buckets
 
 # Per-sequence costs within this fraction of the best count as a tie, won by the larger
 # batch. The best timing of one size differs by about 3 % between starts on one core (timed
-# by the thread's CPU); the server's own work per batch is counted below, not here. At 8 %,
+# by the thread's CPU; by wall time about 5 %, so there a choice between sizes within 5 % of
+# each other may follow noise, at little cost); the server's own work per batch is counted
+# below, not here. At 8 %,
 # batches of 8 and 16 won ties at seq 128 that cost the server 5-10 % of its throughput
 # against caps of 2 or 4 on an Intel Xeon core (docs/batching.md).
 TIE_TOLERANCE = 0.03
@@ -25,6 +28,10 @@ TIE_TOLERANCE = 0.03
 # batch. Left out, batch 1 won near-ties at seq 128 and the server ran 162 seq/s where
 # batches of 2 had given 237.
 SERVER_BATCH_OVERHEAD_S = 0.00025
+# A bucket's second pass waits this long (wall time) after its first, while longer buckets
+# take their first: a burst that slowed the first is likely over by then. The short
+# buckets take milliseconds, so two passes back to back met the same burst.
+SECOND_PASS_AFTER_S = 0.25
 # Growing the batch stops after two sizes in a row cost this much more than the best: far
 # beyond timing noise, and on every device measured, costs only rise from there.
 CLEARLY_WORSE = 0.25
@@ -89,12 +96,15 @@ def grow(
     batch_overhead_s: float = 0.0,
     cost_clock: Clock | None = None,
 ) -> bool:
-    """One pass over a bucket: time each size in turn, each keeping its best timing in costs,
-    until every size is measured or two sizes in a row cost clearly more than the best (the
-    bucket's own costs from earlier passes included). False when the budget (give_up, by
-    clock) ended first; the bucket's first timing always runs. Timings are by cost_clock
-    (default: clock)."""
+    """One pass over a bucket: time each size in turn, each keeping its best timing of every
+    pass in costs, until every size is measured or two sizes in a row cost clearly more than
+    the best of this pass. (Against the best of every pass, a second pass stopped after sizes
+    1 and 2 of short sequences, which cost twice batch 32's, and never timed again the large
+    sizes that a burst had slowed in the first.) False when the budget (give_up, by clock)
+    ended first; the bucket's first timing always runs. Timings are by cost_clock (default:
+    clock)."""
     worse_in_a_row = 0
+    best = float("inf")
     for size in sizes:
         if worse_in_a_row >= 2:
             break
@@ -102,8 +112,8 @@ def grow(
             return False
         timed = time_batch(run, size, length, cost_clock or clock, batch_overhead_s)
         costs[size] = min(costs.get(size, timed), timed)
-        clearly_worse = costs[size] > min(costs.values()) * (1 + CLEARLY_WORSE)
-        worse_in_a_row = worse_in_a_row + 1 if clearly_worse else 0
+        best = min(best, timed)
+        worse_in_a_row = worse_in_a_row + 1 if timed > best * (1 + CLEARLY_WORSE) else 0
     return True
 
 
@@ -125,11 +135,12 @@ def measure_caps(
     on one core doubled the cost of batches of 16 and 32 at seq 16 at every start: seq 16 was
     capped at 8, and with it every longer length.
 
-    Two passes over all buckets, the second where the budget allows, each size keeping its
+    Two passes over every bucket, the second where the budget allows, each size keeping its
     best timing of both: a burst that still counts (the kernel reclaiming memory, or anything
-    on a clock of wall time) and slows two sizes in a row stops a bucket's growth. A second
-    pass over one bucket right after its first meets the same burst (the short buckets take
-    milliseconds); over all buckets, it comes a pass later.
+    on a clock of wall time) and slows two sizes in a row stops a bucket's growth. A bucket's
+    second pass comes SECOND_PASS_AFTER_S after its first, between the first passes of longer
+    buckets, so the short ones get theirs early even when the first passes of the long ones
+    take most of the budget.
 
     Caps never grow with length: a longer sequence costs at least as much per position, so
     a batch that did not pay off for shorter ones does not for longer ones either. What the
@@ -137,11 +148,19 @@ def measure_caps(
     keeps the cap of the shorter bucket before it (max_batch_size for the first), and
     buckets left unmeasured do the same.
     """
+    if max_batch_size == 1:
+        return BatchCaps.uniform(1, max_seq_len)  # nothing to choose
     give_up = clock() + budget_s
     sizes = batch_sizes(max_batch_size)
     lengths = length_buckets(max_seq_len)
     costs: dict[int, dict[int, float]] = {length: {} for length in lengths}
     judged: list[int] = []  # buckets whose first pass ended (their costs decide the cap)
+    # Buckets awaiting their second pass, with when their first pass ended.
+    second: deque[tuple[float, int]] = deque()
+
+    def second_pass(length: int) -> None:
+        grow(run, length, sizes, costs[length], give_up, clock, batch_overhead_s, cost_clock)
+
     for length in lengths:
         if judged and clock() >= give_up:
             break
@@ -150,10 +169,11 @@ def measure_caps(
         ):
             break
         judged.append(length)
-    for length in judged:
-        if clock() >= give_up:
-            break
-        grow(run, length, sizes, costs[length], give_up, clock, batch_overhead_s, cost_clock)
+        second.append((clock(), length))
+        while second and clock() - second[0][0] >= SECOND_PASS_AFTER_S and clock() < give_up:
+            second_pass(second.popleft()[1])
+    while second and clock() < give_up:
+        second_pass(second.popleft()[1])
     caps: list[tuple[int, int]] = []
     for length in lengths:
         shorter = caps[-1][1] if caps else max_batch_size
