@@ -28,9 +28,10 @@ TIE_TOLERANCE = 0.03
 # batch. Left out, batch 1 won near-ties at seq 128 and the server ran 162 seq/s where
 # batches of 2 had given 237.
 SERVER_BATCH_OVERHEAD_S = 0.00025
-# A bucket's second pass waits this long (wall time) after its first, while longer buckets
-# take their first: a burst that slowed the first is likely over by then. The short
-# buckets take milliseconds, so two passes back to back met the same burst.
+# A short bucket's second pass runs once this long (wall time) has passed since its first,
+# between longer buckets' first passes: a burst that slowed the first is likely over by
+# then. The short buckets take milliseconds, so two passes back to back met the same burst.
+# (Where no longer bucket is left to fill the time, the second pass follows sooner.)
 SECOND_PASS_AFTER_S = 0.25
 # Growing the batch stops after two sizes in a row cost this much more than the best: far
 # beyond timing noise, and on every device measured, costs only rise from there.
@@ -137,10 +138,11 @@ def measure_caps(
 
     Two passes over every bucket, the second where the budget allows, each size keeping its
     best timing of both: a burst that still counts (the kernel reclaiming memory, or anything
-    on a clock of wall time) and slows two sizes in a row stops a bucket's growth. A bucket's
-    second pass comes SECOND_PASS_AFTER_S after its first, between the first passes of longer
-    buckets, so the short ones get theirs early even when the first passes of the long ones
-    take most of the budget.
+    on a clock of wall time) and slows two sizes in a row stops a bucket's growth. A short
+    bucket's second pass comes SECOND_PASS_AFTER_S after its first, between the first passes
+    of longer buckets, so the short ones get theirs even when the first passes of the long
+    ones take most of the budget; the long buckets' second passes come after every first
+    pass, so they never push the longest bucket's first past the budget.
 
     Caps never grow with length: a longer sequence costs at least as much per position, so
     a batch that did not pay off for shorter ones does not for longer ones either. What the
@@ -161,22 +163,41 @@ def measure_caps(
     def second_pass(length: int) -> None:
         grow(run, length, sizes, costs[length], give_up, clock, batch_overhead_s, cost_clock)
 
+    # Buckets whose first pass took SECOND_PASS_AFTER_S or more: a burst shorter than that
+    # cannot have slowed all of it, and their second pass, as long, waits until every
+    # bucket's first (interleaved, it pushed the longest bucket's first past the budget).
+    long_passes: list[int] = []
     for length in lengths:
         if judged and clock() >= give_up:
             break
+        started = clock()
         if not grow(
             run, length, sizes, costs[length], give_up, clock, batch_overhead_s, cost_clock
         ):
             break
         judged.append(length)
-        second.append((clock(), length))
+        ended = clock()
+        if ended - started < SECOND_PASS_AFTER_S:
+            second.append((ended, length))
+        else:
+            long_passes.append(length)
         while second and clock() - second[0][0] >= SECOND_PASS_AFTER_S and clock() < give_up:
             second_pass(second.popleft()[1])
-    while second and clock() < give_up:
-        second_pass(second.popleft()[1])
+    for length in [length for _, length in second] + long_passes:
+        if clock() >= give_up:
+            break
+        second_pass(length)
+    return _decide(costs, judged, max_batch_size)
+
+
+def _decide(
+    costs: dict[int, dict[int, float]], judged: list[int], max_batch_size: int
+) -> BatchCaps:
+    """Each judged bucket's best size, never above a shorter bucket's cap; the others keep the
+    shorter bucket's cap (max_batch_size for the first)."""
     caps: list[tuple[int, int]] = []
-    for length in lengths:
+    for length, bucket_costs in costs.items():
         shorter = caps[-1][1] if caps else max_batch_size
-        best = best_batch_size(costs[length]) if length in judged else shorter
+        best = best_batch_size(bucket_costs) if length in judged else shorter
         caps.append((length, min(best, shorter)))
     return BatchCaps(tuple(caps)).merged()
