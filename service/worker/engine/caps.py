@@ -18,9 +18,8 @@ from service.catalog import BatchCaps, length_buckets
 # batch. The best timing of one size differs by about 3 % between starts on one core (timed
 # by the thread's CPU; by wall time about 5 %, so there a choice between sizes within 5 % of
 # each other may follow noise, at little cost); the server's own work per batch is counted
-# below, not here. At 8 %,
-# batches of 8 and 16 won ties at seq 128 that cost the server 5-10 % of its throughput
-# against caps of 2 or 4 on an Intel Xeon core (docs/batching.md).
+# below, not here. At 8 %, batches of 8 and 16 won ties at seq 128 that cost the server
+# 5-10 % of its throughput against caps of 2 or 4 on an Intel Xeon core.
 TIE_TOLERANCE = 0.03
 # What the worker adds to every batch beyond the graph's run (its loop, merging, splitting,
 # writing answers): a batch of one at seq 16 costs the worker about 670 us of CPU where the
@@ -160,8 +159,8 @@ def measure_caps(
     # Buckets awaiting their second pass, with when their first pass ended.
     second: deque[tuple[float, int]] = deque()
 
-    def second_pass(length: int) -> None:
-        grow(run, length, sizes, costs[length], give_up, clock, batch_overhead_s, cost_clock)
+    def one_pass(length: int) -> bool:
+        return grow(run, length, sizes, costs[length], give_up, clock, batch_overhead_s, cost_clock)
 
     # Buckets whose first pass took SECOND_PASS_AFTER_S or more: a burst shorter than that
     # cannot have slowed all of it, and their second pass, as long, waits until every
@@ -171,9 +170,7 @@ def measure_caps(
         if judged and clock() >= give_up:
             break
         started = clock()
-        if not grow(
-            run, length, sizes, costs[length], give_up, clock, batch_overhead_s, cost_clock
-        ):
+        if not one_pass(length):
             break
         judged.append(length)
         ended = clock()
@@ -182,11 +179,11 @@ def measure_caps(
         else:
             long_passes.append(length)
         while second and clock() - second[0][0] >= SECOND_PASS_AFTER_S and clock() < give_up:
-            second_pass(second.popleft()[1])
+            one_pass(second.popleft()[1])
     for length in [length for _, length in second] + long_passes:
         if clock() >= give_up:
             break
-        second_pass(length)
+        one_pass(length)
     return _decide(costs, judged, max_batch_size)
 
 
