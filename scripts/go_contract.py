@@ -308,6 +308,7 @@ def flag_defaults() -> dict[str, tuple[Value, str]]:
         "shutdown-not-serving-s": setting("shutdown_not_serving_s"),
         "grace-period-s": setting("grace_period_s"),
         "refuse-linger-s": (gateway.REFUSE_LINGER_S, "frontend.gateway.REFUSE_LINGER_S"),
+        "write-margin-s": (gateway.WRITE_MARGIN_S, "frontend.gateway.WRITE_MARGIN_S"),
     }
 
 

@@ -13,6 +13,8 @@ NOT_ACCEPTING = "server is not accepting requests (starting up or shutting down)
 # The worker process went away, or is not back yet.
 WORKER_GONE = "the ONNX Runtime worker stopped while this request was in flight; retry"
 WORKER_RESTARTING = "the ONNX Runtime worker is restarting; retry"
+# The drain's grace period ended with the request still waiting or computing.
+GRACE_PERIOD_ENDED = "the grace period ended before it was computed; retry"
 # A stream that shutdown ended.
 STREAM_CLOSED = (
     "server shutting down: every request read from this stream was answered; "

@@ -33,8 +33,11 @@ from service.transport import grpc_options
 
 log = logging.getLogger(__name__)
 BINARY = "attention-gateway"
-# As the Python front end's drain (server.py): refuse new calls this long before closing.
+# As the Python front end's drain (server.py): refuse new calls this long before closing,
+# and fail what is left of the grace period's work this long before its end, so that the
+# UNAVAILABLE answers are written before the server closes.
 REFUSE_LINGER_S = 0.2
+WRITE_MARGIN_S = 0.2
 START_TIMEOUT_S = 10.0
 # The API groups of the calls the gateway answers itself (it hands the rest to Python): it
 # checks their keys, which it reads from the file descriptor this variable names.
@@ -248,6 +251,7 @@ class Gateway:
             f"--shutdown-not-serving-s={s.shutdown_not_serving_s}",
             f"--grace-period-s={s.grace_period_s}",
             f"--refuse-linger-s={REFUSE_LINGER_S}",
+            f"--write-margin-s={WRITE_MARGIN_S}",
             # It writes its own log lines, in the format and at the level every process uses,
             # and follows their changes in the run directory's settings file.
             f"--log-process={self.log_name}",

@@ -203,7 +203,8 @@ async def _deliver(
     context: grpc.aio.ServicerContext, response: WireMessage, reservation: Reservation | None
 ) -> grpc.StatusCode:
     """Write the one answer: OK once gRPC took it, CANCELLED when the call ended first (the
-    client reset it or closed its connection: gRPC cancels this task, or the write fails)."""
+    client reset it or closed its connection: gRPC cancels this task, or the write fails),
+    DEADLINE_EXCEEDED when its deadline ended it (a client that did not read the answer)."""
     if reservation is not None:
         reservation.resize(MEMORY_PER_ANSWER_BYTE * response.nbytes)  # the real size now
     try:
@@ -212,6 +213,8 @@ async def _deliver(
         raise
     except Exception as err:
         log.debug("the call ended before its answer was written: %r", err)
+        if ended_at_deadline(context.time_remaining()):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.OK
 

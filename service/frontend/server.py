@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from service import status_texts
 from service.errors import ShuttingDown
 from service.frontend import caller, reflection
 from service.frontend.attention_servicer import AttentionServicer
@@ -383,9 +384,7 @@ class FrontendServer:
         with contextlib.suppress(TimeoutError):
             margin = min(WRITE_MARGIN_S, settings.grace_period_s / 5)
             await asyncio.wait_for(self.plane.wait_idle(), timeout=remaining() - margin)
-        self.plane.fail_in_flight(
-            ShuttingDown("the grace period ended before it was computed; retry")
-        )
+        self.plane.fail_in_flight(ShuttingDown(status_texts.GRACE_PERIOD_ENDED))
         # Calls already on the wire when gRPC closes are cancelled by its core (CANCELLED,
         # which clients do not retry); refusing a moment longer answers them UNAVAILABLE.
         await asyncio.sleep(min(REFUSE_LINGER_S, remaining() / 2))

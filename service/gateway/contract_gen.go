@@ -25,6 +25,7 @@ const (
 	notAccepting             = "server is not accepting requests (starting up or shutting down); retry"
 	workerGone               = "the ONNX Runtime worker stopped while this request was in flight; retry"
 	workerRestarting         = "the ONNX Runtime worker is restarting; retry"
+	gracePeriodEnded         = "the grace period ended before it was computed; retry"
 	streamClosed             = "server shutting down: every request read from this stream was answered; send the rest to another replica"
 	backendGone              = "this front end's protocol process is restarting; retry"
 	streamEndedWithoutStatus = "the stream's protocol process ended it without a status"

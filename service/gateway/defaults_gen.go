@@ -31,4 +31,5 @@ const (
 	defaultShutdownNotServingS              = 2.0              // Settings.shutdown_not_serving_s
 	defaultGracePeriodS                     = 30.0             // Settings.grace_period_s
 	defaultRefuseLingerS                    = 0.2              // frontend.gateway.REFUSE_LINGER_S
+	defaultWriteMarginS                     = 0.2              // frontend.gateway.WRITE_MARGIN_S
 )

@@ -337,6 +337,7 @@ type fastPath struct {
 	answersHealth atomic.Bool   // the front end has started: health calls are answered here
 	draining      atomic.Bool   // SIGTERM came: grpc.health.v1's entries are all NOT_SERVING
 	closing       chan struct{} // closed when draining starts: streams stop reading
+	graceOver     chan struct{} // closed a margin before the drain's end: calls still waiting fail
 	streams       streamLimits
 	inFlight      sync.WaitGroup // unary calls and streams
 	sampler       *sampler       // nil: tracing off
@@ -398,16 +399,40 @@ func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequ
 	}
 	o := fp.compute(r.Context(), r.RemoteAddr, req, p, deadline, sent)
 	defer o.release()
+	if o.code == codeOK && !deadline.IsZero() && !time.Now().Before(deadline) {
+		// Computed as the deadline passed: never an OK after it (gRPC core's deadline
+		// timer ends the call then, with or without an answer ready).
+		o.code, o.message = codeDeadlineExceeded, deadlineExceeded
+	}
 	if o.code != codeOK {
 		if o.code != codeCancelled { // a cancelled call's client has gone
 			writeStatus(w, o.code, o.message)
 		}
 		return o.code, o.answered
 	}
-	if err := writeMessage(w, o.segments, o.takeFree()); err != nil {
-		return codeCancelled, o.answered // the client went away before it read the answer
+	return fp.writeAnswer(w, &o, deadline), o.answered
+}
+
+// writeAnswer writes a computed call's answer and says how the call ended. A client that
+// does not read it (its flow-control window closed) does not hold the call, and the answer's
+// memory, past the deadline: net/http resets the stream then (RST_STREAM; gRPC clients have
+// given up by then, at their own deadline). gRPC core, which can drop an answer still
+// waiting for the window, ends the call with a DEADLINE_EXCEEDED status instead.
+func (fp *fastPath) writeAnswer(w http.ResponseWriter, o *outcome, deadline time.Time) int {
+	limited := !deadline.IsZero()
+	if limited {
+		_ = http.NewResponseController(w).SetWriteDeadline(deadline)
 	}
-	return codeOK, o.answered
+	if err := writeMessage(w, o.segments, o.takeFree()); err != nil {
+		if limited && time.Until(deadline) <= fp.deadlineSlack {
+			return codeDeadlineExceeded
+		}
+		return codeCancelled // the client went away before it read the answer
+	}
+	if limited { // the answer is out: its trailers must not meet the deadline
+		_ = http.NewResponseController(w).SetWriteDeadline(time.Time{})
+	}
+	return codeOK
 }
 
 // outcome is a computed call: its status, and for OK its answer and what that holds.
@@ -538,6 +563,10 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 		return fp.abandon(l, id, call, code)
 	case <-expired:
 		return fp.abandon(l, id, call, codeDeadlineExceeded)
+	case <-fp.graceOver:
+		o := fp.abandon(l, id, call, codeUnavailable)
+		o.message = gracePeriodEnded
+		return o
 	}
 	if req.trace != nil {
 		req.trace.done = a.done

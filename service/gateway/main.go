@@ -129,6 +129,12 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		r.Body = io.NopCloser(io.MultiReader(bytes.NewReader(read), r.Body))
 		r.ContentLength = -1
 	}
+	if t, set, _ := grpcTimeout(r.Header.Get("Grpc-Timeout")); set {
+		// Python ends the call at its deadline; a client that stops reading must not hold
+		// the answer here long past it: net/http resets the stream a second later (the
+		// second lets Python's DEADLINE_EXCEEDED through first, as on the gateway's streams).
+		_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(t).Add(time.Second))
+	}
 	if g.fast != nil {
 		held := &heldAnswer{ResponseWriter: w, metrics: g.fast.metrics}
 		defer held.settle()
@@ -266,14 +272,14 @@ type options struct {
 	streams                                         streamLimits
 	pings                                           pingPolicy
 	keepalive, keepaliveTimeout, deadlineSlack      time.Duration
-	refuseLinger                                    time.Duration
+	refuseLinger, writeMargin                       time.Duration
 	idle, maxAge, notServing, grace                 time.Duration
 	traceSampler, spansSocket                       string
 }
 
 func parseOptions() options {
 	var o options
-	var idleS, ageS, notServingS, graceS, keepaliveS, keepaliveTimeoutS, slackS, lingerS float64
+	var idleS, ageS, notServingS, graceS, keepaliveS, keepaliveTimeoutS, slackS, lingerS, marginS float64
 	var fast string
 	flag.StringVar(&o.listen, "listen", defaultListen, "HOST:PORT of the gRPC port")
 	flag.StringVar(&o.backend, "backend", "", "Unix socket of this front end's Python process")
@@ -307,6 +313,7 @@ func parseOptions() options {
 	flag.Float64Var(&notServingS, "shutdown-not-serving-s", defaultShutdownNotServingS, "")
 	flag.Float64Var(&graceS, "grace-period-s", defaultGracePeriodS, "")
 	flag.Float64Var(&lingerS, "refuse-linger-s", defaultRefuseLingerS, "drain: refuse new calls this long before closing")
+	flag.Float64Var(&marginS, "write-margin-s", defaultWriteMarginS, "drain: fail unfinished calls this long before the grace period ends")
 	flag.StringVar(&o.traceSampler, "trace-sampler", "", "[parentbased_](always_on|always_off|ratio:BOUND); empty: tracing off")
 	flag.StringVar(&o.spansSocket, "spans-socket", "", "Unix socket the Python front end reads sampled calls' records from")
 	flag.Parse()
@@ -318,6 +325,7 @@ func parseOptions() options {
 	o.pings.minInterval = time.Duration(minPingS * float64(time.Second))
 	o.deadlineSlack = time.Duration(slackS * float64(time.Second))
 	o.refuseLinger = time.Duration(lingerS * float64(time.Second))
+	o.writeMargin = time.Duration(marginS * float64(time.Second))
 	o.notServing = time.Duration(notServingS * float64(time.Second))
 	o.grace = time.Duration(graceS * float64(time.Second))
 	return o
@@ -373,7 +381,7 @@ func run(o options) error {
 		welcomed = make(chan struct{})
 		go w.connectForever(welcomed)
 		g.fast = &fastPath{worker: w, limits: limits{o.maxSeqLen, o.maxBatchSize, o.clientSharedMemory}, metrics: m,
-			deadlineSlack: o.deadlineSlack, closing: make(chan struct{}), streams: o.streams,
+			deadlineSlack: o.deadlineSlack, closing: make(chan struct{}), graceOver: make(chan struct{}), streams: o.streams,
 			answers: newAnswerBudget(o.maxUndelivered, o.maxUndeliveredPerConnection, m)}
 		g.fast.accepting.Store(true)
 		if g.restricted != nil {
@@ -479,9 +487,17 @@ func drain(server *http.Server, fast *fastPath, o options, wasReady bool) error 
 		close(fast.closing)
 		idle := make(chan struct{})
 		go func() { fast.inFlight.Wait(); close(idle) }()
+		// What is not computed a margin before the end fails UNAVAILABLE, as in the front
+		// end, so that its answer is written before the connections close.
+		margin := min(o.writeMargin, o.grace/5)
 		select {
 		case <-idle:
-		case <-time.After(time.Until(deadline)):
+		case <-time.After(time.Until(deadline) - margin):
+			close(fast.graceOver)
+			select {
+			case <-idle:
+			case <-time.After(time.Until(deadline)):
+			}
 		}
 	}
 	// Refusing a moment longer: a call already on the wire when the connections close would

@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.harness import wait_for
+from service import status_texts
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2 as v2
@@ -167,8 +168,12 @@ def test_exit_comes_within_the_grace_period_with_work_left(model_repository: Pat
         # the signal waits while the event loop decodes a 32 MiB request.
         elapsed = time.time() - _logged_at(server.log, "shutdown signal received")
         codes = [call.code() for call in accepted]
+        refusals = {call.details() for call in accepted if call.code() != grpc.StatusCode.OK}
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
     assert grpc.StatusCode.UNAVAILABLE in codes  # there was more work than time
+    # Answered, not cut off: the gateway's calls used to end with the connection ("Stream
+    # removed"), the status its client made up.
+    assert refusals == {status_texts.GRACE_PERIOD_ENDED}, refusals
     assert elapsed <= 1.5, f"exited {elapsed:.2f}s after SIGTERM"  # 1.67 s before the fix
 
 

@@ -327,6 +327,7 @@ def test_the_generated_defaults_are_pythons() -> None:
         "max-receive-bytes": limits.message_limits([], Settings())[0],
         # The Python front end's own drain, which the gateway's follows.
         "refuse-linger-s": server.REFUSE_LINGER_S,
+        "write-margin-s": server.WRITE_MARGIN_S,
     }
     assert expected.keys() == go_contract.flag_defaults().keys()
     found = {name: flags.get(name) for name in expected}
