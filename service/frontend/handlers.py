@@ -94,9 +94,18 @@ def add_servicer(
 def add_taking_one_request(
     server: grpc.aio.Server, add_to_server: Callable[[Any, Any], None], servicer: Any
 ) -> None:
-    """add_XServicer_to_server(servicer, server) for a servicer of gRPC's own (health), its
-    serializers kept; its one-request methods refuse calls that do not carry exactly one."""
-    _register(server, add_to_server, servicer, lambda handler: handler)
+    """add_XServicer_to_server(servicer, server) for a servicer of gRPC's own (health): its
+    one-request methods refuse calls that do not carry exactly one, and a message that is
+    not a valid request INVALID_ARGUMENT (grpcio's answer is UNKNOWN, and a traceback in the
+    log for every such call)."""
+
+    def wire(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        parse = handler.request_deserializer
+        return handler._replace(  # type: ignore[attr-defined]
+            request_deserializer=deserializer_for(parse, _message_name(parse))
+        )
+
+    _register(server, add_to_server, servicer, wire, refuse_undecodable=True)
 
 
 def _register(
@@ -104,11 +113,16 @@ def _register(
     add_to_server: Callable[[Any, Any], None],
     servicer: Any,
     wire: Callable[[grpc.RpcMethodHandler], grpc.RpcMethodHandler],
+    *,
+    refuse_undecodable: bool = False,
 ) -> None:
     recorder = _Recorder()
     add_to_server(servicer, recorder)
     for service, handlers in recorder.services:
-        wired = {method: taking_one_request(wire(handler)) for method, handler in handlers.items()}
+        wired = {
+            method: taking_one_request(wire(handler), refuse_undecodable=refuse_undecodable)
+            for method, handler in handlers.items()
+        }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wired),))
         server.add_registered_method_handlers(service, wired)
 
@@ -123,18 +137,25 @@ NO_REQUEST = (
 MORE_THAN_ONE_REQUEST = "the call carried more than one request message: this method takes one"
 
 
-async def the_one_request(context: grpc.aio.ServicerContext) -> Any:
+async def the_one_request(
+    context: grpc.aio.ServicerContext, *, refuse_undecodable: bool = False
+) -> Any:
     """The call's request, once the client has half-closed after exactly one message; any
-    other number ends the call INTERNAL."""
+    other number ends the call INTERNAL. refuse_undecodable: one that is not a valid message
+    ends it INVALID_ARGUMENT (else the handler gets the Undecodable, and refuses it itself)."""
     request = await context.read()
     if request is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INTERNAL, NO_REQUEST)
     if await context.read() is not grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INTERNAL, MORE_THAN_ONE_REQUEST)
+    if refuse_undecodable and isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
     return request
 
 
-def taking_one_request(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def taking_one_request(
+    handler: grpc.RpcMethodHandler, *, refuse_undecodable: bool = False
+) -> grpc.RpcMethodHandler:
     """A method that takes one request, registered as one that takes a stream of them: on the
     wire the same calls, but grpcio never answers a unary method's call whose body ends
     without a whole message (it waits until the client resets it), and answers one that
@@ -147,7 +168,9 @@ def taking_one_request(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             return handler  # not an asyncio handler: grpcio runs it as it is
 
         async def answer(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            return await unary(await the_one_request(context), context)
+            return await unary(
+                await the_one_request(context, refuse_undecodable=refuse_undecodable), context
+            )
 
         return grpc.stream_unary_rpc_method_handler(
             answer,
@@ -159,14 +182,18 @@ def taking_one_request(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if inspect.isasyncgenfunction(streamed):
 
         async def generated(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            async for response in streamed(await the_one_request(context), context):
+            async for response in streamed(
+                await the_one_request(context, refuse_undecodable=refuse_undecodable), context
+            ):
                 yield response
 
         answers = generated
     elif inspect.iscoroutinefunction(streamed):  # writes its answers with context.write
 
         async def written(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            return await streamed(await the_one_request(context), context)
+            return await streamed(
+                await the_one_request(context, refuse_undecodable=refuse_undecodable), context
+            )
 
         answers = written
     else:

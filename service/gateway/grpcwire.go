@@ -99,13 +99,13 @@ func writeMessage(w http.ResponseWriter, segments [][]byte, free func()) error {
 	h := w.Header()
 	h.Set("Content-Type", "application/grpc")
 	h.Set("Grpc-Accept-Encoding", acceptEncoding)
-	h.Set("Trailer", "Grpc-Status")
 	w.WriteHeader(http.StatusOK)
 	err := writeSegments(w, segments, free)
 	if err == nil {
 		err = flush(w)
 	}
-	h.Set("Grpc-Status", strconv.Itoa(codeOK))
+	// A trailer not announced in a "Trailer" header, which gRPC's servers never send.
+	h.Set(http.TrailerPrefix+"Grpc-Status", strconv.Itoa(codeOK))
 	return err
 }
 

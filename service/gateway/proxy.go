@@ -7,6 +7,7 @@ package main
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -101,20 +102,42 @@ func newProxy(transport *http.Transport) *httputil.ReverseProxy {
 // trailersOnlyToTrailers turns a trailers-only answer (the status in the one HEADERS frame
 // that ends the stream, as an error usually comes) into headers plus trailers: forwarded
 // as it was, its headers could leave before the handler ends, and the stream would then
-// end with an empty DATA frame and no status at all.
+// end with an empty DATA frame and no status at all. The status becomes the answer's
+// trailers once its (empty) body has been read: known before, ReverseProxy would announce
+// them in a "Trailer" header, which gRPC's servers never send (clients see it as metadata).
 func trailersOnlyToTrailers(r *http.Response) error {
 	status := r.Header.Values("Grpc-Status")
 	if len(status) == 0 {
 		return nil
 	}
-	if r.Trailer == nil {
-		r.Trailer = http.Header{}
-	}
+	trailer := http.Header{}
 	for _, name := range []string{"Grpc-Status", "Grpc-Message", "Grpc-Status-Details-Bin"} {
 		if values := r.Header.Values(name); len(values) > 0 {
-			r.Trailer[name] = values
+			trailer[name] = values
 			r.Header.Del(name)
 		}
 	}
+	r.Body = &trailersAtEnd{ReadCloser: r.Body, response: r, trailer: trailer}
 	return nil
+}
+
+// trailersAtEnd is a body that gives its response trailers when it ends.
+type trailersAtEnd struct {
+	io.ReadCloser
+	response *http.Response
+	trailer  http.Header // nil once given
+}
+
+func (b *trailersAtEnd) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if errors.Is(err, io.EOF) && b.trailer != nil {
+		if b.response.Trailer == nil {
+			b.response.Trailer = http.Header{}
+		}
+		for name, values := range b.trailer {
+			b.response.Trailer[name] = values
+		}
+		b.trailer = nil
+	}
+	return n, err
 }

@@ -158,7 +158,6 @@ func (s *stream) write(w http.ResponseWriter) {
 				h := w.Header()
 				h.Set("Content-Type", "application/grpc")
 				h.Set("Grpc-Accept-Encoding", acceptEncoding)
-				h.Set("Trailer", "Grpc-Status, Grpc-Message")
 				w.WriteHeader(http.StatusOK)
 				started = true
 			}
@@ -176,13 +175,17 @@ func (s *stream) write(w http.ResponseWriter) {
 		return // the client has gone: no one to tell
 	}
 	h := w.Header()
+	prefix := "" // trailers-only: the status in the answer's one HEADERS frame
+	if started {
+		prefix = http.TrailerPrefix // trailers not announced in a "Trailer" header, as gRPC's
+	}
 	h.Set("Content-Type", "application/grpc")
-	h.Set("Grpc-Status", strconv.Itoa(code))
+	h.Set(prefix+"Grpc-Status", strconv.Itoa(code))
 	if message != "" {
-		h.Set("Grpc-Message", message)
+		h.Set(prefix+"Grpc-Message", message)
 	}
 	if !started {
-		w.WriteHeader(http.StatusOK) // trailers-only
+		w.WriteHeader(http.StatusOK)
 	}
 }
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ from service.client import attend_request
 from service.frontend.handlers import MORE_THAN_ONE_REQUEST, NO_REQUEST
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.inference import grpc_service_pb2 as v2pb
+from service.generated.inference import grpc_service_pb2_grpc as v2grpc
 from service.status_texts import BAD_TE, BAD_TIMEOUT
 from tests.harness.h2_raw import RawGrpc, Reply, call, framed
 from tests.harness.server_process import ServerProcess, behind_gateway
@@ -451,3 +453,44 @@ def test_a_client_that_never_reads_its_answer_does_not_hold_the_call_past_its_de
     assert reply.code in (DEADLINE_EXCEEDED, "reset"), reply
     assert 0.9 <= took <= 1 + grace_s + 2, took
     plain_server.wait_metric("attention_requests_total", before + 1, timeout_s=10, **counted)
+
+
+@pytest.mark.parametrize("body", [b"\xff", b"\x0a\x02\xff\xfe"], ids=["not-protobuf", "not-utf8"])
+def test_a_health_check_that_is_no_valid_request_is_invalid_argument(
+    plain_server: ServerProcess, body: bytes
+) -> None:
+    """gRPC's own health servicer answered UNKNOWN, with a traceback in the log for every such
+    call (any client could fill the log); the gateway hands such a call to Python."""
+    for path in (HEALTH_CHECK, "/grpc.health.v1.Health/Watch"):
+        answer = call(plain_server.grpc_port, path, framed(body))
+        assert answer.client_code == INVALID_ARGUMENT, (path, answer)
+        assert answer.message.startswith(
+            "the request is not a valid HealthCheckRequest message"
+        ), answer
+    assert "Traceback" not in plain_server.log
+    answered_ok_health = call(plain_server.grpc_port, HEALTH_CHECK, framed(b""))
+    assert answered_ok_health.client_code == 0, answered_ok_health
+
+
+def test_answers_carry_no_headers_grpc_servers_do_not_send(plain_server: ServerProcess) -> None:
+    """No metadata in the headers of any answer, as gRPC core sends none: the gateway's
+    answers carried net/http's date and a trailer header announcing the status (gRPC
+    clients show both as initial metadata)."""
+    bad = v2pb.ModelInferRequest.FromString(infer())
+    del bad.inputs[0].shape[:]
+    bad.inputs[0].shape.extend([1, 3, 511])
+    with grpc.insecure_channel(plain_server.target) as channel:
+        stub = v2grpc.GRPCInferenceServiceStub(channel)
+        _, answered = stub.ModelInfer.with_call(v2pb.ModelInferRequest.FromString(infer()))
+        seen = {"ModelInfer OK": answered.initial_metadata()}
+        _, answered = stub.ServerLive.with_call(v2pb.ServerLiveRequest())
+        seen["ServerLive"] = answered.initial_metadata()
+        for name, request in (("invalid", bad), ("unknown model", v2pb.ModelInferRequest())):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ModelInfer(request)
+            seen[name] = refused.value.initial_metadata()  # type: ignore[attr-defined]
+        requests = [v2pb.ModelInferRequest.FromString(infer(seq=seq)) for seq in (3, 4)]
+        stream = stub.ModelStreamInfer(iter([*requests, bad]))
+        assert len(list(stream)) == 3
+        seen["ModelStreamInfer"] = stream.initial_metadata()
+    assert all(not metadata for metadata in seen.values()), seen
