@@ -464,9 +464,9 @@ def test_a_health_check_that_is_no_valid_request_is_invalid_argument(
     for path in (HEALTH_CHECK, "/grpc.health.v1.Health/Watch"):
         answer = call(plain_server.grpc_port, path, framed(body))
         assert answer.client_code == INVALID_ARGUMENT, (path, answer)
-        assert answer.message.startswith(
-            "the request is not a valid HealthCheckRequest message"
-        ), answer
+        assert answer.message.startswith("the request is not a valid HealthCheckRequest message"), (
+            answer
+        )
     assert "Traceback" not in plain_server.log
     answered_ok_health = call(plain_server.grpc_port, HEALTH_CHECK, framed(b""))
     assert answered_ok_health.client_code == 0, answered_ok_health
