@@ -56,8 +56,9 @@ type gateway struct {
 type agedAtKey struct{}
 
 func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	g.taken.Add(1)           // busy counts fast-path calls only: an open stream must not stop the trim
-	w.Header()["Date"] = nil // net/http's own header, which gRPC's servers never send
+	g.taken.Add(1) // busy counts fast-path calls only: an open stream must not stop the trim
+	// net/http's own header, which gRPC's servers never send
+	w.Header()["Date"] = nil
 	if aged, ok := r.Context().Value(agedAtKey{}).(time.Time); ok && time.Now().After(aged) {
 		// Past its age: net/http answers "Connection: close" on HTTP/2 with a graceful
 		// GOAWAY, so clients reconnect (and client-side balancing spreads them again)
