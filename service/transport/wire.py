@@ -98,12 +98,13 @@ async def settled(message: WireMessage) -> WireMessage:
 def serializer_for(
     serialize_message: Callable[[Any], bytes],
 ) -> Callable[[Any], bytes]:
-    """A gRPC response serializer that also takes WireMessage."""
+    """A gRPC response serializer that also takes WireMessage; a message is serialized
+    deterministically (a map's entries in key order: the same bytes from every process)."""
 
     def serialize(response: Any) -> bytes:
         if isinstance(response, WireMessage):
             return response.serialize()
-        return serialize_message(response)
+        return serialize_message(response, deterministic=True)
 
     return serialize
 

@@ -906,3 +906,25 @@ def test_the_gateway_answers_region_references_as_the_python_front_end(
     response = v2.ModelInferResponse.FromString(off["input and output"][0])
     assert response.outputs[0].parameters["shared_memory_region"].string_param == "io"
     assert response.raw_output_contents == [b""]
+
+
+def test_a_status_lists_its_regions_in_key_order_on_the_wire(
+    shm_server: ServerProcess, objects: Objects
+) -> None:
+    """Every answer is serialized deterministically (docs/api.md): the regions' map in key
+    order whatever the order of registration (it came in the order w, in, out)."""
+    with triton.InferenceServerClient(shm_server.target) as client:
+        for name in ("w", "in", "out"):
+            _, key = objects.make(name, 64)
+            client.register_system_shared_memory(name, key, 64)
+    raw = RawGrpc(shm_server.grpc_port)
+    try:
+        request = v2.SystemSharedMemoryStatusRequest().SerializeToString()
+        path = "/inference.GRPCInferenceService/SystemSharedMemoryStatus"
+        stream = raw.open(path, len(request).to_bytes(5, "big") + request)
+        (answer,) = raw.wait(stream).messages()
+    finally:
+        raw.close()
+    status = v2.SystemSharedMemoryStatusResponse.FromString(answer)
+    assert sorted(status.regions) == ["in", "out", "w"]
+    assert answer == status.SerializeToString(deterministic=True)
