@@ -104,7 +104,9 @@ def serializer_for(
     def serialize(response: Any) -> bytes:
         if isinstance(response, WireMessage):
             return response.serialize()
-        return serialize_message(response, deterministic=True)
+        if isinstance(response, Message):
+            return response.SerializeToString(deterministic=True)
+        return serialize_message(response)
 
     return serialize
 
