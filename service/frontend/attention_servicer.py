@@ -266,7 +266,7 @@ def encode_response(
                 refs["attention_weights_region"],
             ),
         )
-    return response.add_serialized(header.SerializeToString())
+    return response.add_serialized(header.SerializeToString(deterministic=True))
 
 
 def _sent_dtype(request: pb.AttendRequest) -> np.dtype:

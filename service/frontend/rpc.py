@@ -91,7 +91,7 @@ def serialized(response: Any) -> WireMessage:
     (gRPC's serializer then only hands the one chunk on)."""
     if isinstance(response, WireMessage):
         return response if len(response.chunks) == 1 else WireMessage([response.serialize()])
-    return WireMessage([response.SerializeToString()])
+    return WireMessage([response.SerializeToString(deterministic=True)])
 
 
 async def _end_with(

@@ -59,7 +59,7 @@ class WireMessage:
     @classmethod
     def of(cls, message: Message) -> WireMessage:
         """The small fields, serialized by protobuf."""
-        return cls([message.SerializeToString()])
+        return cls([message.SerializeToString(deterministic=True)])
 
     def add_bytes(self, field_number: int, data: Chunk) -> WireMessage:
         """Append a bytes field (or one element of a repeated bytes field)."""
