@@ -309,6 +309,7 @@ def flag_defaults() -> dict[str, tuple[Value, str]]:
         "grace-period-s": setting("grace_period_s"),
         "refuse-linger-s": (gateway.REFUSE_LINGER_S, "frontend.gateway.REFUSE_LINGER_S"),
         "write-margin-s": (gateway.WRITE_MARGIN_S, "frontend.gateway.WRITE_MARGIN_S"),
+        "heartbeat-s": (gateway.HEARTBEAT_S, "frontend.gateway.HEARTBEAT_S"),
     }
 
 

@@ -284,7 +284,8 @@ class Settings:
     watchdog_timeout_s: float = _doc(
         "seconds a worker or front end may go without its heartbeat (sent from its event "
         "loop every second) before the supervisor kills it as hung, failing its calls in "
-        "flight at once and restarting it; 0 = no watchdog",
+        "flight at once and restarting it (a front end's gRPC gateway likewise, killed by "
+        "its front end); 0 = no watchdog",
         default=10.0,
     )
 

@@ -38,6 +38,9 @@ BINARY = "attention-gateway"
 # UNAVAILABLE answers are written before the server closes.
 REFUSE_LINGER_S = 0.2
 WRITE_MARGIN_S = 0.2
+# As the supervisor's children beat (service/app/children.py): a gateway whose beat stops for
+# --watchdog-timeout-s is killed, and its front end restarted with it.
+HEARTBEAT_S = 1.0
 START_TIMEOUT_S = 10.0
 # The API groups of the calls the gateway answers itself (it hands the rest to Python): it
 # checks their keys, which it reads from the file descriptor this variable names.
@@ -215,6 +218,7 @@ class Gateway:
         self.pid: int | None = None
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
+        self._beats: asyncio.Task[None] | None = None
         # Tracing on: where the gateway's sampled calls come to be made spans.
         spans = backend.with_name(f"{name}-spans.sock")
         self._spans = SpanSink(spans) if tracing.enabled() else None
@@ -252,6 +256,7 @@ class Gateway:
             f"--grace-period-s={s.grace_period_s}",
             f"--refuse-linger-s={REFUSE_LINGER_S}",
             f"--write-margin-s={WRITE_MARGIN_S}",
+            f"--heartbeat-s={HEARTBEAT_S if s.watchdog_timeout_s > 0 else 0}",
             # It writes its own log lines, in the format and at the level every process uses,
             # and follows their changes in the run directory's settings file.
             f"--log-process={self.log_name}",
@@ -320,9 +325,32 @@ class Gateway:
             raise GatewayError(error or "the gateway did not start")
         self.pid = process.pid
         self._watch = asyncio.create_task(self._watch_exit(process, on_exit))
+        if self._settings.watchdog_timeout_s > 0:
+            self._beats = asyncio.create_task(self._watch_heartbeat(process))
         # As the supervisor logs its children: tools that follow the processes read this.
         log.info("started %s-gateway (pid %d): it serves the gRPC port", self._name, process.pid)
         return int(line.decode().rsplit(":", 1)[1])
+
+    async def _watch_heartbeat(self, process: asyncio.subprocess.Process) -> None:
+        """Kill the gateway once its heartbeat stops (hung, or stopped): its exit then takes
+        the usual path, as the supervisor's watchdog does for its children. A stopped gateway
+        held its callers, and new connections, for good while the front end served on."""
+        timeout = self._settings.watchdog_timeout_s
+        assert process.stdout is not None
+        while True:
+            try:
+                line = await asyncio.wait_for(process.stdout.readline(), timeout)
+            except TimeoutError:
+                if self._stopping or process.returncode is not None:
+                    return
+                log.error(
+                    "the gateway sent no heartbeat for %.1fs (hung or stopped); killing it", timeout
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                return
+            if not line:
+                return  # it exited: _watch_exit has it
 
     async def _watch_exit(self, process: asyncio.subprocess.Process, on_exit: Any) -> None:
         code = await process.wait()
@@ -353,6 +381,8 @@ class Gateway:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
+        if self._beats is not None:
+            self._beats.cancel()
         if self._watch is not None:
             await self._watch
         if self._spans is not None:

@@ -32,4 +32,5 @@ const (
 	defaultGracePeriodS                     = 30.0             // Settings.grace_period_s
 	defaultRefuseLingerS                    = 0.2              // frontend.gateway.REFUSE_LINGER_S
 	defaultWriteMarginS                     = 0.2              // frontend.gateway.WRITE_MARGIN_S
+	defaultHeartbeatS                       = 1.0              // frontend.gateway.HEARTBEAT_S
 )

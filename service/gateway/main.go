@@ -274,14 +274,14 @@ type options struct {
 	streams                                         streamLimits
 	pings                                           pingPolicy
 	keepalive, keepaliveTimeout, deadlineSlack      time.Duration
-	refuseLinger, writeMargin                       time.Duration
+	refuseLinger, writeMargin, heartbeat            time.Duration
 	idle, maxAge, notServing, grace                 time.Duration
 	traceSampler, spansSocket                       string
 }
 
 func parseOptions() options {
 	var o options
-	var idleS, ageS, notServingS, graceS, keepaliveS, keepaliveTimeoutS, slackS, lingerS, marginS float64
+	var idleS, ageS, notServingS, graceS, keepaliveS, keepaliveTimeoutS, slackS, lingerS, marginS, beatS float64
 	var fast string
 	flag.StringVar(&o.listen, "listen", defaultListen, "HOST:PORT of the gRPC port")
 	flag.StringVar(&o.backend, "backend", "", "Unix socket of this front end's Python process")
@@ -316,6 +316,7 @@ func parseOptions() options {
 	flag.Float64Var(&graceS, "grace-period-s", defaultGracePeriodS, "")
 	flag.Float64Var(&lingerS, "refuse-linger-s", defaultRefuseLingerS, "drain: refuse new calls this long before closing")
 	flag.Float64Var(&marginS, "write-margin-s", defaultWriteMarginS, "drain: fail unfinished calls this long before the grace period ends")
+	flag.Float64Var(&beatS, "heartbeat-s", defaultHeartbeatS, "write \"alive\" to standard output this often once listening; 0: never")
 	flag.StringVar(&o.traceSampler, "trace-sampler", "", "[parentbased_](always_on|always_off|ratio:BOUND); empty: tracing off")
 	flag.StringVar(&o.spansSocket, "spans-socket", "", "Unix socket the Python front end reads sampled calls' records from")
 	flag.Parse()
@@ -328,6 +329,7 @@ func parseOptions() options {
 	o.deadlineSlack = time.Duration(slackS * float64(time.Second))
 	o.refuseLinger = time.Duration(lingerS * float64(time.Second))
 	o.writeMargin = time.Duration(marginS * float64(time.Second))
+	o.heartbeat = time.Duration(beatS * float64(time.Second))
 	o.notServing = time.Duration(notServingS * float64(time.Second))
 	o.grace = time.Duration(graceS * float64(time.Second))
 	return o
@@ -461,6 +463,9 @@ func run(o options) error {
 	go func() { served <- server.Serve(listener) }()
 	fmt.Printf("listening %s\n", listener.Addr())
 	os.Stdout.Sync()
+	if o.heartbeat > 0 {
+		go beat(os.Stdout, o.heartbeat)
+	}
 	signals := make(chan os.Signal, 1)
 	signal.Notify(signals, syscall.SIGTERM, syscall.SIGINT)
 	select {
@@ -474,6 +479,17 @@ func run(o options) error {
 		wasReady = g.fast.answersHealth.Load() && g.fast.worker.snapshot().ready
 	}
 	return drain(server, g.fast, o, wasReady)
+}
+
+// beat tells the front end this process still runs, on the standard output it read
+// "listening" from: one that stops (hung, or stopped) is killed there, as the supervisor's
+// watchdog kills its children, and restarted with its front end.
+func beat(out *os.File, every time.Duration) {
+	for range time.Tick(every) {
+		if _, err := out.Write([]byte("alive\n")); err != nil {
+			return // the front end has gone (this process follows it)
+		}
+	}
 }
 
 // drain: still serving while the health checks say NOT_SERVING (when the server was ready

@@ -422,6 +422,41 @@ def test_a_killed_gateway_is_restarted_with_its_front_end(model_repository: Path
         assert server.terminate() == 0, server.log
 
 
+def test_a_stopped_gateway_is_killed_and_restarted_with_its_front_end(
+    model_repository: Path,
+) -> None:
+    """A gateway that stops (SIGSTOP here; hung alike) sends no heartbeat: its front end
+    kills it after --watchdog-timeout-s, and the supervisor restarts both. The call it held
+    ends then instead of never, and the port serves again. (It used to hold its callers, and
+    new connections, for good while REST and readiness said all was well.)"""
+    with ServerProcess(
+        model_repository, "--grpc-gateway", "on", "--watchdog-timeout-s", "2"
+    ) as server:
+        first = gateway_pids(server)[0]
+        with grpc.insecure_channel(server.target) as channel:
+            stub = v2grpc.GRPCInferenceServiceStub(channel)
+            assert stub.ServerLive(v2pb.ServerLiveRequest()).live  # connected
+            os.kill(first, signal.SIGSTOP)
+            try:
+                held = stub.ServerReady.future(v2pb.ServerReadyRequest())  # no deadline
+                with pytest.raises(grpc.RpcError) as ended:
+                    held.result(timeout=30)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(first, signal.SIGCONT)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+        assert "the gateway sent no heartbeat for 2.0s (hung or stopped); killing it" in server.log
+        wait_for(lambda: len(gateway_pids(server)) >= 2, timeout_s=60, what="a new gateway")
+        server.wait_serving()
+        with triton.InferenceServerClient(server.target) as client:
+            assert infer(client, np.ones((1, 3, 512), np.float32)).as_numpy("output").shape == (
+                1,
+                3,
+                512,
+            )
+        assert server.terminate() == 0, server.log
+
+
 def test_a_gateways_crash_output_reaches_the_log_as_its_records(model_repository: Path) -> None:
     """What Go's runtime writes to standard error (here the goroutine dump of a SIGQUIT, as
     a panic writes one) comes out as JSON records of gateway-0, like every other log line;

@@ -16,6 +16,7 @@ import grpc
 
 from scripts import go_api_contract, go_contract, go_frontend_contract, go_wire_contract
 from service import dataplane, status_texts
+from service.app import children
 from service.frontend import (
     attention_servicer,
     caller,
@@ -328,6 +329,8 @@ def test_the_generated_defaults_are_pythons() -> None:
         # The Python front end's own drain, which the gateway's follows.
         "refuse-linger-s": server.REFUSE_LINGER_S,
         "write-margin-s": server.WRITE_MARGIN_S,
+        # As every child beats for the supervisor's watchdog.
+        "heartbeat-s": children.HEARTBEAT_S,
     }
     assert expected.keys() == go_contract.flag_defaults().keys()
     found = {name: flags.get(name) for name in expected}
