@@ -421,7 +421,8 @@ func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequ
 func (fp *fastPath) writeAnswer(w http.ResponseWriter, o *outcome, deadline time.Time) int {
 	limited := !deadline.IsZero()
 	if limited {
-		_ = http.NewResponseController(w).SetWriteDeadline(deadline)
+		guard := resetAt(w, deadline)
+		defer guard.stop() // the answer is out: its trailers must not meet the deadline
 	}
 	if err := writeMessage(w, o.segments, o.takeFree()); err != nil {
 		if limited && time.Until(deadline) <= fp.deadlineSlack {
@@ -429,10 +430,35 @@ func (fp *fastPath) writeAnswer(w http.ResponseWriter, o *outcome, deadline time
 		}
 		return codeCancelled // the client went away before it read the answer
 	}
-	if limited { // the answer is out: its trailers must not meet the deadline
-		_ = http.NewResponseController(w).SetWriteDeadline(time.Time{})
-	}
 	return codeOK
+}
+
+// writeGuard resets a call's stream at its deadline unless stopped first. A timer of its
+// own rather than net/http's write deadline, which costs two messages to the connection's
+// goroutine (set, then clear) on every call that has a deadline.
+type writeGuard struct {
+	mu      sync.Mutex
+	stopped bool // the handler is done with the stream: it must not be touched after
+	timer   *time.Timer
+}
+
+func resetAt(w http.ResponseWriter, deadline time.Time) *writeGuard {
+	g := &writeGuard{}
+	g.timer = time.AfterFunc(time.Until(deadline), func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		if !g.stopped { // a write deadline in the past resets the stream at once
+			_ = http.NewResponseController(w).SetWriteDeadline(time.Unix(1, 0))
+		}
+	})
+	return g
+}
+
+func (g *writeGuard) stop() {
+	g.timer.Stop()
+	g.mu.Lock()
+	g.stopped = true
+	g.mu.Unlock()
 }
 
 // outcome is a computed call: its status, and for OK its answer and what that holds.
