@@ -100,6 +100,10 @@ def add_taking_one_request(
     log for every such call)."""
 
     def wire(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        behaviour = handler.unary_unary or handler.unary_stream
+        takes_one = inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)
+        if handler.request_streaming or not takes_one:
+            return handler  # not read by the_one_request: an Undecodable would reach it
         parse = handler.request_deserializer
         return handler._replace(  # type: ignore[attr-defined]
             request_deserializer=deserializer_for(parse, _message_name(parse))

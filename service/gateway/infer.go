@@ -419,13 +419,18 @@ func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequ
 // given up by then, at their own deadline). gRPC core, which can drop an answer still
 // waiting for the window, ends the call with a DEADLINE_EXCEEDED status instead.
 func (fp *fastPath) writeAnswer(w http.ResponseWriter, o *outcome, deadline time.Time) int {
-	limited := !deadline.IsZero()
-	if limited {
-		guard := resetAt(w, deadline)
-		defer guard.stop() // the answer is out: its trailers must not meet the deadline
+	var guard *writeGuard
+	if !deadline.IsZero() {
+		guard = resetAt(w, deadline.Add(stuckWriterGrace))
 	}
-	if err := writeMessage(w, o.segments, o.takeFree()); err != nil {
-		if limited && time.Until(deadline) <= fp.deadlineSlack {
+	err := writeMessage(w, o.segments, o.takeFree())
+	// Stopped before the handler returns (the stream is not to be touched after), and
+	// before its trailers: a reset after the answer left is no OK either.
+	if guard != nil && guard.stop() {
+		return codeDeadlineExceeded
+	}
+	if err != nil {
+		if !deadline.IsZero() && time.Until(deadline) <= fp.deadlineSlack {
 			return codeDeadlineExceeded
 		}
 		return codeCancelled // the client went away before it read the answer
@@ -433,32 +438,42 @@ func (fp *fastPath) writeAnswer(w http.ResponseWriter, o *outcome, deadline time
 	return codeOK
 }
 
-// writeGuard resets a call's stream at its deadline unless stopped first. A timer of its
-// own rather than net/http's write deadline, which costs two messages to the connection's
+// stuckWriterGrace: how long past a call's deadline an answer its client does not read may
+// wait before the stream is reset. Not at the deadline itself: a reset (RST_STREAM
+// INTERNAL_ERROR, net/http's only code for it) that beats the client's own deadline timer
+// reaches a client that does read as INTERNAL, where it would see DEADLINE_EXCEEDED.
+const stuckWriterGrace = time.Second
+
+// writeGuard resets a call's stream at a time unless stopped first. A timer of its own
+// rather than net/http's write deadline, which costs two messages to the connection's
 // goroutine (set, then clear) on every call that has a deadline.
 type writeGuard struct {
 	mu      sync.Mutex
 	stopped bool // the handler is done with the stream: it must not be touched after
+	fired   bool
 	timer   *time.Timer
 }
 
-func resetAt(w http.ResponseWriter, deadline time.Time) *writeGuard {
+func resetAt(w http.ResponseWriter, at time.Time) *writeGuard {
 	g := &writeGuard{}
-	g.timer = time.AfterFunc(time.Until(deadline), func() {
+	g.timer = time.AfterFunc(time.Until(at), func() {
 		g.mu.Lock()
 		defer g.mu.Unlock()
 		if !g.stopped { // a write deadline in the past resets the stream at once
+			g.fired = true
 			_ = http.NewResponseController(w).SetWriteDeadline(time.Unix(1, 0))
 		}
 	})
 	return g
 }
 
-func (g *writeGuard) stop() {
+// stop disarms the guard; true when it had already reset the stream.
+func (g *writeGuard) stop() bool {
 	g.timer.Stop()
 	g.mu.Lock()
+	defer g.mu.Unlock()
 	g.stopped = true
-	g.mu.Unlock()
+	return g.fired
 }
 
 // outcome is a computed call: its status, and for OK its answer and what that holds.

@@ -57,8 +57,10 @@ type agedAtKey struct{}
 
 func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	g.taken.Add(1) // busy counts fast-path calls only: an open stream must not stop the trim
-	// net/http's own header, which gRPC's servers never send
+	// net/http's own headers, which gRPC's servers never send (content-length: 0 on an
+	// answer with no message)
 	w.Header()["Date"] = nil
+	w.Header()["Content-Length"] = nil
 	if aged, ok := r.Context().Value(agedAtKey{}).(time.Time); ok && time.Now().After(aged) {
 		// Past its age: net/http answers "Connection: close" on HTTP/2 with a graceful
 		// GOAWAY, so clients reconnect (and client-side balancing spreads them again)
@@ -133,9 +135,9 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	if t, set, _ := grpcTimeout(r.Header.Get("Grpc-Timeout")); set {
 		// Python ends the call at its deadline; a client that stops reading must not hold
-		// the answer here long past it: net/http resets the stream a second later (the
-		// second lets Python's DEADLINE_EXCEEDED through first, as on the gateway's streams).
-		_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(t).Add(time.Second))
+		// the answer here long past it: net/http resets the stream stuckWriterGrace later
+		// (Python's DEADLINE_EXCEEDED goes first where the client's window lets it).
+		_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(t).Add(stuckWriterGrace))
 	}
 	if g.fast != nil {
 		held := &heldAnswer{ResponseWriter: w, metrics: g.fast.metrics}

@@ -114,8 +114,8 @@ func (g *gateway) serveStream(w http.ResponseWriter, r *http.Request, method *st
 		s.ctx, cancel = context.WithDeadline(ctx, s.deadline)
 		defer cancel()
 		// A client that stops reading must not hold the handler long past the deadline
-		// (net/http resets the stream then: a second later, so the status goes first).
-		_ = http.NewResponseController(w).SetWriteDeadline(s.deadline.Add(time.Second))
+		// (net/http resets the stream then: stuckWriterGrace later, so the status goes first).
+		_ = http.NewResponseController(w).SetWriteDeadline(s.deadline.Add(stuckWriterGrace))
 	}
 	go s.read(r.Body)
 	go s.finish()
