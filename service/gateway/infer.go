@@ -415,9 +415,10 @@ func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequ
 
 // writeAnswer writes a computed call's answer and says how the call ended. A client that
 // does not read it (its flow-control window closed) does not hold the call, and the answer's
-// memory, past the deadline: net/http resets the stream then (RST_STREAM; gRPC clients have
-// given up by then, at their own deadline). gRPC core, which can drop an answer still
-// waiting for the window, ends the call with a DEADLINE_EXCEEDED status instead.
+// memory, long past the deadline: the stream is reset stuckWriterGrace after it (RST_STREAM;
+// gRPC clients have given up by then, at their own deadline). gRPC core, which can drop an
+// answer still waiting for the window, ends the call at the deadline with a
+// DEADLINE_EXCEEDED status instead.
 func (fp *fastPath) writeAnswer(w http.ResponseWriter, o *outcome, deadline time.Time) int {
 	var guard *writeGuard
 	if !deadline.IsZero() {
