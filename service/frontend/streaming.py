@@ -186,14 +186,19 @@ class _Stream(Generic[Request, Response]):
                 self._abandon_unwritten()
 
     def _abandon_unwritten(self) -> None:
-        """Answers computed but never written: counted CANCELLED, their bytes given back."""
+        """Answers computed but never written: counted CANCELLED (DEADLINE_EXCEEDED once the
+        stream's deadline has come), their bytes given back."""
+        expired = self._expired()
         if self._writing is not None:
-            self._writing.settle(delivered=False)
+            self._writing.settle(delivered=False, expired=expired)
             self._writing = None
         while not self._answers.empty():
             item = self._answers.get_nowait()
             if item is not None:
-                item.settle(delivered=False)
+                item.settle(delivered=False, expired=expired)
+
+    def _expired(self) -> bool:
+        return ended_at_deadline(self._context.time_remaining())
 
     async def _read(self, requests: AsyncIterator[Request]) -> None:
         try:
@@ -315,7 +320,7 @@ class _Stream(Generic[Request, Response]):
             metrics.request_duration(model, calls.api).observe(time.monotonic() - started)
         computed = _Answer(answer, reserved, hold, model, calls.api, code)
         if self._ended:
-            computed.settle(delivered=False)  # nobody is left to write it
+            computed.settle(delivered=False, expired=self._expired())  # nobody left to write it
         else:
             self._answers.put_nowait(computed)
 
@@ -336,11 +341,15 @@ class _Answer:
     api: str
     code: grpc.StatusCode
 
-    def settle(self, *, delivered: bool) -> None:
-        """Written (or never will be): give the bytes back; an OK answer counts now."""
+    def settle(self, *, delivered: bool, expired: bool = False) -> None:
+        """Written (or never will be): give the bytes back; an OK answer counts now (one
+        never written CANCELLED, DEADLINE_EXCEEDED when the stream's deadline ended it, as a
+        unary call's)."""
         if self.hold is not None:
             self.hold.release()
             self.hold = None
         if self.code == grpc.StatusCode.OK:
-            code = grpc.StatusCode.OK if delivered else grpc.StatusCode.CANCELLED
+            code = grpc.StatusCode.OK
+            if not delivered:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             metrics.requests_counter(self.model, self.api, code.name).inc()

@@ -167,7 +167,11 @@ func (s *stream) write(w http.ResponseWriter) {
 			}
 			broken = err != nil
 		}
-		a.settle(!broken)
+		if broken {
+			a.settle(s.unwritten())
+		} else {
+			a.settle(codeOK)
+		}
 		s.written(a.bytes)
 	}
 	code, message := s.status()
@@ -227,8 +231,18 @@ func (s *stream) status() (int, string) {
 
 func (a *streamAnswer) takeFree() func() { return take(&a.free) }
 
-// settle gives back what the answer held; an OK answer counts now, OK if it was written.
-func (a *streamAnswer) settle(written bool) {
+// unwritten is how an OK answer that will never be written counts: DEADLINE_EXCEEDED once
+// the stream's deadline has come (a unary call's answer counts so), else CANCELLED.
+func (s *stream) unwritten() int {
+	if !s.deadline.IsZero() && time.Until(s.deadline) <= s.fp.deadlineSlack {
+		return codeDeadlineExceeded
+	}
+	return codeCancelled
+}
+
+// settle gives back what the answer held; an OK answer counts now, as code (codeOK if it was
+// written, else what unwritten says).
+func (a *streamAnswer) settle(code int) {
 	a.takeFree()()
 	if a.hold != nil {
 		a.hold.release()
@@ -239,11 +253,7 @@ func (a *streamAnswer) settle(written bool) {
 		a.undelivered = 0
 	}
 	if a.count != nil {
-		if written {
-			a.count(codeOK)
-		} else {
-			a.count(codeCancelled)
-		}
+		a.count(code)
 		a.count = nil
 	}
 }
@@ -434,7 +444,7 @@ func (s *stream) answer(req *inferRequest, p *plan, buffer []byte, answerBytes i
 	select {
 	case s.answers <- a:
 	case <-s.ctx.Done():
-		a.settle(false)
+		a.settle(s.unwritten())
 		s.written(answerBytes)
 	}
 }
@@ -505,7 +515,7 @@ func (s *stream) relayPython(out *http.Request, body *io.PipeReader, done chan<-
 		select {
 		case s.answers <- a:
 		case <-s.ctx.Done():
-			a.settle(false)
+			a.settle(s.unwritten()) // Python's answer: counted there, not here (no count)
 			return
 		}
 	}

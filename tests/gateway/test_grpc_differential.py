@@ -509,3 +509,24 @@ def test_answers_carry_no_headers_grpc_servers_do_not_send(plain_server: ServerP
         assert not list(empty)
         seen["empty ModelStreamInfer"] = empty.initial_metadata() + empty.trailing_metadata()
     assert all(not metadata for metadata in seen.values()), seen
+
+
+def test_stream_answers_never_read_by_the_deadline_count_deadline_exceeded(
+    plain_server: ServerProcess,
+) -> None:
+    """As a unary call's answer: three answers computed, none read (a window of 1 byte), the
+    stream ended by its deadline; each counts DEADLINE_EXCEEDED, not CANCELLED."""
+    labels = {"api": "v2_stream", "code": "DEADLINE_EXCEEDED"}
+    before = plain_server.metric("attention_requests_total", **labels)
+    cancelled = plain_server.metric("attention_requests_total", api="v2_stream", code="CANCELLED")
+    raw = RawGrpc(plain_server.grpc_port, window=1, read=False)
+    try:
+        body = b"".join(framed(infer(str(seq), seq=seq)) for seq in (3, 4, 5))
+        stream = raw.open(MODEL_STREAM_INFER, body, headers=[("grpc-timeout", "1S")], end=False)
+        reply = raw.wait(stream, timeout_s=8)
+    finally:
+        raw.close()
+    assert reply.code in (DEADLINE_EXCEEDED, "reset"), reply
+    plain_server.wait_metric("attention_requests_total", before + 3, timeout_s=10, **labels)
+    after = plain_server.metric("attention_requests_total", api="v2_stream", code="CANCELLED")
+    assert after == cancelled
