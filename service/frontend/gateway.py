@@ -332,9 +332,10 @@ class Gateway:
         return int(line.decode().rsplit(":", 1)[1])
 
     async def _watch_heartbeat(self, process: asyncio.subprocess.Process) -> None:
-        """Kill the gateway once its heartbeat stops (hung, or stopped): its exit then takes
-        the usual path, as the supervisor's watchdog does for its children. A stopped gateway
-        held its callers, and new connections, for good while the front end served on."""
+        """Kill the gateway once its heartbeat stops (stopped, or its runtime stalled): its
+        exit then takes the usual path, as the supervisor's watchdog does for its children.
+        A stopped gateway held its callers, and new connections, for good while the front
+        end served on."""
         timeout = self._settings.watchdog_timeout_s
         assert process.stdout is not None
         while True:
@@ -344,7 +345,8 @@ class Gateway:
                 if self._stopping or process.returncode is not None:
                     return
                 log.error(
-                    "the gateway sent no heartbeat for %.1fs (hung or stopped); killing it", timeout
+                    "the gateway sent no heartbeat for %.1fs (stopped or stalled); killing it",
+                    timeout,
                 )
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()

@@ -155,7 +155,8 @@ func (fp *fastPath) serveHealth(w http.ResponseWriter, r *http.Request, call hea
 		fp.metrics.finished(answer.label, apiV2, codeOK, answered.Sub(started).Seconds())
 		fp.spans.record(trace, callSpan{method: strings.TrimPrefix(r.RequestURI, "/"), code: codeOK, answered: answered})
 	}
-	_ = writeMessage(w, [][]byte{prefixed(answer.message)}, func() {})
+	// A client that does not read it does not hold the call past its deadline either.
+	_ = writeBefore(w, [][]byte{prefixed(answer.message)}, func() {}, deadline, fp.deadlineSlack)
 	return true
 }
 

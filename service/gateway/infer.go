@@ -420,18 +420,26 @@ func (fp *fastPath) infer(w http.ResponseWriter, r *http.Request, req *inferRequ
 // answer still waiting for the window, ends the call at the deadline with a
 // DEADLINE_EXCEEDED status instead.
 func (fp *fastPath) writeAnswer(w http.ResponseWriter, o *outcome, deadline time.Time) int {
-	var guard *writeGuard
+	return writeBefore(w, o.segments, o.takeFree(), deadline, fp.deadlineSlack)
+}
+
+// writeBefore writes a call's one answer (writeMessage) and says how the call ended: OK,
+// DEADLINE_EXCEEDED (its stream reset stuckWriterGrace after the deadline, the zero time
+// for none, or the write failing at the deadline), or CANCELLED (the client went away).
+func writeBefore(w http.ResponseWriter, segments [][]byte, free func(), deadline time.Time,
+	slack time.Duration) (code int) {
 	if !deadline.IsZero() {
-		guard = resetAt(w, deadline.Add(stuckWriterGrace))
+		guard := resetAt(w, deadline.Add(stuckWriterGrace))
+		// Stopped before the handler returns, even by a panic (the stream must not be
+		// touched after), and before the trailers: a reset after the answer left is no OK.
+		defer func() {
+			if guard.stop() {
+				code = codeDeadlineExceeded
+			}
+		}()
 	}
-	err := writeMessage(w, o.segments, o.takeFree())
-	// Stopped before the handler returns (the stream is not to be touched after), and
-	// before its trailers: a reset after the answer left is no OK either.
-	if guard != nil && guard.stop() {
-		return codeDeadlineExceeded
-	}
-	if err != nil {
-		if !deadline.IsZero() && time.Until(deadline) <= fp.deadlineSlack {
+	if err := writeMessage(w, segments, free); err != nil {
+		if !deadline.IsZero() && time.Until(deadline) <= slack {
 			return codeDeadlineExceeded
 		}
 		return codeCancelled // the client went away before it read the answer

@@ -484,8 +484,9 @@ func run(o options) error {
 }
 
 // beat tells the front end this process still runs, on the standard output it read
-// "listening" from: one that stops (hung, or stopped) is killed there, as the supervisor's
-// watchdog kills its children, and restarted with its front end.
+// "listening" from: one that stops (the process stopped, or its runtime stalled; handlers
+// stuck while it runs do not stop it) is killed there, as the supervisor's watchdog kills
+// its children, and restarted with its front end.
 func beat(out *os.File, every time.Duration) {
 	for range time.Tick(every) {
 		if _, err := out.Write([]byte("alive\n")); err != nil {

@@ -440,7 +440,8 @@ def test_a_client_that_never_reads_its_answer_does_not_hold_the_call_past_its_de
     memory, for good."""
     grace_s = 1.0 if behind_gateway(plain_server) else 0.0
     # A handed-on answer that fits the gateway's window (64 KiB a call) leaves Python at once,
-    # counted OK there (docs/architecture.md, where the gateway differs): only counted once.
+    # counted OK there (docs/architecture.md, where the gateway differs): only counted once;
+    # with the gateway, the timing is what this case checks.
     counted = {"code": "DEADLINE_EXCEEDED"}
     if handed_on and behind_gateway(plain_server):
         counted = {}
@@ -464,13 +465,14 @@ def test_a_health_check_that_is_no_valid_request_is_invalid_argument(
 ) -> None:
     """gRPC's own health servicer answered UNKNOWN, with a traceback in the log for every such
     call (any client could fill the log); the gateway hands such a call to Python."""
+    logged = len(plain_server.log)
     for path in (HEALTH_CHECK, "/grpc.health.v1.Health/Watch"):
         answer = call(plain_server.grpc_port, path, framed(body))
         assert answer.client_code == INVALID_ARGUMENT, (path, answer)
         assert answer.message.startswith("the request is not a valid HealthCheckRequest message"), (
             answer
         )
-    assert "Traceback" not in plain_server.log
+    assert "Traceback" not in plain_server.log[logged:]
     answered_ok_health = call(plain_server.grpc_port, HEALTH_CHECK, framed(b""))
     assert answered_ok_health.client_code == 0, answered_ok_health
 
