@@ -33,9 +33,9 @@ from service.transport import grpc_options
 
 log = logging.getLogger(__name__)
 BINARY = "attention-gateway"
-# As the Python front end's drain (server.py): refuse new calls this long before closing,
-# and fail what is left of the grace period's work this long before its end, so that the
-# UNAVAILABLE answers are written before the server closes.
+# Both drains' timing (this front end's, server.py, and its gateway's): refuse new calls this
+# long before closing, and fail what is left of the grace period's work this long before its
+# end, so that the UNAVAILABLE answers are written before the server closes.
 REFUSE_LINGER_S = 0.2
 WRITE_MARGIN_S = 0.2
 # As the supervisor's children beat (service/app/children.py): a gateway whose beat stops for

@@ -21,6 +21,8 @@ from service.frontend.compression import Unpacker
 from service.frontend.delivery import AnswerBudget, install_disconnect_filter
 from service.frontend.gateway import BINARY as GATEWAY_BINARY
 from service.frontend.gateway import (
+    REFUSE_LINGER_S,  # the drain's timing, one for both drains (the gateway's flags)
+    WRITE_MARGIN_S,
     Gateway,
     GatewayError,
     gateway_off_reason,
@@ -52,10 +54,6 @@ from service.transport.tls import ReloadingCredentials, TlsError, server_tls
 
 log = logging.getLogger(__name__)
 
-REFUSE_LINGER_S = 0.2
-# Kept back from the grace period so answers (and UNAVAILABLE for what could not be computed)
-# are written before the server closes.
-WRITE_MARGIN_S = 0.2
 TRACING_FLUSH_S = 1.0  # at exit, the most time given to exporting the last spans
 SERVICE_NAMES = [
     attention_pb2.DESCRIPTOR.services_by_name["AttentionService"].full_name,
