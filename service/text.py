@@ -25,6 +25,11 @@ def shown(text: str, limit: int = SHOWN_CHARS) -> str:
     return f"'{head}'" + (SHOWN_MORE.format(more=more) if more > 0 else "")
 
 
+def model_reference(name: str, version: int | str) -> str:
+    """How a message names a served version: model 'name' version N."""
+    return f"model {shown(name)} version {version}"
+
+
 SHOWN_DIMS = 6
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from service.errors import InvalidInput
+from service.text import shown
 
 
 def check_finite(batch: np.ndarray) -> None:
@@ -24,7 +25,7 @@ def in_model_dtype(batch: np.ndarray, dtype: np.dtype, model: str) -> np.ndarray
         bad = int(np.count_nonzero(~np.isfinite(cast)))
         raise InvalidInput(
             f"embeddings holds {bad} values outside {cast.dtype}'s finite range (largest "
-            f"{float(np.finfo(cast.dtype).max):g}), the dtype of model {model!r}; "
+            f"{float(np.finfo(cast.dtype).max):g}), the dtype of model {shown(model)}; "
             "scale them down"
         )
     return cast

@@ -12,6 +12,7 @@ from service.dataplane import DataPlane, RegionTensor, Result, Targets
 from service.errors import InvalidInput
 from service.frontend.validation import InputLimits, as_sequence_batch, sequence_batch_shape
 from service.observability import tracing
+from service.text import model_reference
 from service.values import in_model_dtype
 
 
@@ -52,7 +53,7 @@ async def admit_and_run(
         )
     if with_weights and not model.has_weights_graph:
         raise InvalidInput(
-            f"model {model.spec.name!r} version {model.spec.version} was exported without "
+            f"{model_reference(model.spec.name, model.spec.version)} was exported without "
             "the attention_weights graph; do not ask for the weights"
         )
     if isinstance(embeddings, np.ndarray):

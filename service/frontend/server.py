@@ -364,6 +364,7 @@ class FrontendServer:
 
         was_ready = self.ready
         self._draining = True
+        self.plane.draining = True
         # The gateway drains its own calls on the same schedule; Python answers the ones it
         # hands over until it has finished.
         gateway_stopped = asyncio.ensure_future(

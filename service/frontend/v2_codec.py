@@ -12,7 +12,7 @@ from service.dataplane import RegionRef, RegionTensor, Result
 from service.errors import InvalidInput
 from service.frontend import shm_tensors
 from service.generated.inference import grpc_service_pb2 as v2
-from service.text import shown, shown_shape
+from service.text import model_reference, shown, shown_shape
 from service.transport.codec import checked_shape
 from service.transport.wire import WireMessage, array_bytes
 
@@ -45,7 +45,7 @@ TYPED_FIELDS = (
 
 
 def _model_ref(model: ServedModel) -> str:
-    return f"model '{model.spec.name}' version {model.spec.version}"
+    return model_reference(model.spec.name, model.spec.version)
 
 
 def _single_input(

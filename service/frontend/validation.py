@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.errors import InvalidInput
+from service.text import shown
 from service.values import check_finite
 
 
@@ -56,7 +57,7 @@ def sequence_batch_shape(
     """[seq, d] or [n, seq, d] -> (n, seq, d), or InvalidInput saying what was expected."""
     expected = f"[seq, {embed_dim}] or [n, seq, {embed_dim}]"
     if len(shape) not in (2, 3):
-        raise InvalidInput(f"embeddings has shape {shape}; model {model!r} expects {expected}")
+        raise InvalidInput(f"embeddings has shape {shape}; model {shown(model)} expects {expected}")
     count, seq, dim = shape if len(shape) == 3 else [1, *shape]
     if count == 0 or seq == 0:
         raise InvalidInput(
@@ -64,7 +65,7 @@ def sequence_batch_shape(
         )
     if dim != embed_dim:
         raise InvalidInput(
-            f"embeddings has d={dim} (shape {shape}); model {model!r} expects d={embed_dim}"
+            f"embeddings has d={dim} (shape {shape}); model {shown(model)} expects d={embed_dim}"
         )
     if seq > limits.max_seq_len:
         raise InvalidInput(

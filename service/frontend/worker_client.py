@@ -255,6 +255,8 @@ class WorkerClient:
         self._in_flight = 0
         self.worker_ready = False  # connected, and the worker is warm
         self.accepting = True  # False once this front end drains
+        # From the drain's first moment: the supervisor restarts no worker lost after it.
+        self.draining = False
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -382,10 +384,13 @@ class WorkerClient:
             raise ShuttingDown(NOT_ACCEPTING)
         link = self._link
         if link is None or not link.alive:
-            raise ShuttingDown(WORKER_RESTARTING)
+            raise ShuttingDown(self._link_gone())
         if not self.worker_ready:
             raise ShuttingDown(NOT_ACCEPTING)
         return link
+
+    def _link_gone(self) -> str:
+        return NOT_ACCEPTING if self.draining else WORKER_RESTARTING
 
     async def infer(
         self,
@@ -528,7 +533,7 @@ class WorkerClient:
     async def _call(self, op: str, args: dict[str, Any]) -> Any:
         link = self._link
         if link is None or not link.alive:
-            raise ShuttingDown(WORKER_RESTARTING)
+            raise ShuttingDown(self._link_gone())
         call = _Call(asyncio.get_running_loop().create_future())
         call_id = next(self._ids)
         link.calls[call_id] = call

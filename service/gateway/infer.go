@@ -528,6 +528,9 @@ func (fp *fastPath) compute(ctx context.Context, peer string, req *inferRequest,
 	defer sent()
 	l := fp.worker.use()
 	if l == nil {
+		if fp.draining.Load() { // the supervisor restarts no worker lost in a drain
+			return failed(codeUnavailable, notAccepting)
+		}
 		return failed(codeUnavailable, workerRestarting)
 	}
 	linkHeld := true

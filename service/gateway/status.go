@@ -88,11 +88,13 @@ func (s *statusPage) fill() (queueFill, bool) {
 // that the worker has not read yet (unread requests and bytes) reaches the queue first.
 func (f queueFill) refusal(nbytes, unread, unreadBytes uint64) string {
 	pending, pendingBytes := f.pending+unread, f.pendingBytes+unreadBytes
+	// The numbers shown are what the queue can hold: of the unread requests, the worker
+	// refuses those past its bounds (service/ipc/status_page.py, the same).
 	if pending >= f.maxQueueSize {
-		return queueFullByCount(pending, f.maxQueueSize)
+		return queueFullByCount(f.maxQueueSize, f.maxQueueSize)
 	}
 	if pending > 0 && pendingBytes+nbytes > f.maxQueueBytes {
-		return queueFullByBytes(pendingBytes, nbytes, f.maxQueueBytes)
+		return queueFullByBytes(max(f.pendingBytes, min(pendingBytes, f.maxQueueBytes)), nbytes, f.maxQueueBytes)
 	}
 	return ""
 }

@@ -43,6 +43,17 @@ func TestGoldenStatusPage(t *testing.T) {
 	if got := room.refusal(300, 3, 200); got != "queue full: 800 bytes waiting, this request adds 300 (max_queue_bytes=1000); retry with backoff" {
 		t.Fatalf("unread bytes not counted: %q", got)
 	}
+	// Never more than the queue can hold: the worker refuses the unread ones past its bounds.
+	if got := room.refusal(1, 9, 40); got != "queue full: 64 requests waiting (max_queue_size=64); retry with backoff" {
+		t.Fatalf("unread requests past the bound shown: %q", got)
+	}
+	big := queueFill{pending: 1, pendingBytes: 1 << 20, maxQueueSize: 64, maxQueueBytes: 600000}
+	if got := big.refusal(1<<20, 1, 1<<20); got != "queue full: 1048576 bytes waiting, this request adds 1048576 (max_queue_bytes=600000); retry with backoff" {
+		t.Fatalf("unread bytes past the bound shown: %q", got)
+	}
+	if got := room.refusal(300, 3, 900); got != "queue full: 1000 bytes waiting, this request adds 300 (max_queue_bytes=1000); retry with backoff" {
+		t.Fatalf("unread bytes past the bound shown: %q", got)
+	}
 	if got := (queueFill{maxQueueSize: 4, maxQueueBytes: 10}).refusal(1<<30, 1, 8); got == "" {
 		t.Fatal("a queue empty but for what is on its way refused nothing too large")
 	}

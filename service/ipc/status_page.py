@@ -56,13 +56,16 @@ class QueueFill:
         """Why a request of nbytes of embeddings cannot be queued now; None if it can. An
         empty queue takes any legal request, so no request is refused forever. A front end
         adds what it sent that the worker has not read yet (unread requests and bytes): they
-        reach the queue before this one."""
+        reach the queue before this one. The numbers shown are what the queue can hold: of
+        the unread requests, the worker refuses those past its bounds."""
         pending, pending_bytes = self.pending + unread, self.pending_bytes + unread_bytes
         if pending >= self.max_queue_size:
-            return QUEUE_FULL_BY_COUNT.format(pending=pending, max_queue_size=self.max_queue_size)
+            return QUEUE_FULL_BY_COUNT.format(
+                pending=self.max_queue_size, max_queue_size=self.max_queue_size
+            )
         if pending and pending_bytes + nbytes > self.max_queue_bytes:
             return QUEUE_FULL_BY_BYTES.format(
-                pending_bytes=pending_bytes,
+                pending_bytes=max(self.pending_bytes, min(pending_bytes, self.max_queue_bytes)),
                 nbytes=nbytes,
                 max_queue_bytes=self.max_queue_bytes,
             )

@@ -4,6 +4,7 @@ start-up stops the server at once, before it ever reports SERVING."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import threading
@@ -24,7 +25,7 @@ from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
-from tests.harness.server_process import ServerProcess
+from tests.harness.server_process import ServerProcess, worker_pid
 
 # The gateway drains in code of its own (not serving, refusing, waiting for its calls): both ways.
 pytestmark = pytest.mark.usefixtures("grpc_gateway")
@@ -136,6 +137,33 @@ def test_clients_under_load_see_ok_then_unavailable_never_cancelled(small_only: 
     assert {code for _, code in codes} <= {"OK", "UNAVAILABLE"}, (codes[-8:], started)
     assert [code for _, code in codes].count("UNAVAILABLE") == 4  # one per client, at the end
     assert any(code == "OK" and at > started + 0.2 for at, code in codes)  # served meanwhile
+
+
+def test_a_worker_lost_during_the_drain_is_not_said_to_be_restarting(small_only: Path) -> None:
+    """The supervisor restarts no worker once the drain began: calls still arriving in the
+    NOT_SERVING period are refused as not accepted. Before: "the ONNX Runtime worker is
+    restarting; retry", on both paths."""
+    flags = (*FAST, "--shutdown-not-serving-s", "5", "--grace-period-s", "10")
+    server = ServerProcess(small_only, *flags)
+    with server, grpc.insecure_channel(server.target) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        stub.Attend(_request(), timeout=10)
+        server.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: _health(channel) == "NOT_SERVING", what="NOT_SERVING")
+        os.kill(worker_pid(server), signal.SIGKILL)
+        refusals: list[tuple[grpc.StatusCode, str]] = []
+
+        def refused_for_the_lost_worker() -> bool:
+            try:
+                stub.Attend(_request(), timeout=10)
+            except grpc.RpcError as err:
+                refusals.append((err.code(), err.details()))
+            # A call in flight when the worker died says so; wait for one after it.
+            return bool(refusals) and refusals[-1][1] != status_texts.WORKER_GONE
+
+        wait_for(refused_for_the_lost_worker, what="a refusal after the worker's death")
+        assert refusals[-1] == (grpc.StatusCode.UNAVAILABLE, status_texts.NOT_ACCEPTING), refusals
+        server.process.wait(15)  # the drain ends on its schedule all the same
 
 
 @pytest.mark.gateway_off_heavy

@@ -38,6 +38,24 @@ def test_an_empty_queue_takes_any_legal_request() -> None:
     assert QueueFill(1, 10, 4, 100).refusal(91) is not None
 
 
+def test_a_refusal_shows_no_more_than_the_queue_can_hold() -> None:
+    """Unread requests count toward the decision; the worker refuses those past its bounds,
+    so the numbers shown stop at what the queue can hold (the gateway's are the same)."""
+    room = QueueFill(60, 600, 64, 1000)
+    assert room.refusal(1, 9, 40) == (
+        "queue full: 64 requests waiting (max_queue_size=64); retry with backoff"
+    )
+    assert room.refusal(300, 3, 900) == (
+        "queue full: 1000 bytes waiting, this request adds 300 (max_queue_bytes=1000); "
+        "retry with backoff"
+    )
+    big = QueueFill(1, 1 << 20, 64, 600_000)  # one request larger than the bound alone
+    assert big.refusal(1 << 20, 1, 1 << 20) == (
+        "queue full: 1048576 bytes waiting, this request adds 1048576 "
+        "(max_queue_bytes=600000); retry with backoff"
+    )
+
+
 def test_no_page_yet_refuses_nothing(tmp_path: Path) -> None:
     assert StatusView(page_path(tmp_path)).refusal(1 << 30) is None
 

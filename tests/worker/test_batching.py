@@ -86,6 +86,7 @@ class RecordingRunner:
 
     key = "fake/1"
     label = "fake"
+    described = "model 'fake' version 1"
 
     def __init__(
         self,

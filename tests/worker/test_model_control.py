@@ -79,6 +79,10 @@ class FakeModel:
     def label(self) -> str:
         return self.spec.name
 
+    @property
+    def described(self) -> str:
+        return f"model '{self.spec.name}' version {self.spec.version}"
+
     def run(self, embeddings: np.ndarray, mask: np.ndarray, with_weights: bool, into=None):
         return embeddings + self.spec.version, None
 

@@ -8,10 +8,14 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
+from service.generated.attention.v1 import attention_pb2 as pb
+from service.generated.attention.v1 import attention_pb2_grpc
 from service.worker.engine.repository import relative_text, scan
 from tests.harness.server_process import ServerProcess
 from tests.harness.tls_helpers import tiny_repository
@@ -79,3 +83,56 @@ def test_clients_see_repository_relative_paths_only(server: ServerProcess, layou
     reasons = {entry["name"]: entry.get("reason", "") for entry in index}
     assert "symbolic link" in reasons["linked"]
     assert all(absolute not in reason for reason in reasons.values()), reasons
+
+
+LONG_NAME = "m" * 70  # a folder name past what messages echo (service/text.py SHOWN_CHARS)
+
+
+@pytest.fixture(scope="module")
+def long_named(tmp_path_factory: pytest.TempPathFactory, grpc_gateway: str) -> Iterator[str]:
+    """A server whose one model's folder has a 70-character name."""
+    tiny = tiny_repository(tmp_path_factory.getbasetemp()) / "mha"
+    repository = tmp_path_factory.mktemp("long") / "repository"
+    shutil.copytree(tiny, repository / LONG_NAME)
+    with ServerProcess(repository) as process:
+        yield process.target
+
+
+def _message(failed: pytest.ExceptionInfo) -> str:
+    error = failed.value
+    return error.details() if isinstance(error, grpc.RpcError) else error.message()
+
+
+def _attend(target: str, shape: list[int], value: float) -> None:
+    with grpc.insecure_channel(target) as channel:
+        data = np.full(shape, value, np.float32).tobytes()
+        embeddings = pb.Tensor(shape=shape, dtype=pb.FLOAT32, data=data)
+        attention_pb2_grpc.AttentionServiceStub(channel).Attend(
+            pb.AttendRequest(model=LONG_NAME, embeddings=embeddings), timeout=30
+        )
+
+
+def _infer(target: str, shape: list[int], value: float) -> None:
+    tensor = triton.InferInput("embeddings", shape, "FP32")
+    tensor.set_data_from_numpy(np.full(shape, value, np.float32))
+    triton.InferenceServerClient(target).infer(LONG_NAME, [tensor])
+
+
+@pytest.mark.parametrize(
+    ("call", "shape", "value", "expected"),
+    [
+        (_attend, [2, 16], 1.0, "expects d=32"),  # the front end's shape check
+        (_infer, [2, 16], 1.0, "expects [n, seq, 32]"),  # the V2 codec's rank check
+        (_attend, [4, 32], 1e30, "holds NaN or inf"),  # the worker's check of the output
+        (_infer, [1, 4, 32], 1e30, "holds NaN or inf"),
+    ],
+)
+def test_a_long_model_name_is_cut_in_messages(
+    long_named: str, call, shape: list[int], value: float, expected: str
+) -> None:
+    with pytest.raises((grpc.RpcError, InferenceServerException)) as failed:
+        call(long_named, shape, value)
+    message = _message(failed)
+    assert expected in message
+    assert f"'{'m' * 64}'... (6 more characters)" in message
+    assert "m" * 65 not in message

@@ -936,7 +936,7 @@ class Batcher:
         metrics.BATCH_FAILURES.labels(runner.label).inc()
         self.statistics.record_failure(runner.key, time.monotonic() - started, len(batch))
         for ticket in batch:
-            failure = BatchFailed(f"batch on {runner.key} failed")
+            failure = BatchFailed(f"batch on {runner.described} failed")
             failure.__cause__ = err
             _settle(ticket, failure)
 
@@ -1003,7 +1003,7 @@ class Batcher:
                 _settle(
                     ticket,
                     NonFiniteOutput(
-                        f"the result of {runner.key} for these embeddings holds NaN or inf: "
+                        f"the result of {runner.described} for these embeddings holds NaN or inf: "
                         "their values are too large for the model's arithmetic; scale them "
                         "down"
                     ),

@@ -30,6 +30,11 @@ class Runner(Protocol):
     def label(self) -> str: ...
 
     @property
+    def described(self) -> str:
+        """How messages to clients name it (service/text.py model_reference)."""
+        ...
+
+    @property
     def batch_caps(self) -> BatchCaps: ...
 
     def run(

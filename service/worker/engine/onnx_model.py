@@ -13,6 +13,7 @@ import onnxruntime as ort
 
 from service.catalog import ModelSpec
 from service.memory.budget import is_large_batch
+from service.text import model_reference
 from service.worker.engine import fused as fusing
 from service.worker.engine.bound_runs import BoundRuns
 from service.worker.engine.caps import SERVER_BATCH_OVERHEAD_S, BatchCaps, measure_caps
@@ -267,6 +268,10 @@ class OnnxModel:
     def label(self) -> str:
         """Metric label: the model name (versions would multiply series)."""
         return self.spec.name
+
+    @property
+    def described(self) -> str:
+        return model_reference(self.spec.name, self.spec.version)
 
     @property
     def has_weights_graph(self) -> bool:
