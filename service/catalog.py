@@ -15,7 +15,7 @@ import numpy as np
 
 from service.errors import InvalidInput, ModelNotFound
 from service.settings import VERSION_POLICY
-from service.text import shown
+from service.text import shown, shown_names
 
 # One strict rule for version folders and requested versions: ASCII digits, no leading zero,
 # at most 18 digits. str.isdigit() also takes "²" (int() refuses it) and "１" or "١" (int()
@@ -243,7 +243,9 @@ class ModelRegistry(Generic[M]):
         name = name or self.default_model
         served = self._versions
         if name not in served:
-            raise ModelNotFound(f"unknown model {shown(name)}; this server serves {sorted(served)}")
+            raise ModelNotFound(
+                f"unknown model {shown(name)}; this server serves {shown_names(sorted(served))}"
+            )
         versions = served[name]
         if not version:
             return versions[max(versions)]

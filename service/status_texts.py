@@ -20,17 +20,18 @@ STREAM_CLOSED = (
     "server shutting down: every request read from this stream was answered; "
     "send the rest to another replica"
 )
-# The undelivered-answers bound (--max-undelivered-bytes, and a connection's share).
+# The undelivered-answers bounds (--max-undelivered-bytes, and per connection): each process
+# that holds answers (a front end, its gateway) has a share of each, named as such.
 ANSWERS_BACKLOGGED_BY_SERVER = (
-    "answers computed for clients but not yet read by them hold {total} bytes, and this one "
-    "needs about {nbytes} more than the server's bound of {max_bytes} (--max-undelivered-bytes) "
-    "allows; retry shortly, or ask for less (no attention weights)"
+    "answers computed for clients but not yet read by them hold {total} bytes here, and this "
+    "one needs about {nbytes} more than this process's share of --max-undelivered-bytes "
+    "({max_bytes} bytes) allows; retry shortly, or ask for less (no attention weights)"
 )
 ANSWERS_BACKLOGGED_BY_CONNECTION = (
     "this connection has {held} bytes of answers it has not read yet; this one needs about "
-    "{nbytes} more than its share of {max_bytes_per_connection} "
-    "(--max-undelivered-bytes-per-connection): read the answers, or spread the calls over more "
-    "connections"
+    "{nbytes} more than this process's share of --max-undelivered-bytes-per-connection "
+    "({max_bytes_per_connection} bytes) allows: read the answers, or spread the calls over "
+    "more connections"
 )
 # A call's header block over --max-metadata-bytes, in gRPC core's words (which the Python
 # front end's answer has, followed there by each header's size in the order received).

@@ -25,6 +25,22 @@ def shown(text: str, limit: int = SHOWN_CHARS) -> str:
     return f"'{head}'" + (SHOWN_MORE.format(more=more) if more > 0 else "")
 
 
+SHOWN_NAMES = 16  # of a list of names; the rest are counted
+
+
+def shown_names(names: list[str]) -> str:
+    """A list of names for a message: each shown(), the first SHOWN_NAMES of them."""
+    listed = ", ".join(shown(name) for name in names[:SHOWN_NAMES])
+    more = len(names) - SHOWN_NAMES
+    return f"[{listed}" + (f", ... ({more} more)]" if more > 0 else "]")
+
+
+def cut(text: str, limit: int) -> str:
+    """text, cut after limit characters (a text of the server's own, not quoted)."""
+    more = len(text) - limit
+    return text[:limit] + (SHOWN_MORE.format(more=more) if more > 0 else "")
+
+
 def model_reference(name: str, version: int | str) -> str:
     """How a message names a served version: model 'name' version N."""
     return f"model {shown(name)} version {version}"

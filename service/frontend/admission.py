@@ -22,6 +22,19 @@ class HasDeadline(Protocol):
     def time_remaining(self) -> float | None: ...
 
 
+class Sooner:
+    """A call's deadline, or a sooner one of the request's own (V2's timeout parameter)."""
+
+    def __init__(self, context: HasDeadline, within_s: float) -> None:
+        self._context = context
+        self._deadline = time.monotonic() + within_s
+
+    def time_remaining(self) -> float | None:
+        own = self._deadline - time.monotonic()
+        other = self._context.time_remaining()
+        return own if other is None else min(own, other)
+
+
 def deadline_of(context: HasDeadline) -> float | None:
     """The client's deadline on the time.monotonic() clock, if it set one."""
     remaining = context.time_remaining()

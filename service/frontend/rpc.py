@@ -162,15 +162,10 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
                 tally.count(code)
                 await _end_with(context, code, details, holds_answer)
             finally:
-                end_span(span, code)
-                in_flight.dec()
-                if reservation is not None:
-                    reservation.release()
-                tally.count(code)
                 # Server time until the answer existed: a slow reader does not stretch it.
                 ended = answered if answered is not None else time.monotonic()
-                metrics.request_duration(model, api).observe(ended - started)
                 if log.isEnabledFor(logging.DEBUG):  # a line per call only when verbose
+                    # Within the span still: the line carries its trace and span ids.
                     log.debug(
                         "%s %s ended %s after %.6f s",
                         api,
@@ -178,6 +173,12 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
                         code.name,
                         ended - started,
                     )
+                end_span(span, code)
+                in_flight.dec()
+                if reservation is not None:
+                    reservation.release()
+                tally.count(code)
+                metrics.request_duration(model, api).observe(ended - started)
                 logs.REQUEST_ID.reset(id_token)
 
         wrapped.writes_answer = holds_answer  # type: ignore[attr-defined]

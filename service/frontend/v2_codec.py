@@ -25,12 +25,16 @@ OUTPUT_NAMES = (OUTPUT_NAME, WEIGHTS_NAME)
 WEIGHTS_DTYPE = np.dtype("<f4")
 V2_DATATYPES: dict[str, np.dtype] = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 V2_NAME_OF = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16"}
+# Triton's schedule-policy timeout: microseconds the request may wait before it is computed
+# (0: no bound); past it the request leaves the queue, DEADLINE_EXCEEDED (REST: 504), as at a
+# gRPC deadline. The only deadline a REST call can carry.
+TIMEOUT_PARAMETER = "timeout"
 # Parameters that change nothing here and that clients send as a matter of course (the HTTP
-# flavour of tritonclient marks binary data this way); any other parameter asks for something
-# this server does not do (classification, shared memory, sequences, priority, timeout), so
-# it is refused rather than silently ignored. The shared-memory parameters are taken when
-# client shared memory is on (service/frontend/shm_tensors.py).
-TOLERATED_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
+# flavour of tritonclient marks binary data this way), and the timeout; any other parameter
+# asks for something this server does not do (classification, shared memory, sequences,
+# priority), so it is refused rather than silently ignored. The shared-memory parameters are
+# taken when client shared memory is on (service/frontend/shm_tensors.py).
+TOLERATED_REQUEST_PARAMETERS = frozenset({"binary_data_output", TIMEOUT_PARAMETER})
 TOLERATED_INPUT_PARAMETERS = frozenset({"binary_data_size"})
 TOLERATED_OUTPUT_PARAMETERS = frozenset({"binary_data"})
 TYPED_FIELDS = (
@@ -93,8 +97,27 @@ def refuse_parameters(request: v2.ModelInferRequest, *, shared_memory: bool = Fa
         if unknown:
             raise InvalidInput(
                 f"{place} has parameter {shown(unknown[0])}, which this server does not "
-                f"implement; parameters accepted (and ignored): {sorted(tolerated)}"
+                f"implement; parameters accepted: {sorted(tolerated)}"
             )
+
+
+_KINDS = {"bool_param": "a bool", "double_param": "a fraction", "string_param": "a string"}
+
+
+def request_timeout_s(request: v2.ModelInferRequest) -> float | None:
+    """The request's timeout parameter in seconds; None without one (or 0: no bound)."""
+    if TIMEOUT_PARAMETER not in request.parameters:
+        return None
+    parameter = request.parameters[TIMEOUT_PARAMETER]
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind in ("int64_param", "uint64_param") and getattr(parameter, kind) >= 0:
+        microseconds: int = getattr(parameter, kind)
+        return microseconds / 1e6 if microseconds else None
+    given = str(parameter.int64_param) if kind == "int64_param" else _KINDS.get(kind, "empty")
+    raise InvalidInput(
+        f"request parameter 'timeout' is {given}; expected microseconds as a non-negative "
+        "integer (0: no timeout)"
+    )
 
 
 def _shared_input(

@@ -23,7 +23,7 @@ from service.dataplane import (
     VersionStats,
 )
 from service.errors import InvalidInput, ModelNotFound, NotSupported
-from service.frontend.admission import HasDeadline, admit_and_run
+from service.frontend.admission import HasDeadline, Sooner, admit_and_run
 from service.frontend.log_settings import LogControl, Value
 from service.frontend.shm_tensors import PARAMETERS
 from service.frontend.v2_codec import (
@@ -36,6 +36,7 @@ from service.frontend.v2_codec import (
     decode_input,
     output_refs,
     refuse_parameters,
+    request_timeout_s,
     requested_outputs,
 )
 from service.frontend.validation import InputLimits, answer_estimate
@@ -47,7 +48,14 @@ from service.text import shown
 SERVER_NAME = "attention-serving"
 PLATFORM = "onnxruntime_onnx"
 # Triton's names; model_repository: RepositoryIndex / RepositoryModelLoad / RepositoryModelUnload.
-EXTENSIONS = ["model_configuration", "statistics", "model_repository", "logging"]
+# binary_tensor_data: REST's binary tensors (Triton lists it on both protocols, as here).
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_configuration",
+    "statistics",
+    "model_repository",
+    "logging",
+]
 SHARED_MEMORY_EXTENSION = "system_shared_memory"
 SHARED_MEMORY_OFF = (
     "system shared memory is off on this server; start it with --client-shared-memory on "
@@ -259,6 +267,9 @@ class V2Plane:
         """The one ModelInfer path: gRPC unary, gRPC streamed, and HTTP/REST."""
         model = self.registry.resolve(request.model_name, request.model_version)
         refuse_parameters(request, shared_memory=self.shared_memory)
+        timeout_s = request_timeout_s(request)
+        if timeout_s is not None:
+            context = Sooner(context, timeout_s)
         names = requested_outputs(request, model)
         refs = output_refs(request, self.shared_memory)
         received = decode_input(request, model, self.shared_memory)

@@ -47,12 +47,12 @@ func queueFullByBytes(pendingBytes, nbytes, maxQueueBytes uint64) string {
 
 // answersBackloggedByServer formats status_texts.ANSWERS_BACKLOGGED_BY_SERVER.
 func answersBackloggedByServer(total, nbytes, maxBytes int64) string {
-	return fmt.Sprintf("answers computed for clients but not yet read by them hold %d bytes, and this one needs about %d more than the server's bound of %d (--max-undelivered-bytes) allows; retry shortly, or ask for less (no attention weights)", total, nbytes, maxBytes)
+	return fmt.Sprintf("answers computed for clients but not yet read by them hold %d bytes here, and this one needs about %d more than this process's share of --max-undelivered-bytes (%d bytes) allows; retry shortly, or ask for less (no attention weights)", total, nbytes, maxBytes)
 }
 
 // answersBackloggedByConnection formats status_texts.ANSWERS_BACKLOGGED_BY_CONNECTION.
 func answersBackloggedByConnection(held, nbytes, maxBytesPerConnection int64) string {
-	return fmt.Sprintf("this connection has %d bytes of answers it has not read yet; this one needs about %d more than its share of %d (--max-undelivered-bytes-per-connection): read the answers, or spread the calls over more connections", held, nbytes, maxBytesPerConnection)
+	return fmt.Sprintf("this connection has %d bytes of answers it has not read yet; this one needs about %d more than this process's share of --max-undelivered-bytes-per-connection (%d bytes) allows: read the answers, or spread the calls over more connections", held, nbytes, maxBytesPerConnection)
 }
 
 // metadataTooLarge formats status_texts.METADATA_TOO_LARGE.

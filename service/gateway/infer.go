@@ -373,6 +373,7 @@ func (fp *fastPath) serve(w http.ResponseWriter, r *http.Request, req *inferRequ
 	// Server time until the answer existed: a slow reader does not stretch it (as Python).
 	fp.metrics.finished(p.model.Name, req.api, code, answered.Sub(started).Seconds())
 	fp.traced(r.RequestURI, req, p, code, time.Now())
+	logEnded(r, req, code, answered.Sub(started))
 	return true
 }
 

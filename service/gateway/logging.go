@@ -10,6 +10,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -321,6 +322,38 @@ func logCalls(next http.Handler) http.Handler {
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// logEnded logs a call this process answered itself at DEBUG as it ends, as the Python
+// front end logs each of its calls: with the call's request id and, when it is traced, the
+// trace and span ids of its span here (the caller's trace id alone when not sampled).
+func logEnded(r *http.Request, req *inferRequest, code int, took time.Duration) {
+	if !logs.Enabled(r.Context(), slog.LevelDebug) {
+		return
+	}
+	var attrs []any
+	if req.trace != nil {
+		attrs = append(attrs, "trace_id", hex.EncodeToString(req.trace.traceID[:]),
+			"span_id", hex.EncodeToString(req.trace.spanID[:]))
+	} else if traceID, ok := traceIDOf(r.Header.Get("Traceparent")); ok {
+		attrs = append(attrs, "trace_id", traceID)
+	}
+	if req.id != "" {
+		attrs = append(attrs, "request_id", firstChars(req.id, shownChars)) // a client's: bounded
+	}
+	method := r.URL.Path[strings.LastIndexByte(r.URL.Path, '/')+1:]
+	slog.Debug(fmt.Sprintf("%s %s ended %s after %.6f s", req.api, method, codeNames[code], took.Seconds()), attrs...)
+}
+
+// firstChars is text cut after n characters.
+func firstChars(text string, n int) string {
+	for i := range text {
+		if n == 0 {
+			return text[:i]
+		}
+		n--
+	}
+	return text
 }
 
 // traceIDOf is a W3C traceparent's trace id (32 lower-case hex digits, not all zero).

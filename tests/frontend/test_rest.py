@@ -88,6 +88,7 @@ def test_health_metadata_config_stats_and_repository(
     assert not http.is_model_ready("small", "9")
     assert not http.is_model_ready("nope")
     assert http.get_server_metadata()["extensions"] == [
+        "binary_tensor_data",
         "model_configuration",
         "statistics",
         "model_repository",

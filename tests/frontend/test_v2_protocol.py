@@ -53,6 +53,7 @@ def test_server_and_model_state(server: ServerProcess, v2: triton.InferenceServe
     metadata = v2.get_server_metadata(as_json=True)
     assert metadata["name"] == "attention-serving"
     assert set(metadata["extensions"]) == {
+        "binary_tensor_data",
         "model_configuration",
         "statistics",
         "model_repository",

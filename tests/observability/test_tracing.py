@@ -105,6 +105,44 @@ def test_grpc_call_has_queue_and_compute_spans_in_the_callers_trace(traced) -> N
     assert receiver.service_names == {"attention-under-test"}
 
 
+def test_a_calls_log_line_carries_its_trace_span_and_request_ids(
+    repository: Path, grpc_gateway: str
+) -> None:
+    """JSON logs, DEBUG: the line that ends a call (the gateway's, or the front end's without
+    it) names the call's trace, its server span and its request id. Before: the gateway's
+    had the trace id alone, the front end's the request id alone (written after its span)."""
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+    flags = ("--default-model", "small", "--tracing", "on", "--log-format", "json")
+    with OtlpReceiver() as receiver:
+        env = {**_otel_env(receiver.endpoint), "ATTENTION_LOG_LEVEL": "DEBUG"}
+        with ServerProcess(repository, *flags, env=env) as server:
+            client = triton_grpc.InferenceServerClient(server.target)
+            tensor = triton_grpc.InferInput("embeddings", [1, 3, D], "FP32")
+            tensor.set_data_from_numpy(np.ones((1, 3, D), np.float32))
+            client.infer(
+                "small",
+                [tensor],
+                request_id="rid-77",
+                headers={"traceparent": _traceparent(trace_id)},
+            )
+            client.close()
+            spans = receiver.wait_for(lambda got: len(_calls(_of_trace(got, trace_id))) >= 1)
+            call = _calls(_of_trace(spans, trace_id))[0]
+            ended = [
+                record
+                for record in (json.loads(line) for line in server.lines if line.startswith("{"))
+                if " ModelInfer ended OK" in record["message"]
+            ]
+    answered_by = "gateway-" if grpc_gateway == "on" else "frontend-"
+    assert any(
+        record["process"].startswith(answered_by)
+        and record.get("trace_id") == trace_id
+        and record.get("span_id") == call.span_id.hex()
+        and record.get("request_id") == "rid-77"
+        for record in ended
+    ), ended
+
+
 def _infer(server: ServerProcess, seq: int, headers: dict[str, str] | None = None) -> None:
     client = triton_grpc.InferenceServerClient(server.target)
     x = np.ones((1, seq, D), np.float32)

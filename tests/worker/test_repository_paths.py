@@ -4,6 +4,7 @@ refused with a clear load error unless --repository-follow-symlinks on."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,11 +35,15 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (repository / "inside").symlink_to(repository / "mha", target_is_directory=True)
     (repository / "broken" / "1").mkdir(parents=True)
     (repository / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx graph")
+    # Names no client can send, or that would forge log lines: not models.
+    os.mkdir(bytes(repository) + b"/bad\xffname")
+    shutil.copytree(tiny, repository / "new\nline")
     return repository
 
 
 def test_links_out_of_the_repository_are_refused_unless_followed(layout: Path) -> None:
     refused = {files.name: files.refused for files in scan(layout).versions}
+    assert sorted(refused) == ["broken", "inside", "linked", "mha"]  # not the unprintable
     assert refused["mha"] == refused["inside"] == refused["broken"] == ""
     assert refused["linked"].startswith("linked is a symbolic link")
     assert "--repository-follow-symlinks on" in refused["linked"]
@@ -81,6 +86,7 @@ def test_clients_see_repository_relative_paths_only(server: ServerProcess, layou
     client.load_model("inside")  # a link within the repository is fine
     index = client.get_model_repository_index(as_json=True)["models"]
     reasons = {entry["name"]: entry.get("reason", "") for entry in index}
+    assert sorted(reasons) == ["broken", "inside", "linked", "mha"]  # was INTERNAL
     assert "symbolic link" in reasons["linked"]
     assert all(absolute not in reason for reason in reasons.values()), reasons
 
@@ -103,19 +109,19 @@ def _message(failed: pytest.ExceptionInfo) -> str:
     return error.details() if isinstance(error, grpc.RpcError) else error.message()
 
 
-def _attend(target: str, shape: list[int], value: float) -> None:
+def _attend(target: str, shape: list[int], value: float, model: str = LONG_NAME) -> None:
     with grpc.insecure_channel(target) as channel:
         data = np.full(shape, value, np.float32).tobytes()
         embeddings = pb.Tensor(shape=shape, dtype=pb.FLOAT32, data=data)
         attention_pb2_grpc.AttentionServiceStub(channel).Attend(
-            pb.AttendRequest(model=LONG_NAME, embeddings=embeddings), timeout=30
+            pb.AttendRequest(model=model, embeddings=embeddings), timeout=30
         )
 
 
-def _infer(target: str, shape: list[int], value: float) -> None:
+def _infer(target: str, shape: list[int], value: float, model: str = LONG_NAME) -> None:
     tensor = triton.InferInput("embeddings", shape, "FP32")
     tensor.set_data_from_numpy(np.full(shape, value, np.float32))
-    triton.InferenceServerClient(target).infer(LONG_NAME, [tensor])
+    triton.InferenceServerClient(target).infer(model, [tensor])
 
 
 @pytest.mark.parametrize(
@@ -136,3 +142,11 @@ def test_a_long_model_name_is_cut_in_messages(
     assert expected in message
     assert f"'{'m' * 64}'... (6 more characters)" in message
     assert "m" * 65 not in message
+
+
+def test_an_unknown_model_lists_the_served_names_cut(long_named: str) -> None:
+    for call in (_attend, _infer):
+        with pytest.raises((grpc.RpcError, InferenceServerException)) as failed:
+            call(long_named, [1, 2, 32], 1.0, model="nope")
+        message = _message(failed)
+        assert f"this server serves ['{'m' * 64}'... (6 more characters)]" in message, message

@@ -38,6 +38,7 @@ from service.frontend.status import SERVER_FAULTS, code_for, http_status
 from service.frontend.v2_plane import V2Plane
 from service.observability import logs, metrics, tracing
 from service.observability.metrics import Api
+from service.status_texts import INTERNAL_ERROR
 from service.text import shown
 
 log = logging.getLogger(__name__)
@@ -284,13 +285,11 @@ class RestFrontend:
             raise
         except Exception:
             code, status = grpc.StatusCode.INTERNAL, 500
-            request_id = uuid.uuid4().hex[:12]
+            request_id = shown(uuid.uuid4().hex[:12])  # worded as gRPC's (rpc.internal_error)
             log.exception(
                 "internal error in %s %s request_id=%s", Api.REST, _route(request), request_id
             )
-            return error_response(
-                status, f"internal error; request_id={request_id} is in the server log"
-            )
+            return error_response(status, INTERNAL_ERROR.format(request_id=request_id))
         finally:
             tracing.end_request(
                 span,

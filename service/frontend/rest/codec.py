@@ -175,6 +175,8 @@ def _set_parameters(target: Any, parameters: Any, where: str) -> None:
                     f"{where} parameter {shown(key)} is {value}; expected a 64-bit integer"
                 )
             target[key].int64_param = value
+        elif isinstance(value, float) and math.isfinite(value):
+            target[key].double_param = value  # as Triton's HTTP server reads a fraction
         else:
             text = value if isinstance(value, str) else json.dumps(value)
             target[key].string_param = _text(text, f"{where} parameter {shown(key)}")

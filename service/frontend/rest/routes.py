@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 
 class _NoDeadline:
-    """V2 REST carries no deadline (Triton's timeout parameter is refused, as on gRPC)."""
+    """V2 REST carries no deadline of its own: only a request's timeout parameter
+    (v2_codec.TIMEOUT_PARAMETER), which the V2 plane applies on both protocols."""
 
     def time_remaining(self) -> float | None:
         return None

@@ -26,7 +26,7 @@ from service.errors import (
     ShuttingDown,
 )
 from service.memory.budget import release_free_memory
-from service.text import shown
+from service.text import cut, shown
 from service.worker.engine.onnx_model import BrokenModel, OnnxModel
 from service.worker.engine.registry import ModelRegistry
 from service.worker.engine.repository import (
@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
 Key = tuple[str, int]
+# A load failure's reasons in its status message (ONNX Runtime's own words, per version): a
+# message travels in a call's trailing metadata, which gRPC clients bound (16 KiB by default).
+LOAD_REASONS_CHARS = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,8 +197,9 @@ class ModelController:
             ]
         if failed:
             raise ModelLoadFailed(
-                f"load failed for model {shown(name)}: {'; '.join(failed)}; serving versions "
-                f"{sorted(self.registry.loaded(name))}"
+                f"load failed for model {shown(name)}: "
+                f"{cut('; '.join(failed), LOAD_REASONS_CHARS)}; "
+                f"serving versions {sorted(self.registry.loaded(name))}"
             )
 
     async def _unload_model(self, name: str) -> None:

@@ -116,6 +116,15 @@ def scan(repository: Path, *, quiet: bool = False, follow_symlinks: bool = False
     for model_folder in model_folders:
         if model_folder.name.startswith("."):
             continue
+        if not model_folder.name.isprintable():
+            # Not valid UTF-8 (no client could name it, and no protobuf message can hold the
+            # name), or with control characters (which would forge log lines).
+            log.log(
+                level,
+                "skipping %r: a model folder's name must be printable UTF-8",
+                model_folder.name,
+            )
+            continue
         try:
             found += _versions(model_folder, level, None if follow_symlinks else repository)
         except (FileNotFoundError, NotADirectoryError):
