@@ -47,9 +47,10 @@ def _http_input() -> triton_http.InferInput:
 
 def test_a_request_past_its_timeout_in_the_queue_is_not_computed(server: ServerProcess) -> None:
     dropped = server.metric("attention_requests_dropped_total", reason="deadline")
-    with triton_grpc.InferenceServerClient(server.target) as client:
-        with pytest.raises(InferenceServerException) as grpc_refusal:
-            client.infer("small", [_grpc_input()], timeout=50_000)  # 50 ms
+    client = triton_grpc.InferenceServerClient(server.target)
+    with pytest.raises(InferenceServerException) as grpc_refusal:
+        client.infer("small", [_grpc_input()], timeout=50_000)  # 50 ms
+    client.close()
     assert grpc_refusal.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     assert "deadline passed after" in grpc_refusal.value.message()
     http = triton_http.InferenceServerClient(server.http_url)
