@@ -22,7 +22,7 @@ class HasDeadline(Protocol):
     def time_remaining(self) -> float | None: ...
 
 
-class Sooner:
+class WithTimeout:
     """A call's deadline, or a sooner one of the request's own (V2's timeout parameter)."""
 
     def __init__(self, context: HasDeadline, within_s: float) -> None:

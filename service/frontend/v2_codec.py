@@ -101,9 +101,6 @@ def refuse_parameters(request: v2.ModelInferRequest, *, shared_memory: bool = Fa
             )
 
 
-_KINDS = {"bool_param": "a bool", "double_param": "a fraction", "string_param": "a string"}
-
-
 def request_timeout_s(request: v2.ModelInferRequest) -> float | None:
     """The request's timeout parameter in seconds; None without one (or 0: no bound)."""
     if TIMEOUT_PARAMETER not in request.parameters:
@@ -113,7 +110,12 @@ def request_timeout_s(request: v2.ModelInferRequest) -> float | None:
     if kind in ("int64_param", "uint64_param") and getattr(parameter, kind) >= 0:
         microseconds: int = getattr(parameter, kind)
         return microseconds / 1e6 if microseconds else None
-    given = str(parameter.int64_param) if kind == "int64_param" else _KINDS.get(kind, "empty")
+    given = {
+        "int64_param": str(parameter.int64_param),
+        "double_param": repr(parameter.double_param),
+        "bool_param": str(parameter.bool_param).lower(),
+        "string_param": shown(parameter.string_param),
+    }.get(kind or "", "empty")
     raise InvalidInput(
         f"request parameter 'timeout' is {given}; expected microseconds as a non-negative "
         "integer (0: no timeout)"

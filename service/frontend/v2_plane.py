@@ -23,7 +23,7 @@ from service.dataplane import (
     VersionStats,
 )
 from service.errors import InvalidInput, ModelNotFound, NotSupported
-from service.frontend.admission import HasDeadline, Sooner, admit_and_run
+from service.frontend.admission import HasDeadline, WithTimeout, admit_and_run
 from service.frontend.log_settings import LogControl, Value
 from service.frontend.shm_tensors import PARAMETERS
 from service.frontend.v2_codec import (
@@ -269,7 +269,7 @@ class V2Plane:
         refuse_parameters(request, shared_memory=self.shared_memory)
         timeout_s = request_timeout_s(request)
         if timeout_s is not None:
-            context = Sooner(context, timeout_s)
+            context = WithTimeout(context, timeout_s)
         names = requested_outputs(request, model)
         refs = output_refs(request, self.shared_memory)
         received = decode_input(request, model, self.shared_memory)

@@ -24,6 +24,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unicode"
 )
 
 const (
@@ -158,9 +159,24 @@ func (h *lineHandler) textLine(line *bytes.Buffer, r slog.Record, attrs []slog.A
 	fmt.Fprintf(line, "%s %s [%s] %s: %s", r.Time.Format(textTime), levelName(r.Level),
 		h.shared.process, loggerName, r.Message)
 	for _, a := range attrs {
-		fmt.Fprintf(line, " %s=%v", a.Key, a.Value.Resolve().Any())
+		value := a.Value.Resolve().Any()
+		if s, ok := value.(string); ok && !bare(s) {
+			value = strconv.Quote(s) // a client's string (a request id) forges no line or field
+		}
+		fmt.Fprintf(line, " %s=%v", a.Key, value)
 	}
 	line.WriteByte('\n')
+}
+
+// bare: a text line's attribute value written as it is (no space, quote, '=' or character
+// that is not printed).
+func bare(s string) bool {
+	for _, r := range s {
+		if !unicode.IsPrint(r) || r == ' ' || r == '"' || r == '=' {
+			return false
+		}
+	}
+	return s != ""
 }
 
 // startLogging makes every log line of this process (log.Printf's included) one of ours, as

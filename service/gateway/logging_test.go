@@ -56,6 +56,11 @@ func TestTextLinesAndLevelsAsPythonNamesThem(t *testing.T) {
 	if !strings.Contains(got, " WARNING [gateway-0] gateway: shown peer=127.0.0.1:5\n") || strings.Contains(got, "hidden") {
 		t.Fatalf("text line %q", got)
 	}
+	out.Reset()
+	logger.Warn("ended", "request_id", "nl\n{\"level\":\"ERROR\"} x=1\x1b[31m\u2028")
+	if got := out.String(); !strings.HasSuffix(got, ` ended request_id="nl\n{\"level\":\"ERROR\"} x=1\x1b[31m\u2028"`+"\n") || strings.Count(got, "\n") != 1 {
+		t.Fatalf("a client's string forged a text line or field: %q", got)
+	}
 	if h.apply(logSettings{Level: "VERBOSE", Format: "text"}) || h.apply(logSettings{Level: "INFO", Format: "xml"}) {
 		t.Fatal("unknown level or format applied")
 	}

@@ -94,7 +94,11 @@ func (f queueFill) refusal(nbytes, unread, unreadBytes uint64) string {
 		return queueFullByCount(f.maxQueueSize, f.maxQueueSize)
 	}
 	if pending > 0 && pendingBytes+nbytes > f.maxQueueBytes {
-		return queueFullByBytes(max(f.pendingBytes, min(pendingBytes, f.maxQueueBytes)), nbytes, f.maxQueueBytes)
+		shown := max(f.pendingBytes, min(pendingBytes, f.maxQueueBytes))
+		if f.pending == 0 && unread == 1 { // an empty queue takes one request of any size
+			shown = pendingBytes
+		}
+		return queueFullByBytes(shown, nbytes, f.maxQueueBytes)
 	}
 	return ""
 }

@@ -51,6 +51,9 @@ func TestGoldenStatusPage(t *testing.T) {
 	if got := big.refusal(1<<20, 1, 1<<20); got != "queue full: 1048576 bytes waiting, this request adds 1048576 (max_queue_bytes=600000); retry with backoff" {
 		t.Fatalf("unread bytes past the bound shown: %q", got)
 	}
+	if got := (queueFill{maxQueueSize: 64, maxQueueBytes: 600000}).refusal(1<<20, 1, 1<<20); got != "queue full: 1048576 bytes waiting, this request adds 1048576 (max_queue_bytes=600000); retry with backoff" {
+		t.Fatalf("an unread request larger than the bound, into an empty queue: %q", got)
+	}
 	if got := room.refusal(300, 3, 900); got != "queue full: 1000 bytes waiting, this request adds 300 (max_queue_bytes=1000); retry with backoff" {
 		t.Fatalf("unread bytes past the bound shown: %q", got)
 	}

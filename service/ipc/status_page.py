@@ -64,8 +64,11 @@ class QueueFill:
                 pending=self.max_queue_size, max_queue_size=self.max_queue_size
             )
         if pending and pending_bytes + nbytes > self.max_queue_bytes:
+            shown = max(self.pending_bytes, min(pending_bytes, self.max_queue_bytes))
+            if self.pending == 0 and unread == 1:  # an empty queue takes one of any size
+                shown = pending_bytes
             return QUEUE_FULL_BY_BYTES.format(
-                pending_bytes=max(self.pending_bytes, min(pending_bytes, self.max_queue_bytes)),
+                pending_bytes=shown,
                 nbytes=nbytes,
                 max_queue_bytes=self.max_queue_bytes,
             )

@@ -75,7 +75,7 @@ def test_a_timeout_longer_than_the_wait_or_zero_changes_nothing(server: ServerPr
 
 @pytest.mark.parametrize(
     ("value", "said"),
-    [(-5, "is -5"), ("soon", "is a string"), (1.5, "is a fraction"), (True, "is a bool")],
+    [(-5, "is -5"), ("soon", "is 'soon'"), (2.0, "is 2.0"), (True, "is true"), (None, "is 'null'")],
 )
 def test_a_timeout_that_is_no_count_of_microseconds_is_refused(
     server: ServerProcess, value: object, said: str

@@ -49,6 +49,11 @@ def test_a_refusal_shows_no_more_than_the_queue_can_hold() -> None:
         "queue full: 1000 bytes waiting, this request adds 300 (max_queue_bytes=1000); "
         "retry with backoff"
     )
+    # One unread request larger than the bound, on its way to an empty queue (which takes it).
+    assert QueueFill(0, 0, 64, 600_000).refusal(1 << 20, 1, 1 << 20) == (
+        "queue full: 1048576 bytes waiting, this request adds 1048576 "
+        "(max_queue_bytes=600000); retry with backoff"
+    )
     big = QueueFill(1, 1 << 20, 64, 600_000)  # one request larger than the bound alone
     assert big.refusal(1 << 20, 1, 1 << 20) == (
         "queue full: 1048576 bytes waiting, this request adds 1048576 "

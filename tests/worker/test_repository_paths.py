@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.worker.engine.repository import relative_text, scan
+from service.worker.engine.repository import is_model_name, relative_text, scan
 from tests.harness.server_process import ServerProcess
 from tests.harness.tls_helpers import tiny_repository
 
@@ -49,6 +49,13 @@ def test_links_out_of_the_repository_are_refused_unless_followed(layout: Path) -
     assert "--repository-follow-symlinks on" in refused["linked"]
     followed = scan(layout, follow_symlinks=True).versions
     assert all(files.refused == "" for files in followed)
+
+
+def test_a_models_name_is_valid_utf8_without_control_characters() -> None:
+    assert is_model_name("nb\u00a0sp")  # a no-break space
+    assert is_model_name("\U0001f469\u200d\U0001f4bb")  # an emoji sequence (a joiner)
+    for name in ("new\nline", "bad\udcffname", "tab\tbed", "line\u2028separated"):
+        assert not is_model_name(name), name
 
 
 def test_messages_lose_the_repository_path(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import re
 import stat
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,27 @@ def _refusal(files: list[Path], repository: Path) -> str:
     )
 
 
+# Characters a model's name may not hold: a control character or line break (it would forge
+# log lines), or a lone surrogate (a name that is not valid UTF-8, as Python decodes it: no
+# client can send it, and no protobuf message can hold it).
+NOT_IN_NAMES = frozenset({"Cc", "Cs", "Zl", "Zp"})
+_skipped: set[str] = set()  # names logged already: each is said once, not at every scan
+
+
+def is_model_name(name: str) -> bool:
+    return not any(unicodedata.category(char) in NOT_IN_NAMES for char in name)
+
+
+def _skip_once(name: str) -> None:
+    if name not in _skipped:
+        _skipped.add(name)
+        log.warning(
+            "skipping the folder %r: a model's name must be valid UTF-8 without control "
+            "characters or line breaks",
+            name,
+        )
+
+
 def scan(repository: Path, *, quiet: bool = False, follow_symlinks: bool = False) -> Scan:
     """Every well-formed version folder by (name, version); others are logged (at debug level
     when quiet, for repeated polls), skipped. Versions whose folders or graphs link out of the
@@ -116,14 +138,8 @@ def scan(repository: Path, *, quiet: bool = False, follow_symlinks: bool = False
     for model_folder in model_folders:
         if model_folder.name.startswith("."):
             continue
-        if not model_folder.name.isprintable():
-            # Not valid UTF-8 (no client could name it, and no protobuf message can hold the
-            # name), or with control characters (which would forge log lines).
-            log.log(
-                level,
-                "skipping %r: a model folder's name must be printable UTF-8",
-                model_folder.name,
-            )
+        if not is_model_name(model_folder.name):
+            _skip_once(model_folder.name)
             continue
         try:
             found += _versions(model_folder, level, None if follow_symlinks else repository)
