@@ -428,7 +428,9 @@ def test_a_stopped_gateway_is_killed_and_restarted_with_its_front_end(
     """A gateway that stops (SIGSTOP here; hung alike) sends no heartbeat: its front end
     kills it after --watchdog-timeout-s, and the supervisor restarts both. The call it held
     ends then instead of never, and the port serves again. (It used to hold its callers, and
-    new connections, for good while REST and readiness said all was well.)"""
+    new connections, for good while REST and readiness said all was well.) The held call
+    ends UNAVAILABLE, or, where gRPC's client saw that the dead gateway never read it, is
+    retried transparently and answered by the new one (seen once on a loaded machine)."""
     with ServerProcess(
         model_repository, "--grpc-gateway", "on", "--watchdog-timeout-s", "2"
     ) as server:
@@ -439,15 +441,17 @@ def test_a_stopped_gateway_is_killed_and_restarted_with_its_front_end(
             os.kill(first, signal.SIGSTOP)
             try:
                 held = stub.ServerReady.future(v2pb.ServerReadyRequest())  # no deadline
-                with pytest.raises(grpc.RpcError) as ended:
-                    held.result(timeout=30)
+                try:
+                    held.result(timeout=30)  # not a hang: a timeout fails the test
+                    ended = grpc.StatusCode.OK
+                except grpc.RpcError as err:
+                    ended = err.code()
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(first, signal.SIGCONT)
-        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
-        assert (
-            "the gateway sent no heartbeat for 2.0s (stopped or stalled); killing it" in server.log
-        )
+        assert ended in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK}, ended
+        killing = "the gateway sent no heartbeat for 2.0s (stopped or stalled); killing it"
+        wait_for(lambda: killing in server.log, what="the front end's kill of its gateway")
         wait_for(lambda: len(gateway_pids(server)) >= 2, timeout_s=60, what="a new gateway")
         server.wait_serving()
         with triton.InferenceServerClient(server.target) as client:
