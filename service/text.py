@@ -21,8 +21,13 @@ def _escape(char: str) -> str:
 def shown(text: str, limit: int = SHOWN_CHARS) -> str:
     """text quoted, with non-printable characters escaped and cut after limit characters."""
     head = "".join(_escape(char) for char in text[:limit])
+    return f"'{head}'" + _rest_counted(text, limit)
+
+
+def _rest_counted(text: str, limit: int) -> str:
+    """What follows a text cut after limit characters: how many were left out, if any."""
     more = len(text) - limit
-    return f"'{head}'" + (SHOWN_MORE.format(more=more) if more > 0 else "")
+    return SHOWN_MORE.format(more=more) if more > 0 else ""
 
 
 SHOWN_NAMES = 16  # of a list of names; the rest are counted
@@ -37,8 +42,7 @@ def shown_names(names: list[str]) -> str:
 
 def cut(text: str, limit: int) -> str:
     """text, cut after limit characters (a text of the server's own, not quoted)."""
-    more = len(text) - limit
-    return text[:limit] + (SHOWN_MORE.format(more=more) if more > 0 else "")
+    return text[:limit] + _rest_counted(text, limit)
 
 
 def model_reference(name: str, version: int | str) -> str:
