@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import NoReturn
 
+from service import drain_clock
 from service.app import stderr_relay
 from service.memory.malloc import keep_freed_memory
 from service.observability import logs
@@ -143,15 +144,18 @@ def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoRetur
             settings, run_dir, report_served=lambda rows: report.send(("served", rows))
         )
         try:
-            started, _ = await _until_signal(server.start())
+            started, signalled_at = await _until_signal(server.start())
         except StartupError as err:
             log.error("cannot start: %s", err)
             report.send(("failed", str(err)))
             return 1
         if started:
             report.send(("ready", os.getpid()))
-            await _wait_for_signal()
-        await server.stop(settings.grace_period_s)
+            signalled_at = await _wait_for_signal()
+        assert signalled_at is not None
+        drain_from = drain_clock.started(run_dir, signalled_at, settings.grace_period_s)
+        spent = asyncio.get_running_loop().time() - drain_from
+        await server.stop(max(0.0, settings.grace_period_s - spent))
         return 0
 
     _run(settings, run_dir, main, report)
@@ -182,7 +186,9 @@ def run_frontend(
             if server.gateway_pid is not None:  # its CPU and memory are in /metrics too
                 report.send(("gateway", server.gateway_pid))
             signalled_at = await _wait_for_signal()
-        await server.stop(signalled_at=signalled_at)
+        assert signalled_at is not None
+        drain_from = drain_clock.started(run_dir, signalled_at, settings.grace_period_s)
+        await server.stop(signalled_at=drain_from)
         return 0
 
     _run(settings, run_dir, main, report)

@@ -24,6 +24,7 @@ from pathlib import Path
 from threading import Thread
 from typing import Any
 
+from service import drain_clock
 from service.app import run_dir
 from service.app.children import initial_log_state, run_frontend, run_worker
 from service.app.stderr_relay import FIFO_BYTES, StderrRelay
@@ -346,6 +347,7 @@ class Supervisor:
             log.warning("another shutdown signal: ignored, the drain ends within the grace period")
             return
         self._signalled_at = time.monotonic()
+        drain_clock.record(self._run_dir)  # before the children hear of it
         if not self._serving():
             log.info("shutdown signal received during start-up; stopping without serving")
         else:

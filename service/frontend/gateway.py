@@ -24,6 +24,7 @@ from typing import Any
 from prometheus_client import multiprocess
 from prometheus_client.utils import floatToGoString
 
+from service import drain_clock
 from service.dataplane import DEADLINE_SLACK_S
 from service.frontend.gateway_spans import SpanSink
 from service.frontend.restricted import Restrictions
@@ -254,6 +255,7 @@ class Gateway:
             f"--deadline-slack-s={DEADLINE_SLACK_S}",
             f"--shutdown-not-serving-s={s.shutdown_not_serving_s}",
             f"--grace-period-s={s.grace_period_s}",
+            f"--drain-clock={drain_clock.path(self._run_dir)}",
             f"--refuse-linger-s={REFUSE_LINGER_S}",
             f"--write-margin-s={WRITE_MARGIN_S}",
             f"--heartbeat-s={HEARTBEAT_S if s.watchdog_timeout_s > 0 else 0}",

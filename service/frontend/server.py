@@ -375,7 +375,9 @@ class FrontendServer:
             log.info(
                 "NOT_SERVING for %.1fs while endpoints update", settings.shutdown_not_serving_s
             )
-            await asyncio.sleep(min(settings.shutdown_not_serving_s, remaining()))
+            # From the signal: a front end that heard it late has less of the period left.
+            not_serving_until = started + settings.shutdown_not_serving_s
+            await asyncio.sleep(max(0.0, min(not_serving_until - loop.time(), remaining())))
         self.plane.accepting = False
         await self.plane.flush()
         self._streams.close_all()

@@ -26,6 +26,7 @@ import (
 	"os/signal"
 	"runtime"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -279,6 +280,7 @@ type options struct {
 	refuseLinger, writeMargin, heartbeat            time.Duration
 	idle, maxAge, notServing, grace                 time.Duration
 	traceSampler, spansSocket                       string
+	drainClock                                      string
 }
 
 func parseOptions() options {
@@ -316,6 +318,7 @@ func parseOptions() options {
 	flag.Float64Var(&slackS, "deadline-slack-s", defaultDeadlineSlackS, "a call cancelled this close to its deadline counts DEADLINE_EXCEEDED")
 	flag.Float64Var(&notServingS, "shutdown-not-serving-s", defaultShutdownNotServingS, "")
 	flag.Float64Var(&graceS, "grace-period-s", defaultGracePeriodS, "")
+	flag.StringVar(&o.drainClock, "drain-clock", "", "file holding the shutdown signal's wall-clock time: the drain runs from it, not from this process's SIGTERM")
 	flag.Float64Var(&lingerS, "refuse-linger-s", defaultRefuseLingerS, "drain: refuse new calls this long before closing")
 	flag.Float64Var(&marginS, "write-margin-s", defaultWriteMarginS, "drain: fail unfinished calls this long before the grace period ends")
 	flag.Float64Var(&beatS, "heartbeat-s", defaultHeartbeatS, "write \"alive\" to standard output this often once listening; 0: never")
@@ -475,12 +478,36 @@ func run(o options) error {
 		return err
 	case <-signals:
 	}
+	started := drainStarted(o.drainClock, o.grace, time.Now())
 	wasReady := false
 	if g.fast != nil {
 		g.fast.draining.Store(true) // grpc.health.v1 says NOT_SERVING from now on, as Python's
 		wasReady = g.fast.answersHealth.Load() && g.fast.worker.snapshot().ready
 	}
-	return drain(server, g.fast, o, wasReady)
+	return drain(server, g.fast, o, wasReady, started)
+}
+
+// drainStarted: when the drain began. The supervisor's shutdown signal, as the file at path
+// records it (seconds since the epoch), where that is plausibly this drain's; else heard,
+// the moment this process's SIGTERM came. A gateway hears of the signal from its front end,
+// late where that front end's event loop was busy, and its drain must end with theirs.
+func drainStarted(path string, grace time.Duration, heard time.Time) time.Time {
+	if path == "" {
+		return heard
+	}
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return heard
+	}
+	seconds, err := strconv.ParseFloat(strings.TrimSpace(string(raw)), 64)
+	if err != nil {
+		return heard
+	}
+	ago := time.Duration((float64(heard.UnixNano())/1e9 - seconds) * float64(time.Second))
+	if ago < 0 || ago > grace {
+		return heard
+	}
+	return heard.Add(-ago) // keeps heard's monotonic reading
 }
 
 // beat tells the front end this process still runs, on the standard output it read
@@ -498,10 +525,10 @@ func beat(out *os.File, every time.Duration) {
 // drain: still serving while the health checks say NOT_SERVING (when the server was ready
 // at SIGTERM, as the front end does), then refuse new work with UNAVAILABLE, finish what
 // was accepted, close; all within the grace period.
-func drain(server *http.Server, fast *fastPath, o options, wasReady bool) error {
-	deadline := time.Now().Add(o.grace)
+func drain(server *http.Server, fast *fastPath, o options, wasReady bool, started time.Time) error {
+	deadline := started.Add(o.grace)
 	if wasReady || fast == nil { // as the front end: no endpoints to leave when it was not ready
-		time.Sleep(min(o.notServing, time.Until(deadline)))
+		time.Sleep(min(time.Until(started.Add(o.notServing)), time.Until(deadline)))
 	}
 	if fast != nil {
 		fast.accepting.Store(false)

@@ -25,13 +25,14 @@ from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2 as v2
 from service.generated.inference import grpc_service_pb2_grpc
-from tests.harness.server_process import ServerProcess, worker_pid
+from tests.harness.server_process import ServerProcess, child_pids, worker_pid
 
 # The gateway drains in code of its own (not serving, refusing, waiting for its calls): both ways.
 pytestmark = pytest.mark.usefixtures("grpc_gateway")
 
 D = 64
 FAST = ("--batch-cap-budget-s", "0")
+HEARD_LATE_S = 0.5
 PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64", *FAST)
 
 
@@ -207,6 +208,52 @@ def test_exit_comes_within_the_grace_period_with_work_left(model_repository: Pat
     assert refusals, codes
     assert refusals <= {status_texts.GRACE_PERIOD_ENDED, status_texts.NOT_ACCEPTING}, refusals
     assert elapsed <= 1.5, f"exited {elapsed:.2f}s after SIGTERM"  # 1.67 s before the fix
+
+
+def test_a_front_end_that_hears_the_signal_late_keeps_the_grace_period(
+    model_repository: Path,
+) -> None:
+    """The grace period runs from the supervisor's signal in every process. A front end whose
+    event loop hears its SIGTERM late (busy decoding a large request) still fails what it
+    accepted as the grace period ending, and the server exits on time. Before: the worker, on
+    time, gave up on those requests first ("the server stopped before computing it"), and the
+    front end's late drain pushed the exit past the grace period."""
+    flags = (
+        *FAST,
+        "--max-batch-size",
+        "16",
+        "--shutdown-not-serving-s",
+        "0",
+        "--grace-period-s",
+        "1",
+    )
+    big = np.ones((16, 512, 512), np.float32)  # about 0.3 s of compute each on one core
+    request = pb.AttendRequest(
+        embeddings=pb.Tensor(shape=list(big.shape), dtype=pb.FLOAT32, data=big.tobytes())
+    )
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    server = ServerProcess(model_repository, *flags)
+    with server, grpc.insecure_channel(server.target, options=options) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        accepted = [stub.Attend.future(request, timeout=60) for _ in range(8)]
+        server.wait_metric("attention_queue_depth_requests", 4, timeout_s=60)
+        front_end = child_pids(server)["frontend-0"]
+        os.kill(front_end, signal.SIGSTOP)
+        try:
+            server.process.send_signal(signal.SIGTERM)
+            wait_for(lambda: "shutdown signal received" in server.log, what="the signal handled")
+            time.sleep(HEARD_LATE_S)  # the front end hears it this much later than the rest
+        finally:
+            os.kill(front_end, signal.SIGCONT)
+        assert server.process.wait(15) == 0, server.log
+        elapsed = time.time() - _logged_at(server.log, "shutdown signal received")
+        codes = [call.code() for call in accepted]
+        refusals = {call.details() for call in accepted if call.code() != grpc.StatusCode.OK}
+    assert grpc.StatusCode.UNAVAILABLE in codes, codes  # there was more work than time
+    # (A request still arriving when the front end stopped taking work is not accepted.)
+    assert status_texts.GRACE_PERIOD_ENDED in refusals, refusals
+    assert refusals <= {status_texts.GRACE_PERIOD_ENDED, status_texts.NOT_ACCEPTING}, refusals
+    assert elapsed <= 1.5, f"exited {elapsed:.2f}s after SIGTERM"
 
 
 def test_sigterm_during_start_up_stops_at_once_without_serving(model_repository: Path) -> None:
