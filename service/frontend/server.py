@@ -379,6 +379,7 @@ class FrontendServer:
             not_serving_until = started + settings.shutdown_not_serving_s
             await asyncio.sleep(max(0.0, min(not_serving_until - loop.time(), remaining())))
         self.plane.accepting = False
+        self._streams.refuse_new()
         await self.plane.flush()
         self._streams.close_all()
         log.info("refusing new requests; finishing accepted ones for up to %.1fs", remaining())

@@ -37,7 +37,7 @@ from service.frontend.rpc import (
 )
 from service.frontend.status import code_for
 from service.observability import logs, metrics
-from service.status_texts import DEADLINE_EXCEEDED, STREAM_CLOSED
+from service.status_texts import DEADLINE_EXCEEDED, NOT_ACCEPTING, STREAM_CLOSED
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class StreamCloser:
     """Every open stream of a server, so that shutdown can end them all."""
 
     def __init__(self) -> None:
-        self.closing = False
+        self.refusing = False
         self._streams: set[_Stream[Any, Any]] = set()
 
     def add(self, stream: _Stream[Any, Any]) -> None:
@@ -80,8 +80,12 @@ class StreamCloser:
     def discard(self, stream: _Stream[Any, Any]) -> None:
         self._streams.discard(stream)
 
+    def refuse_new(self) -> None:
+        """The drain stopped taking work: a stream opened from now on is refused at once."""
+        self.refusing = True
+
     def close_all(self) -> None:
-        self.closing = True
+        self.refusing = True
         for stream in list(self._streams):
             stream.close()
 
@@ -100,8 +104,8 @@ async def serve_stream(
     answered DEADLINE_EXCEEDED before gRPC's own timer ended the call: it ends so all the
     same, as it does when the timer comes first)."""
     closer = calls.closer
-    if closer is not None and closer.closing:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, STREAM_CLOSED)
+    if closer is not None and closer.refusing:  # none of its requests was read: none taken
+        await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_ACCEPTING)
     stream = _Stream(calls, context, max_inflight, max_pending_bytes)
     if closer is not None:
         closer.add(stream)

@@ -103,6 +103,12 @@ func (g *gateway) serveStream(w http.ResponseWriter, r *http.Request, method *st
 	fp := g.fast
 	fp.inFlight.Add(1)
 	defer fp.inFlight.Done()
+	select {
+	case <-fp.closing: // the drain stopped taking work: none of its requests was read
+		writeStatus(w, codeUnavailable, notAccepting)
+		return
+	default:
+	}
 	ctx, end := context.WithCancelCause(r.Context())
 	defer end(nil)
 	s := &stream{fp: fp, gateway: g, method: method, r: r, limits: fp.streams, ctx: ctx, end: end,

@@ -256,6 +256,54 @@ def test_a_front_end_that_hears_the_signal_late_keeps_the_grace_period(
     assert elapsed <= 1.5, f"exited {elapsed:.2f}s after SIGTERM"
 
 
+def test_a_stream_opened_once_the_drain_stopped_taking_work_is_refused_as_not_accepted(
+    model_repository: Path,
+) -> None:
+    """Once new calls are refused, a new stream is too, at once and in the same words, on both
+    stream APIs. Before: it ended "every request read from this stream was answered" though
+    none was read."""
+    flags = (*FAST, "--max-batch-size", "32", "--shutdown-not-serving-s", "0")
+    big = np.ones((32, 512, 512), np.float32)  # the drain finishes these first (seconds)
+    busy_request = pb.AttendRequest(
+        embeddings=pb.Tensor(shape=list(big.shape), dtype=pb.FLOAT32, data=big.tobytes())
+    )
+    x = np.ones((1, 4, 512), np.float32)
+    probe = pb.AttendRequest(
+        embeddings=pb.Tensor(shape=list(x.shape), dtype=pb.FLOAT32, data=x.tobytes())
+    )
+    v2_request = v2.ModelInferRequest(model_name="mha")
+    v2_request.inputs.add(name="embeddings", datatype="FP32", shape=list(x.shape))
+    v2_request.raw_input_contents.append(x.tobytes())
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    server = ServerProcess(model_repository, *flags)
+    with server, grpc.insecure_channel(server.target, options=options) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        v2_stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        busy = [stub.Attend.future(busy_request, timeout=120) for _ in range(3)]
+        server.wait_metric("attention_queue_depth_requests", 2, timeout_s=60)
+        server.process.send_signal(signal.SIGTERM)
+
+        def refusing() -> bool:
+            try:  # taken (and given up at its deadline) until the drain stops taking work
+                stub.Attend(probe, timeout=0.05)
+            except grpc.RpcError as err:
+                return err.details() == status_texts.NOT_ACCEPTING
+            return False
+
+        wait_for(refusing, what="new calls refused")
+        streams = {
+            "AttendStream": stub.AttendStream(iter([probe]), timeout=10),
+            "ModelStreamInfer": v2_stub.ModelStreamInfer(iter([v2_request]), timeout=10),
+        }
+        for name, answers in streams.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                next(answers)
+            ended = (refused.value.code(), refused.value.details())
+            assert ended == (grpc.StatusCode.UNAVAILABLE, status_texts.NOT_ACCEPTING), name
+        assert [call.code() for call in busy] == [grpc.StatusCode.OK] * 3
+        assert server.process.wait(30) == 0, server.log
+
+
 def test_sigterm_during_start_up_stops_at_once_without_serving(model_repository: Path) -> None:
     """Before: the signal was handled only after warm-up, once the server reported SERVING."""
     budget = ("--batch-cap-budget-s", "0.5")  # per model: a few seconds of warm-up in all
