@@ -106,7 +106,43 @@ async def serve_stream(
     closer = calls.closer
     if closer is not None and closer.refusing:  # none of its requests was read: none taken
         await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_ACCEPTING)
+    started = time.monotonic()
     stream = _Stream(calls, context, max_inflight, max_pending_bytes)
+    code = grpc.StatusCode.OK
+    try:
+        await _run(stream, requests, closer, context)
+        if stream.call_ended:
+            code = _ended_by_client_or_deadline(context)
+    except grpc.aio.AbortError:
+        code = context.code() or grpc.StatusCode.UNKNOWN
+        raise
+    except asyncio.CancelledError:
+        code = _ended_by_client_or_deadline(context)
+        raise
+    finally:
+        if log.isEnabledFor(logging.DEBUG):  # a line per call only when verbose, as unary
+            log.debug(
+                "%s %s ended %s after %.6f s, %d requests read",
+                calls.api,
+                STREAM_METHOD_OF_API[calls.api],
+                code.name,
+                time.monotonic() - started,
+                stream.requests_read,
+            )
+
+
+def _ended_by_client_or_deadline(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    if ended_at_deadline(context.time_remaining()):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
+async def _run(
+    stream: _Stream[Any, Any],
+    requests: AsyncIterator[Any],
+    closer: StreamCloser | None,
+    context: grpc.aio.ServicerContext,
+) -> None:
     if closer is not None:
         closer.add(stream)
     try:
@@ -152,6 +188,8 @@ class _Stream(Generic[Request, Response]):
         self._reader: asyncio.Task[None] | None = None
         self._reading = False
         self.closed = False
+        self.requests_read = 0
+        self.call_ended = False  # a write found the call over
 
     def close(self) -> None:
         """Stop reading; answers to what was read still go out, then the call ends."""
@@ -173,6 +211,7 @@ class _Stream(Generic[Request, Response]):
             if not self.closed:
                 await reader  # already done; raises if reading the stream failed
         except _CallEnded:
+            self.call_ended = True
             return  # the client cancelled, went away or ran out of time: no one left to tell
         except Exception:
             log.exception("%s: reading or writing the stream failed", self._calls.api)
@@ -232,6 +271,7 @@ class _Stream(Generic[Request, Response]):
                 request = await anext(requests)
             except StopAsyncIteration:
                 return  # the client half-closed: finish what it sent
+            self.requests_read += 1
             reserved = self._estimate(request)
             self._reserve(reserved)
             hold, refusal = self._hold(reserved)

@@ -361,6 +361,21 @@ func logEnded(r *http.Request, req *inferRequest, code int, took time.Duration) 
 	slog.Debug(fmt.Sprintf("%s %s ended %s after %.6f s", req.api, method, codeNames[code], took.Seconds()), attrs...)
 }
 
+// logStreamEnded writes a stream's end at DEBUG, as the Python front end does: how it ended,
+// after how long, and how many requests were read from it (each has an answer or an error
+// message of its own in the stream).
+func logStreamEnded(r *http.Request, api string, code int, took time.Duration, read int64) {
+	if !logs.Enabled(r.Context(), slog.LevelDebug) {
+		return
+	}
+	var attrs []any
+	if traceID, ok := traceIDOf(r.Header.Get("Traceparent")); ok {
+		attrs = append(attrs, "trace_id", traceID)
+	}
+	method := r.URL.Path[strings.LastIndexByte(r.URL.Path, '/')+1:]
+	slog.Debug(fmt.Sprintf("%s %s ended %s after %.6f s, %d requests read", api, method, codeNames[code], took.Seconds(), read), attrs...)
+}
+
 // firstChars is text cut after n characters.
 func firstChars(text string, n int) string {
 	for i := range text {

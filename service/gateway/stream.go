@@ -27,6 +27,7 @@ import (
 	"net/http"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -65,6 +66,8 @@ type stream struct {
 	answers  chan streamAnswer
 	room     chan struct{} // an answer was written: reading may go on
 	readDone chan struct{}
+	// requestsRead counts the messages read whole (for the end's log line).
+	requestsRead atomic.Int64
 
 	mu       sync.Mutex // the fields below
 	inflight int        // messages read here and not yet written
@@ -100,6 +103,7 @@ type streamRefused struct {
 func (r streamRefused) Error() string { return r.message }
 
 func (g *gateway) serveStream(w http.ResponseWriter, r *http.Request, method *streamMethod) {
+	started := time.Now()
 	fp := g.fast
 	fp.inFlight.Add(1)
 	defer fp.inFlight.Done()
@@ -125,7 +129,8 @@ func (g *gateway) serveStream(w http.ResponseWriter, r *http.Request, method *st
 	}
 	go s.read(r.Body)
 	go s.finish()
-	s.write(w)
+	code := s.write(w)
+	logStreamEnded(r, method.api, code, time.Since(started), s.requestsRead.Load())
 }
 
 // finish ends the stream's input once the client half-closed, the call ended or the server
@@ -153,8 +158,8 @@ func (s *stream) finish() {
 	close(s.answers)
 }
 
-// write sends the answers as they come, then the call's status.
-func (s *stream) write(w http.ResponseWriter) {
+// write sends the answers as they come, then the call's status; the code the call ended with.
+func (s *stream) write(w http.ResponseWriter) int {
 	started, broken := false, false
 	for a := range s.answers {
 		// Once the call has ended (deadline, Python's part failed) what is left is dropped.
@@ -182,7 +187,7 @@ func (s *stream) write(w http.ResponseWriter) {
 	}
 	code, message := s.status()
 	if s.r.Context().Err() != nil {
-		return // the client has gone: no one to tell
+		return s.unwritten() // the client has gone: no one to tell
 	}
 	h := w.Header()
 	prefix := "" // trailers-only: the status in the answer's one HEADERS frame
@@ -197,6 +202,7 @@ func (s *stream) write(w http.ResponseWriter) {
 	if !started {
 		w.WriteHeader(http.StatusOK)
 	}
+	return code
 }
 
 // ended says whether the call is over: its context ended, or its deadline has passed before
@@ -307,6 +313,7 @@ func (s *stream) read(body io.Reader) {
 			s.forward(bytes.NewReader(buffer))
 			return
 		}
+		s.requestsRead.Add(1)
 		taken := false
 		switch prefix[0] {
 		case 0:

@@ -4,6 +4,7 @@ and calls Python answers alike; an unreachable collector costs the requests noth
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -14,11 +15,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 
-from bench.harness import silent_listener
+from bench.harness import silent_listener, wait_for
 from export.pipeline import ExportRequest, run_export
 from service.client import attend_request
 from service.generated.attention.v1 import attention_pb2_grpc
-from service.generated.inference import grpc_service_pb2
+from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from tests.harness.h2_raw import RawGrpc
 from tests.harness.otlp_receiver import OtlpReceiver, attributes
 from tests.harness.server_process import ServerProcess, behind_gateway, rss_bytes
@@ -141,6 +142,39 @@ def test_a_calls_log_line_carries_its_trace_span_and_request_ids(
         and record.get("request_id") == "rid-77"
         for record in ended
     ), ended
+
+
+def test_a_streams_end_is_logged_with_the_requests_it_read(
+    repository: Path, grpc_gateway: str
+) -> None:
+    """DEBUG: a stream ends with a line as a unary call does (the gateway's, or the front
+    end's without it): how it ended, after how long, and how many requests it read. Before:
+    none, on either path."""
+    flags = ("--default-model", "small", "--log-format", "json")
+    env = {"ATTENTION_LOG_LEVEL": "DEBUG"}
+    request = grpc_service_pb2.ModelInferRequest(model_name="small")
+    request.inputs.add(name="embeddings", datatype="FP32", shape=[1, 3, D])
+    request.raw_input_contents.append(np.ones((1, 3, D), np.float32).tobytes())
+    with (
+        ServerProcess(repository, *flags, env=env) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        answers = list(stub.ModelStreamInfer(iter([request] * 3), timeout=30))
+        assert [answer.error_message for answer in answers] == [""] * 3
+
+        def ended() -> list[dict[str, str]]:
+            records = (json.loads(line) for line in server.lines if line.startswith("{"))
+            return [r for r in records if "ModelStreamInfer ended" in r["message"]]
+
+        wait_for(ended, what="the stream's end line")
+    answered_by = "gateway-" if grpc_gateway == "on" else "frontend-"
+    (record,) = ended()
+    assert record["process"].startswith(answered_by), record
+    assert re.fullmatch(
+        r"v2_stream ModelStreamInfer ended OK after \d+\.\d{6} s, 3 requests read",
+        record["message"],
+    ), record
 
 
 def _infer(server: ServerProcess, seq: int, headers: dict[str, str] | None = None) -> None:
