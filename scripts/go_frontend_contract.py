@@ -59,6 +59,7 @@ def headers() -> dict[str, str]:
     return {
         "peerHeader": canonical_header(caller.PEER_HEADER),
         "subjectHeader": canonical_header(caller.SUBJECT_HEADER),
+        "streamPartHeader": canonical_header(caller.STREAM_PART_HEADER),
     }
 
 

@@ -153,7 +153,7 @@ def run_worker(settings: Settings, run_dir: Path, report: Connection) -> NoRetur
             report.send(("ready", os.getpid()))
             signalled_at = await _wait_for_signal()
         assert signalled_at is not None
-        drain_from = drain_clock.started(run_dir, signalled_at, settings.grace_period_s)
+        drain_from = drain_clock.started(run_dir, signalled_at)
         spent = asyncio.get_running_loop().time() - drain_from
         await server.stop(max(0.0, settings.grace_period_s - spent))
         return 0
@@ -187,7 +187,7 @@ def run_frontend(
                 report.send(("gateway", server.gateway_pid))
             signalled_at = await _wait_for_signal()
         assert signalled_at is not None
-        drain_from = drain_clock.started(run_dir, signalled_at, settings.grace_period_s)
+        drain_from = drain_clock.started(run_dir, signalled_at)
         await server.stop(signalled_at=drain_from)
         return 0
 

@@ -347,7 +347,13 @@ class Supervisor:
             log.warning("another shutdown signal: ignored, the drain ends within the grace period")
             return
         self._signalled_at = time.monotonic()
-        drain_clock.record(self._run_dir)  # before the children hear of it
+        failed = drain_clock.record(self._run_dir)  # before the children hear of it
+        if failed is not None:
+            log.warning(
+                "cannot record the shutdown signal's time (%s): each process times the drain "
+                "from when it hears of it",
+                failed,
+            )
         if not self._serving():
             log.info("shutdown signal received during start-up; stopping without serving")
         else:

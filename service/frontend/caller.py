@@ -14,6 +14,9 @@ SUBJECT_PROPERTIES = ("x509_subject", "x509_common_name")
 # Set by the gateway on every call it hands over (service/gateway/proxy.go).
 PEER_HEADER = "x-attention-gateway-peer"
 SUBJECT_HEADER = "x-attention-gateway-subject"
+# Set by the gateway on the stream it opens here for those messages of a client's stream it
+# does not answer itself (service/gateway/stream.go): the gateway drains that client stream.
+STREAM_PART_HEADER = "x-attention-gateway-stream-part"
 
 
 class _Gateway:
@@ -32,6 +35,13 @@ def _forwarded(context: grpc.aio.ServicerContext, header: str) -> str:
         if key == header:
             return value if isinstance(value, str) else value.decode(errors="replace")
     return ""
+
+
+def is_stream_part(context: grpc.aio.ServicerContext) -> bool:
+    """Whether this stream is the gateway's part of a client's stream: the gateway took that
+    stream and ends it in the drain (it half-closes this part once it stops reading), so this
+    process neither refuses nor closes it then."""
+    return _Gateway.behind and _forwarded(context, STREAM_PART_HEADER) != ""
 
 
 def peer(context: grpc.aio.ServicerContext) -> str:

@@ -103,13 +103,16 @@ async def serve_stream(
     DEADLINE_EXCEEDED when the call's deadline passed first (its messages may have been
     answered DEADLINE_EXCEEDED before gRPC's own timer ended the call: it ends so all the
     same, as it does when the timer comes first)."""
-    closer = calls.closer
-    if closer is not None and closer.refusing:  # none of its requests was read: none taken
-        await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_ACCEPTING)
+    # The gateway's part of a stream it took is the gateway's to end in the drain, and to log.
+    part = caller.is_stream_part(context)
+    closer = None if part else calls.closer
     started = time.monotonic()
-    stream = _Stream(calls, context, max_inflight, max_pending_bytes)
+    stream: _Stream[Request, Response] | None = None
     code = grpc.StatusCode.OK
     try:
+        if closer is not None and closer.refusing:  # none of its requests was read: none taken
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_ACCEPTING)
+        stream = _Stream(calls, context, max_inflight, max_pending_bytes)
         await _run(stream, requests, closer, context)
         if stream.call_ended:
             code = _ended_by_client_or_deadline(context)
@@ -120,15 +123,20 @@ async def serve_stream(
         code = _ended_by_client_or_deadline(context)
         raise
     finally:
-        if log.isEnabledFor(logging.DEBUG):  # a line per call only when verbose, as unary
+        if not part and log.isEnabledFor(logging.DEBUG):  # one line a call, when verbose
             log.debug(
-                "%s %s ended %s after %.6f s, %d requests read",
+                "%s %s ended %s after %.6f s, %s",
                 calls.api,
                 STREAM_METHOD_OF_API[calls.api],
                 code.name,
                 time.monotonic() - started,
-                stream.requests_read,
+                requests_read(0 if stream is None else stream.requests_read),
             )
+
+
+def requests_read(count: int) -> str:
+    """'1 request read', '3 requests read': a stream's end line, worded as the gateway's."""
+    return f"{count} request read" if count == 1 else f"{count} requests read"
 
 
 def _ended_by_client_or_deadline(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

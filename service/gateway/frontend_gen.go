@@ -5,8 +5,9 @@ package main
 // The headers that tell the Python front end who called (caller.py), as net/http
 // spells them.
 const (
-	peerHeader    = "X-Attention-Gateway-Peer"
-	subjectHeader = "X-Attention-Gateway-Subject"
+	peerHeader       = "X-Attention-Gateway-Peer"
+	subjectHeader    = "X-Attention-Gateway-Subject"
+	streamPartHeader = "X-Attention-Gateway-Stream-Part"
 )
 
 // The environment variables the front end starts the gateway with (gateway.py).

@@ -373,7 +373,15 @@ func logStreamEnded(r *http.Request, api string, code int, took time.Duration, r
 		attrs = append(attrs, "trace_id", traceID)
 	}
 	method := r.URL.Path[strings.LastIndexByte(r.URL.Path, '/')+1:]
-	slog.Debug(fmt.Sprintf("%s %s ended %s after %.6f s, %d requests read", api, method, codeNames[code], took.Seconds(), read), attrs...)
+	slog.Debug(fmt.Sprintf("%s %s ended %s after %.6f s, %s", api, method, codeNames[code], took.Seconds(), requestsRead(read)), attrs...)
+}
+
+// requestsRead: "1 request read", "3 requests read" (worded as the Python front end's).
+func requestsRead(count int64) string {
+	if count == 1 {
+		return "1 request read"
+	}
+	return fmt.Sprintf("%d requests read", count)
 }
 
 // firstChars is text cut after n characters.

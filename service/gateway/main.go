@@ -478,7 +478,7 @@ func run(o options) error {
 		return err
 	case <-signals:
 	}
-	started := drainStarted(o.drainClock, o.grace, time.Now())
+	started := drainStarted(o.drainClock, time.Now())
 	wasReady := false
 	if g.fast != nil {
 		g.fast.draining.Store(true) // grpc.health.v1 says NOT_SERVING from now on, as Python's
@@ -487,11 +487,19 @@ func run(o options) error {
 	return drain(server, g.fast, o, wasReady, started)
 }
 
+// A shutdown signal's recorded time is this run's when it is neither after this process
+// heard of it (clocks read apart by a few milliseconds at most) nor a day before.
+const (
+	drainClockSlack     = 5 * time.Millisecond
+	drainClockPlausible = 24 * time.Hour
+)
+
 // drainStarted: when the drain began. The supervisor's shutdown signal, as the file at path
-// records it (seconds since the epoch), where that is plausibly this drain's; else heard,
-// the moment this process's SIGTERM came. A gateway hears of the signal from its front end,
-// late where that front end's event loop was busy, and its drain must end with theirs.
-func drainStarted(path string, grace time.Duration, heard time.Time) time.Time {
+// records it (seconds since the epoch), where that is plausibly this run's (not after heard,
+// not a day before it); else heard, the moment this process's SIGTERM came. A gateway hears
+// of the signal from its front end, late where that front end's event loop was busy, and
+// its drain must end with theirs: one heard later than the grace period gets no time.
+func drainStarted(path string, heard time.Time) time.Time {
 	if path == "" {
 		return heard
 	}
@@ -503,11 +511,11 @@ func drainStarted(path string, grace time.Duration, heard time.Time) time.Time {
 	if err != nil {
 		return heard
 	}
-	ago := time.Duration((float64(heard.UnixNano())/1e9 - seconds) * float64(time.Second))
-	if ago < 0 || ago > grace {
+	agoS := float64(heard.UnixNano())/1e9 - seconds
+	if !(agoS >= -drainClockSlack.Seconds() && agoS <= drainClockPlausible.Seconds()) { // NaN too
 		return heard
 	}
-	return heard.Add(-ago) // keeps heard's monotonic reading
+	return heard.Add(-time.Duration(max(0, agoS) * float64(time.Second))) // keeps heard's monotonic reading
 }
 
 // beat tells the front end this process still runs, on the standard output it read

@@ -67,6 +67,7 @@ var backendURL = &url.URL{Scheme: "http", Host: "frontend"}
 func tellCaller(out http.Header, in *http.Request) {
 	out.Del(peerHeader)
 	out.Del(subjectHeader)
+	out.Del(streamPartHeader)
 	out.Set(peerHeader, grpcPeer(in.RemoteAddr))
 	if in.TLS != nil && len(in.TLS.PeerCertificates) > 0 {
 		out.Set(subjectHeader, in.TLS.PeerCertificates[0].Subject.String())

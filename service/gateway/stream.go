@@ -110,6 +110,7 @@ func (g *gateway) serveStream(w http.ResponseWriter, r *http.Request, method *st
 	select {
 	case <-fp.closing: // the drain stopped taking work: none of its requests was read
 		writeStatus(w, codeUnavailable, notAccepting)
+		logStreamEnded(r, method.api, codeUnavailable, time.Since(started), 0)
 		return
 	default:
 	}
@@ -148,6 +149,13 @@ func (s *stream) finish() {
 	default:
 		s.closed = s.ctx.Err() == nil // stopped by shutdown, not by the call's end
 	}
+	s.mu.Unlock()
+	// The reader stops before its next message: one it has read whole is still taken
+	// (computed here, or handed to Python's part), so that "every request read from this
+	// stream was answered" holds; one it is still reading is dropped unread.
+	_ = s.r.Body.Close()
+	<-s.readDone
+	s.mu.Lock()
 	python := s.python
 	s.mu.Unlock()
 	s.tasks.Wait()
@@ -370,8 +378,8 @@ func readMessage(body io.Reader, prefix []byte, length int) ([]byte, bool) {
 	return buffer, true
 }
 
-// take answers a plain message here and hands any other to Python's part; false when the
-// stream takes no more.
+// take answers a plain message here and hands any other to Python's part; false when
+// Python's part has ended (the stream takes no more).
 func (s *stream) take(buffer []byte) bool {
 	req := s.method.parse(buffer[5:])
 	order := &s.fp.worker.order
@@ -387,12 +395,7 @@ func (s *stream) take(buffer []byte) bool {
 		return ok
 	}
 	answerBytes := max(1, p.answerBytes())
-	s.mu.Lock()
-	if s.stopped {
-		s.mu.Unlock()
-		order.RUnlock()
-		return false
-	}
+	s.mu.Lock() // read whole: taken even once the stream stopped (finish waits for the reader)
 	s.inflight++
 	s.pending += answerBytes
 	s.tasks.Add(1)
@@ -472,11 +475,7 @@ type pythonPart struct {
 // forward writes message bytes into Python's part, opening it first; false once it has
 // ended.
 func (s *stream) forward(message io.Reader) bool {
-	s.mu.Lock()
-	if s.stopped && s.python == nil {
-		s.mu.Unlock()
-		return false
-	}
+	s.mu.Lock() // read whole: handed on even once the stream stopped (finish waits for the reader)
 	if s.python == nil {
 		s.python = s.openPython()
 	}
@@ -492,6 +491,7 @@ func (s *stream) openPython() *pythonPart {
 	out.Host = s.r.Host
 	out.Header = s.r.Header.Clone()
 	tellCaller(out.Header, s.r)
+	out.Header.Set(streamPartHeader, "1") // this process ends it in the drain, not Python
 	if !s.deadline.IsZero() {
 		out.Header.Set("Grpc-Timeout", formatTimeout(time.Until(s.deadline)))
 	}

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # Longest a batch may hold up the event loop (heartbeats, control calls, reads): shorter
 # batches compute on its own thread (Batcher.compute_short_batches_inline).
 INLINE_BATCH_S = 0.05
+FRONT_ENDS_LATE_S = 1.0  # in the drain: how long past its end the worker waits for front ends
 
 
 class StartupError(RuntimeError):
@@ -344,8 +345,12 @@ class WorkerServer:
         if self.models is not None:
             self.models.close()
         if self._links:
+            # The front ends answer what is left as the grace period ends, and then leave: one
+            # whose event loop runs late is waited for a little longer, so that its requests
+            # get its answer, not this process's (the supervisor kills stragglers later still).
+            outlast = deadline + FRONT_ENDS_LATE_S - time.monotonic()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._all_gone.wait(), max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(self._all_gone.wait(), max(0.0, outlast))
         self._listener.close()
         if self._flushing is not None:
             self._flushing.cancel()

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -541,6 +542,64 @@ def test_sigterm_finishes_accepted_calls(model_repository: Path) -> None:
             assert server.terminate() == 0, server.log
             codes = [future.result() for future in futures]
         assert codes == ["OK"] * 6, codes
+
+
+def test_streams_read_across_the_drains_cut_answer_every_request_they_read(
+    model_repository: Path,
+) -> None:
+    """Streams that send a message the gateway answers and one it hands to the Python front
+    end just as the drain stops taking work: whatever the gateway read it answers, so
+    "every request read from this stream was answered" holds (its DEBUG end line counts what
+    it read). Before: Python refused the gateway's part of the stream as a new stream, which
+    ended the whole call and lost what the gateway had read (5 of 7 streams in one run)."""
+    not_serving_s = 0.5
+    flags = ("--grpc-gateway", "on", "--shutdown-not-serving-s", str(not_serving_s))
+    env = {"ATTENTION_LOG_LEVEL": "DEBUG", "ATTENTION_LOG_FORMAT": "json"}
+    good = rng(1).standard_normal((2, 64, 512), dtype=np.float32)
+    bad = np.ones((1, 8, 7), np.float32)  # a d the model does not take: Python answers it
+    offsets_s = [-0.03, -0.01, -0.005, -0.002, 0.0, 0.002, 0.005, 0.01, 0.02, 0.03]
+    ended: dict[str, tuple[str, str, int]] = {}
+    done = threading.Event()
+    server = ServerProcess(model_repository, *flags, env=env)
+    with server, grpc.insecure_channel(server.target) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        cut_at = time.monotonic() + 1.0 + not_serving_s  # the signal comes in a second
+
+        def requests(offset_s: float) -> Iterator[pb.AttendRequest]:
+            yield attend_request(good, request_id="first")
+            time.sleep(max(0.0, cut_at + offset_s - time.monotonic()))  # sent at that moment
+            yield attend_request(bad, request_id="handed-on")
+            yield attend_request(good, request_id="answered-here")
+            done.wait(30)  # never half-closed: the drain ends the stream
+
+        def stream(trace_id: str, offset_s: float) -> None:
+            metadata = (("traceparent", f"00-{trace_id}-00f067aa0ba902b7-00"),)
+            answered = 0
+            try:
+                for _ in stub.AttendStream(requests(offset_s), timeout=30, metadata=metadata):
+                    answered += 1
+                ended[trace_id] = ("OK", "", answered)
+            except grpc.RpcError as err:
+                ended[trace_id] = (err.code().name, err.details(), answered)
+
+        trace_ids = [f"{index + 1:032x}" for index in range(len(offsets_s))]
+        with ThreadPoolExecutor(len(offsets_s)) as pool:
+            for trace_id, offset_s in zip(trace_ids, offsets_s, strict=True):
+                pool.submit(stream, trace_id, offset_s)
+            time.sleep(max(0.0, cut_at - not_serving_s - time.monotonic()))
+            server.process.send_signal(signal.SIGTERM)
+            assert server.process.wait(30) == 0, server.log
+            done.set()
+        records = [json.loads(line) for line in server.lines if line.startswith("{")]
+    read = {
+        record["trace_id"]: int(re.search(r"(\d+) requests? read", record["message"])[1])
+        for record in records
+        if "AttendStream ended" in record["message"] and "trace_id" in record
+    }
+    assert sorted(ended) == sorted(trace_ids), ended
+    for trace_id, (code, details, answered) in ended.items():
+        assert code == "UNAVAILABLE", (trace_id, code, details)
+        assert answered == read[trace_id], (trace_id, answered, read[trace_id], details)
 
 
 def test_connections_past_their_age_are_sent_away_gracefully(model_repository: Path) -> None:

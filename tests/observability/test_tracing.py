@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -150,7 +151,10 @@ def test_a_streams_end_is_logged_with_the_requests_it_read(
     """DEBUG: a stream ends with a line as a unary call does (the gateway's, or the front
     end's without it): how it ended, after how long, and how many requests it read. Before:
     none, on either path."""
-    flags = ("--default-model", "small", "--log-format", "json")
+    # A lone request waits in the queue (a second at most), so the cancel below comes while
+    # the stream still owes its answer.
+    batching = ("--max-queue-delay-ms", "1000", "--max-batch-size", "8")
+    flags = ("--default-model", "small", "--log-format", "json", *batching)
     env = {"ATTENTION_LOG_LEVEL": "DEBUG"}
     request = grpc_service_pb2.ModelInferRequest(model_name="small")
     request.inputs.add(name="embeddings", datatype="FP32", shape=[1, 3, D])
@@ -168,13 +172,30 @@ def test_a_streams_end_is_logged_with_the_requests_it_read(
             return [r for r in records if "ModelStreamInfer ended" in r["message"]]
 
         wait_for(ended, what="the stream's end line")
+        # Cancelled by its client while its one request waits in the queue.
+        held = threading.Event()
+
+        def one_then_wait() -> Iterator[grpc_service_pb2.ModelInferRequest]:
+            yield request
+            held.wait(30)
+
+        cancelled = stub.ModelStreamInfer(one_then_wait(), timeout=30)
+        server.wait_metric("attention_queue_depth_requests", 1)
+        cancelled.cancel()
+        held.set()
+        wait_for(lambda: len(ended()) == 2, what="the cancelled stream's end line")
     answered_by = "gateway-" if grpc_gateway == "on" else "frontend-"
-    (record,) = ended()
-    assert record["process"].startswith(answered_by), record
+    whole, cut = ended()
+    assert {whole["process"], cut["process"]} == {whole["process"]}, (whole, cut)
+    assert whole["process"].startswith(answered_by), whole
     assert re.fullmatch(
         r"v2_stream ModelStreamInfer ended OK after \d+\.\d{6} s, 3 requests read",
-        record["message"],
-    ), record
+        whole["message"],
+    ), whole
+    assert re.fullmatch(
+        r"v2_stream ModelStreamInfer ended CANCELLED after \d+\.\d{6} s, 1 request read",
+        cut["message"],
+    ), cut
 
 
 def _infer(server: ServerProcess, seq: int, headers: dict[str, str] | None = None) -> None:
