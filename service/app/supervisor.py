@@ -31,6 +31,7 @@ from service.app.stderr_relay import FIFO_BYTES, StderrRelay
 from service.memory.budget import default_queue_bytes, memory_limit_bytes
 from service.observability import logs, metrics
 from service.observability.gpu_metrics import GpuCollector
+from service.observability.process_files import ProcessFiles
 from service.observability.process_metrics import ProcessCollector
 from service.settings import Settings
 
@@ -410,12 +411,10 @@ class Supervisor:
 def _serve_metrics(settings: Settings, metrics_dir: Path, own: list[Any]) -> tuple[Any, Thread]:
     """/metrics: every process's series, summed by prometheus-client's multiprocess mode,
     and the served set as the worker reported it."""
-    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+    from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
-    registry.register(
-        metrics.EveryFamily(multiprocess.MultiProcessCollector(None, path=str(metrics_dir)))
-    )
+    registry.register(metrics.EveryFamily(ProcessFiles(str(metrics_dir))))
     for collector in own:
         registry.register(collector)
     return start_http_server(settings.metrics_port, addr=_bare(settings.host), registry=registry)

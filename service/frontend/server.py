@@ -372,12 +372,12 @@ class FrontendServer:
         )
         await self._health.enter_graceful_shutdown()
         if was_ready:
-            log.info(
-                "NOT_SERVING for %.1fs while endpoints update", settings.shutdown_not_serving_s
-            )
             # From the signal: a front end that heard it late has less of the period left.
-            not_serving_until = started + settings.shutdown_not_serving_s
-            await asyncio.sleep(max(0.0, min(not_serving_until - loop.time(), remaining())))
+            not_serving_s = min(
+                started + settings.shutdown_not_serving_s - loop.time(), remaining()
+            )
+            log.info("NOT_SERVING for %.1fs while endpoints update", max(0.0, not_serving_s))
+            await asyncio.sleep(max(0.0, not_serving_s))
         self.plane.accepting = False
         self._streams.refuse_new()
         await self.plane.flush()

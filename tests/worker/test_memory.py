@@ -161,9 +161,10 @@ def test_an_idle_worker_gives_back_what_medium_batches_left_in_its_heap(
     shown = [round(value / MIB, 1) for value in idle]
     assert batches >= 16, batches  # round two ran as batches of one: nothing merged
     # Each round against the level before it: the first trim also hands back what start-up
-    # left, which would hide a second round that is never trimmed.
-    assert idle[1] - idle[0] < 6 * MIB, shown
-    assert idle[2] - idle[1] < 6 * MIB, shown
+    # left, which would hide a second round that is never trimmed. Untrimmed, a round keeps
+    # about 43 MiB; trimmed, up to 8.4 MiB has stayed (a CI run on a loaded host).
+    assert idle[1] - idle[0] < 16 * MIB, shown
+    assert idle[2] - idle[1] < 16 * MIB, shown
 
 
 def _shared_memory_bytes(server: ServerProcess) -> int:
