@@ -33,6 +33,7 @@ pytestmark = pytest.mark.usefixtures("grpc_gateway")
 D = 64
 FAST = ("--batch-cap-budget-s", "0")
 HEARD_LATE_S = 0.5
+LARGE_ANSWERS = [("grpc.max_receive_message_length", 64 << 20)]  # the default model's largest
 PARKED = ("--max-queue-delay-ms", "60000", "--max-batch-size", "64", *FAST)
 
 
@@ -58,6 +59,14 @@ def _health(channel: grpc.Channel) -> str:
     except grpc.RpcError as err:
         return err.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def _ones_request(n: int, seq: int) -> pb.AttendRequest:
+    """n sequences of seq ones for the default model (d = 512)."""
+    x = np.ones((n, seq, 512), np.float32)
+    return pb.AttendRequest(
+        embeddings=pb.Tensor(shape=list(x.shape), dtype=pb.FLOAT32, data=x.tobytes())
+    )
 
 
 def _logged_at(log: str, text: str) -> float:
@@ -181,11 +190,8 @@ def test_exit_comes_within_the_grace_period_with_work_left(model_repository: Pat
         "--grace-period-s",
         "1",
     )
-    big = np.ones((32, 512, 512), np.float32)  # the default model at its largest
-    request = pb.AttendRequest(
-        embeddings=pb.Tensor(shape=list(big.shape), dtype=pb.FLOAT32, data=big.tobytes())
-    )
-    options = [("grpc.max_receive_message_length", 64 << 20)]
+    request = _ones_request(32, 512)  # the default model at its largest
+    options = LARGE_ANSWERS
     server = ServerProcess(model_repository, *flags)
     with server, grpc.insecure_channel(server.target, options=options) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
@@ -227,11 +233,8 @@ def test_a_front_end_that_hears_the_signal_late_keeps_the_grace_period(
         "--grace-period-s",
         "1",
     )
-    big = np.ones((16, 512, 512), np.float32)  # about 0.3 s of compute each on one core
-    request = pb.AttendRequest(
-        embeddings=pb.Tensor(shape=list(big.shape), dtype=pb.FLOAT32, data=big.tobytes())
-    )
-    options = [("grpc.max_receive_message_length", 64 << 20)]
+    request = _ones_request(16, 512)  # about 0.3 s of compute each on one core
+    options = LARGE_ANSWERS
     server = ServerProcess(model_repository, *flags)
     with server, grpc.insecure_channel(server.target, options=options) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
@@ -262,18 +265,13 @@ def test_a_stream_opened_once_the_drain_stopped_taking_work_is_refused_as_not_ac
     stream APIs. Before: it ended "every request read from this stream was answered" though
     none was read."""
     flags = (*FAST, "--max-batch-size", "32", "--shutdown-not-serving-s", "0")
-    big = np.ones((32, 512, 512), np.float32)  # the drain finishes these first (seconds)
-    busy_request = pb.AttendRequest(
-        embeddings=pb.Tensor(shape=list(big.shape), dtype=pb.FLOAT32, data=big.tobytes())
-    )
+    busy_request = _ones_request(32, 512)  # the drain finishes these first (seconds)
+    probe = _ones_request(1, 4)
     x = np.ones((1, 4, 512), np.float32)
-    probe = pb.AttendRequest(
-        embeddings=pb.Tensor(shape=list(x.shape), dtype=pb.FLOAT32, data=x.tobytes())
-    )
     v2_request = v2.ModelInferRequest(model_name="mha")
     v2_request.inputs.add(name="embeddings", datatype="FP32", shape=list(x.shape))
     v2_request.raw_input_contents.append(x.tobytes())
-    options = [("grpc.max_receive_message_length", 64 << 20)]
+    options = LARGE_ANSWERS
     server = ServerProcess(model_repository, *flags)
     with server, grpc.insecure_channel(server.target, options=options) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
