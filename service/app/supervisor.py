@@ -102,8 +102,8 @@ class Child:
 
 
 class Supervisor:
-    """run() returns the process's exit code: 0 after a clean drain, 1 when it cannot start
-    or a child keeps dying."""
+    """run() returns the process's exit code: 0 after a clean drain, 1 when it cannot start,
+    a child keeps dying, or a child died (or had to be killed) during the drain."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -386,10 +386,15 @@ class Supervisor:
                 log.error("%s still running after the grace period; killing it", child.role)
                 child.process.kill()
                 child.process.join(5)
-            if child.process.exitcode not in (0, None) and self._signalled_at is not None:
-                log.warning(
-                    "%s exited with code %s during the drain", child.role, child.process.exitcode
+            if self._signalled_at is not None and not _stopped_as_asked(child.process.exitcode):
+                # A crash (or a kill at the period's end) is not a clean drain: say so to
+                # whatever runs the server (systemd, a container runtime, a test).
+                log.error(
+                    "%s exited with code %s during the drain; the server exits 1",
+                    child.role,
+                    child.process.exitcode,
                 )
+                self._code = 1
         if self._metrics_http is not None:
             httpd, _ = self._metrics_http
             # shutdown() waits for the server's 0.5 s poll: on a thread, it need not delay us.
@@ -406,6 +411,12 @@ class Supervisor:
             if reservation is not None:
                 reservation.close()
         shutil.rmtree(self._run_dir, ignore_errors=True)
+
+
+def _stopped_as_asked(exitcode: int | None) -> bool:
+    """A child's exit after the drain's signal that is not a failure: 0, or the signal's
+    own default action (a child still starting up had no handler for it yet)."""
+    return exitcode in (0, -signal.SIGTERM, -signal.SIGINT)
 
 
 def _serve_metrics(settings: Settings, metrics_dir: Path, own: list[Any]) -> tuple[Any, Thread]:
