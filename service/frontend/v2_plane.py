@@ -297,8 +297,9 @@ class V2Plane:
 
     def answer_sizes(self, request: v2.ModelInferRequest) -> dict[str, tuple[int, int]]:
         """(bytes, bytes per value) of each output the answer carries in the message,
-        estimated before computing it: the output is as large as the input; the weights,
-        when asked for, add h * seq float32 values per position; an output asked for in
+        estimated before computing it: the output, when asked for (or nothing is named), is
+        as large as the input; the weights, when asked for, add h * seq float32 values per
+        position; an output asked for in
         client shared memory carries nothing. An input in client shared memory counts by its
         declared shape (within the limits). Nothing for a request with no input (infer
         refuses it, saying so)."""
@@ -312,9 +313,11 @@ class V2Plane:
             payload = sum(len(raw) for raw in request.raw_input_contents)
             payload += 4 * len(tensor.contents.fp32_contents)
         wants_weights = any(o.name == "attention_weights" for o in request.outputs)
+        # Outputs named: the answer carries those alone (none named: 'output' alone).
+        wants_output = not request.outputs or any(o.name == "output" for o in request.outputs)
         # An unknown model or version raises here (and reserves nothing): NOT_FOUND follows.
         spec = self.registry.resolve(request.model_name, request.model_version).spec
-        if payload is not None and not wants_weights and not in_region:
+        if payload is not None and wants_output and not wants_weights and not in_region:
             return {"output": (payload, itemsize)}  # the common case: as large as the input
         output, weights = answer_estimate(
             list(tensor.shape),
@@ -323,10 +326,10 @@ class V2Plane:
             embed_dim=spec.embed_dim,
             num_heads=spec.num_heads,
             limits=self.limits,
-            output="output" not in in_region,
+            output=wants_output and "output" not in in_region,
             weights=wants_weights and "attention_weights" not in in_region,
         )
-        sizes = {"output": (output, itemsize)} if "output" not in in_region else {}
+        sizes = {"output": (output, itemsize)} if wants_output and "output" not in in_region else {}
         if weights or (wants_weights and "attention_weights" not in in_region):
             sizes["attention_weights"] = (weights, 4)
         return sizes

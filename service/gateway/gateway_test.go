@@ -66,6 +66,26 @@ func TestPlainRequestIsReadAndChecked(t *testing.T) {
 	}
 }
 
+func TestTheAnswersSizeCountsTheOutputsAskedForAlone(t *testing.T) {
+	lim := limits{maxSeqLen: 8, maxBatchSize: 4}
+	raw := floats(1, 2, 3, 4, 5, 6, 7, 8) // [1, 4, 2]: output 32 bytes, weights 1*1*4*4 float32 = 64
+	cases := []struct {
+		outputs []string
+		bytes   int64
+	}{
+		{nil, 32},                   // none named: output alone
+		{[]string{outputName}, 32},  // output alone
+		{[]string{weightsName}, 64}, // the weights alone; was 96
+		{[]string{outputName, weightsName}, 96},
+	}
+	for _, c := range cases {
+		p := parseInfer(plainRequest(raw, []int64{1, 4, 2}, c.outputs...)).check(servedMHA(), lim)
+		if p == nil || p.answerBytes() != c.bytes {
+			t.Fatalf("outputs %v: plan %+v, want %d answer bytes", c.outputs, p, c.bytes)
+		}
+	}
+}
+
 func TestAnythingNotPlainIsLeftToPython(t *testing.T) {
 	lim := limits{maxSeqLen: 8, maxBatchSize: 4}
 	cases := map[string][]byte{

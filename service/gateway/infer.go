@@ -241,10 +241,11 @@ type plan struct {
 // inRegions is whether any tensor of the call is in a client's region.
 func (p *plan) inRegions() bool { return p.inRef != nil || p.outRef != nil || p.wRef != nil }
 
-// answerBytes are the tensor bytes the answer carries in its message.
+// answerBytes are the tensor bytes the answer carries in its message: the outputs asked
+// for (none named: output alone), less those written into a client's region.
 func (p *plan) answerBytes() int64 {
 	n := int64(0)
-	if p.outRef == nil {
+	if p.outRef == nil && contains(p.outputs, outputName) {
 		n += p.outBytes
 	}
 	if p.weights && p.wRef == nil {

@@ -129,9 +129,9 @@ class Probe:
         return max(self.latencies)
 
 
-def _binary_infer(n: int, outputs: list[str]) -> tuple[bytes, dict[str, str]]:
-    """A legal infer body: [n, 512, 512] as a binary tensor, outputs asked for as JSON."""
-    x = np.random.default_rng(n).standard_normal((n, 512, D), dtype=np.float32)
+def _binary_infer(n: int, outputs: list[str], seq: int = 512) -> tuple[bytes, dict[str, str]]:
+    """A legal infer body: [n, seq, 512] as a binary tensor, outputs asked for as JSON."""
+    x = np.random.default_rng(n).standard_normal((n, seq, D), dtype=np.float32)
     header = json.dumps(
         {
             "inputs": [
@@ -201,6 +201,18 @@ def test_a_json_answer_within_its_bound_never_holds_the_loop(server: ServerProce
     assert probe.slowest_s < PROBE_STALL_S, probe.slowest_s
     estimate = (512 * D + H * 512 * 512) * 26
     assert memory.growth_mib * MIB < 2 * estimate, memory.growth_mib
+
+
+def test_the_json_bound_counts_the_outputs_asked_for_alone(server: ServerProcess) -> None:
+    """[16, 128, 512] asking for the weights alone: ~55 MB of JSON, under the bound; with the
+    output (not asked for, not sent) it would be ~82 MB. Before: refused with 400, "the
+    answer's output, attention_weights as JSON would take up to 81788928 bytes"."""
+    body, headers = _binary_infer(16, ["attention_weights"], seq=128)
+    status, _, raw = _request(server, "POST", INFER, body, headers)
+    assert status == 200, raw[:300]
+    (weights,) = json.loads(raw)["outputs"]
+    assert weights["name"] == "attention_weights"
+    assert weights["shape"] == [16, H, 128, 128]
 
 
 def test_a_json_body_past_its_bound_is_refused(server: ServerProcess) -> None:
