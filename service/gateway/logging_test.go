@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -123,7 +124,15 @@ func TestLogLinesGoToTheDescriptorTheFrontEndNames(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer read.Close()
-	t.Setenv(logFDVariable, strconv.Itoa(int(write.Fd())))
+	// A descriptor of its own, as an inherited one is: the *os.File of write would close its
+	// number again when collected, by then perhaps another test's file (TempDir's cleanup
+	// failed with EBADF).
+	named, err := syscall.Dup(int(write.Fd()))
+	write.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv(logFDVariable, strconv.Itoa(named))
 	out, err := logOutput()
 	if err != nil || out == nil {
 		t.Fatalf("logOutput() = %v, %v", out, err)
