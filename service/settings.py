@@ -61,8 +61,10 @@ class Settings:
     """Everything the server is configured with; built once in __main__ and passed down."""
 
     host: str = _doc(
-        "address to bind the gRPC and metrics ports to: 0.0.0.0 = every IPv4 interface, "
-        "127.0.0.1 = this machine only; IPv6 literals with or without brackets",
+        "address to bind the gRPC, HTTP/REST and metrics ports to: 0.0.0.0 = every IPv4 "
+        "interface (and, on the gRPC port, every IPv6 one where the host has IPv6: gRPC binds "
+        "0.0.0.0 as a dual-stack socket), 127.0.0.1 = this machine only; IPv6 literals with or "
+        "without brackets",
         default="0.0.0.0",
     )
     grpc_port: int = _doc(
@@ -270,8 +272,9 @@ class Settings:
         default="auto",
     )
     grpc_gateway_binary: str = _doc(
-        "the gateway's executable; empty = attention-gateway beside the Python interpreter "
-        "(where make setup builds it), else on PATH",
+        "the gateway's executable (one that is not an executable file stops the server at "
+        "start, unless --grpc-gateway is off); empty = attention-gateway beside the Python "
+        "interpreter (where make setup builds it), else on PATH",
         default="",
     )
     max_restarts: int = _doc(
@@ -390,7 +393,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         problems = [
-            f"{name} must be {expectation}, got {getattr(self, name)!r}"
+            f"{flag_name(name)} ({env_name(name)}) must be {expectation}, "
+            f"got {getattr(self, name)!r}"
             for name, valid, expectation in self._rules()
             if not valid
         ]
@@ -420,7 +424,7 @@ class Settings:
             (
                 "max_inflight_batches_per_model",
                 1 <= self.max_inflight_batches_per_model <= self.max_inflight_batches,
-                "1..max_inflight_batches",
+                "1..--max-inflight-batches",
             ),
             ("max_stream_inflight_requests", self.max_stream_inflight_requests >= 1, ">= 1"),
             ("max_stream_pending_bytes", self.max_stream_pending_bytes >= 1, ">= 1"),
@@ -451,14 +455,14 @@ class Settings:
             (
                 "load_model",
                 not self.load_model or self.model_control_mode == "explicit",
-                "empty unless model_control_mode is explicit",
+                "empty unless --model-control-mode is explicit",
             ),
-            ("tls_cert", self.tls_key is None or self.tls_cert is not None, "set with tls_key"),
-            ("tls_key", self.tls_cert is None or self.tls_key is not None, "set with tls_cert"),
+            ("tls_cert", self.tls_key is None or self.tls_cert is not None, "set with --tls-key"),
+            ("tls_key", self.tls_cert is None or self.tls_key is not None, "set with --tls-cert"),
             (
                 "tls_cert",
                 self.tls_client_ca is None or self.tls_cert is not None,
-                "set with tls_client_ca (mutual TLS runs over TLS)",
+                "set with --tls-client-ca (mutual TLS runs over TLS)",
             ),
             ("max_connection_age_s", self.max_connection_age_s >= 0, ">= 0"),
             ("frontends", 1 <= self.frontends <= 64, "in 1..64"),
@@ -470,7 +474,7 @@ class Settings:
             (
                 "max_undelivered_bytes_per_connection",
                 1 <= self.max_undelivered_bytes_per_connection <= self.max_undelivered_bytes,
-                "1..max_undelivered_bytes",
+                "1..--max-undelivered-bytes",
             ),
             ("grpc_compression", self.grpc_compression in GRPC_COMPRESSION, "identity or gzip"),
             ("repository_follow_symlinks", self.repository_follow_symlinks in ON_OFF, "on or off"),
@@ -482,6 +486,12 @@ class Settings:
             ("max_json_answer_bytes", self.max_json_answer_bytes >= 1, ">= 1"),
             ("client_shared_memory", self.client_shared_memory in ON_OFF, "on or off"),
             ("grpc_gateway", self.grpc_gateway in CHOICES["grpc_gateway"], "auto, on or off"),
+            (
+                "grpc_gateway_binary",
+                self.grpc_gateway == "off" or _executable_or_empty(self.grpc_gateway_binary),
+                "an executable file, or empty (the one beside the Python interpreter, else on "
+                "PATH)",
+            ),
             (
                 "max_client_shared_memory_regions",
                 1 <= self.max_client_shared_memory_regions <= 4096,
@@ -508,6 +518,14 @@ def _ratio_or_auto(text: str) -> bool:
     except ValueError:
         return False
     return 0 <= value <= 1  # NaN is neither
+
+
+def _executable_or_empty(path: str) -> bool:
+    return not path or (os.path.isfile(path) and os.access(path, os.X_OK))
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
 
 
 def env_name(field_name: str) -> str:
@@ -573,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for spec in fields(Settings):
         parser.add_argument(
-            "--" + spec.name.replace("_", "-"),
+            flag_name(spec.name),
             type=str if _repeatable(spec.type) else _converter(spec.type),
             action="append" if _repeatable(spec.type) else "store",
             choices=CHOICES.get(spec.name),

@@ -37,22 +37,43 @@ def test_padding_ratio_is_auto_by_default_and_a_number_when_given() -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        (["--max-batch-size", "0"], {}, "max_batch_size must be >= 1, got 0"),
+        (
+            ["--max-batch-size", "0"],
+            {},
+            "--max-batch-size (ATTENTION_MAX_BATCH_SIZE) must be >= 1, got 0",
+        ),
         (["--provider", "tpu"], {}, "argument --provider: invalid choice: 'tpu'"),
-        ([], {"ATTENTION_PROVIDER": "tpu"}, "provider must be one of"),
+        ([], {"ATTENTION_PROVIDER": "tpu"}, "--provider (ATTENTION_PROVIDER) must be one of"),
         ([], {"ATTENTION_GRPC_PORT": "eighty"}, "ATTENTION_GRPC_PORT='eighty' is not a valid int"),
-        (["--grpc-port", "70000"], {}, "grpc_port must be 0..65535"),
+        (["--grpc-port", "70000"], {}, "--grpc-port (ATTENTION_GRPC_PORT) must be 0..65535"),
         (
             ["--max-padding-ratio", "1.5"],
             {},
-            "max_padding_ratio must be auto or a number in 0..1, got '1.5'",
+            "--max-padding-ratio (ATTENTION_MAX_PADDING_RATIO) must be auto or a number in 0..1, "
+            "got '1.5'",
         ),
         (
             [],
             {"ATTENTION_MAX_PADDING_RATIO": "some"},
-            "max_padding_ratio must be auto or a number in 0..1, got 'some'",
+            "--max-padding-ratio (ATTENTION_MAX_PADDING_RATIO) must be auto or a number in 0..1, "
+            "got 'some'",
         ),
-        (["--max-padding-ratio", "nan"], {}, "max_padding_ratio must be auto or a number"),
+        (
+            ["--max-padding-ratio", "nan"],
+            {},
+            "--max-padding-ratio (ATTENTION_MAX_PADDING_RATIO) must be auto",
+        ),
+        (
+            ["--grpc-gateway-binary", "/nonexistent/attention-gateway"],
+            {},
+            "--grpc-gateway-binary (ATTENTION_GRPC_GATEWAY_BINARY) must be an executable file, "
+            "or empty",
+        ),
+        (
+            ["--max-undelivered-bytes", "10", "--max-undelivered-bytes-per-connection", "20"],
+            {},
+            "must be 1..--max-undelivered-bytes, got 20",
+        ),
     ],
 )
 def test_bad_settings_are_reported(argv, env, message, capsys: pytest.CaptureFixture[str]) -> None:

@@ -303,10 +303,16 @@ def test_certificate_files_replaced_are_served_without_a_restart(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--tls-key", "k.pem"], "tls_cert must be set with tls_key"),
-        (["--tls-cert", "c.pem"], "tls_key must be set with tls_cert"),
-        (["--tls-client-ca", "ca.pem"], "tls_cert must be set with tls_client_ca"),
-        (["--max-connection-age-s", "-1"], "max_connection_age_s must be >= 0"),
+        (["--tls-key", "k.pem"], "--tls-cert (ATTENTION_TLS_CERT) must be set with --tls-key"),
+        (["--tls-cert", "c.pem"], "--tls-key (ATTENTION_TLS_KEY) must be set with --tls-cert"),
+        (
+            ["--tls-client-ca", "ca.pem"],
+            "--tls-cert (ATTENTION_TLS_CERT) must be set with --tls-client-ca",
+        ),
+        (
+            ["--max-connection-age-s", "-1"],
+            "--max-connection-age-s (ATTENTION_MAX_CONNECTION_AGE_S) must be >= 0",
+        ),
     ],
 )
 def test_incomplete_tls_settings_are_refused(
