@@ -476,6 +476,30 @@ def test_off_by_default(repository: Path) -> None:
             rest.close()
 
 
+def test_cuda_shared_memory_calls_are_unimplemented_on_both_apis(repository: Path) -> None:
+    """Triton's CUDA extension is not served: UNIMPLEMENTED over gRPC, 501 with the JSON
+    error over REST (its paths used to answer 404, "no endpoint")."""
+    flags = ("--default-model", "small", "--client-shared-memory", "on")
+    with ServerProcess(repository, *flags, http=True) as server:
+        with triton.InferenceServerClient(server.target) as client:
+            assert _code(client.get_cuda_shared_memory_status).startswith(
+                "StatusCode.UNIMPLEMENTED"
+            )
+        rest = triton_http.InferenceServerClient(server.http_url)
+        try:
+            for call in (
+                rest.get_cuda_shared_memory_status,
+                lambda: rest.get_cuda_shared_memory_status("r"),
+                lambda: rest.unregister_cuda_shared_memory("r"),
+                rest.unregister_cuda_shared_memory,
+            ):
+                refused = _code(call)
+                assert refused.startswith("501"), refused
+                assert "CUDA shared memory is not supported by this server" in refused
+        finally:
+            rest.close()
+
+
 def _v2_request(region: str, nbytes: int) -> v2.ModelInferRequest:
     """ModelInfer with the input at the start of region and the output right after it."""
     request = v2.ModelInferRequest(model_name="small")

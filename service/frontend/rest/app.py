@@ -347,7 +347,7 @@ def _refusal_message(request: web.Request, err: web.HTTPException) -> str:
             f"no endpoint {request.method} {request.path[:200]!r}; the V2 REST API serves "
             "/v2, /v2/health/{live,ready}, /v2/models/{model}[/versions/{version}]"
             "[/ready|/config|/stats|/infer], /v2/models/stats, /v2/repository/..., "
-            "/v2/systemsharedmemory/... and /v2/logging"
+            "/v2/systemsharedmemory/..., /v2/cudasharedmemory/... (501) and /v2/logging"
         )
     if err.status == 405:
         return f"{request.method} is not served on {request.path[:200]!r}; {err.reason}"

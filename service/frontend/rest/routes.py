@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from service.errors import InvalidInput, ModelNotFound, ServingError, ShuttingDown
+from service.errors import InvalidInput, ModelNotFound, NotSupported, ServingError, ShuttingDown
 from service.frontend.delivery import MEMORY_PER_ANSWER_BYTE, Reservation
 from service.frontend.rest.answer import encode_infer
 from service.frontend.rest.codec import (
@@ -44,6 +44,11 @@ class _NoDeadline:
 NO_DEADLINE = _NoDeadline()
 MODEL = "/v2/models/{model}"
 SHM = "/v2/systemsharedmemory"
+CUDA_SHM = "/v2/cudasharedmemory"
+CUDA_SHM_UNSUPPORTED = (
+    "CUDA shared memory is not supported by this server; system shared memory is "
+    "(/v2/systemsharedmemory/..., with --client-shared-memory on)"
+)
 # Triton's paths: (method, path, endpoint, --restricted-api group as Triton groups its HTTP
 # endpoints). Each model path also with /versions/{version}. Restrictions go by the route a
 # request matched, never by the path's text (a model may be named "ready" or "infer").
@@ -71,6 +76,12 @@ ROUTES: tuple[tuple[str, str, str, str], ...] = (
     ("POST", SHM + "/region/{region}/register", "shm_register", "shared-memory"),
     ("POST", f"{SHM}/unregister", "shm_unregister", "shared-memory"),
     ("POST", SHM + "/region/{region}/unregister", "shm_unregister", "shared-memory"),
+    # Triton's CUDA shared-memory extension: known, and answered 501 (gRPC: UNIMPLEMENTED).
+    ("GET", f"{CUDA_SHM}/status", "cuda_shm", "shared-memory"),
+    ("GET", CUDA_SHM + "/region/{region}/status", "cuda_shm", "shared-memory"),
+    ("POST", CUDA_SHM + "/region/{region}/register", "cuda_shm", "shared-memory"),
+    ("POST", f"{CUDA_SHM}/unregister", "cuda_shm", "shared-memory"),
+    ("POST", CUDA_SHM + "/region/{region}/unregister", "cuda_shm", "shared-memory"),
     ("GET", "/v2/logging", "log_settings", "logging"),
     ("POST", "/v2/logging", "update_log_settings", "logging"),
 )
@@ -291,6 +302,9 @@ class _Endpoints:
     async def shm_unregister(self, request: web.Request) -> web.Response:
         await self.plane.shm_unregister(request.match_info.get("region", ""))
         return json_response({})
+
+    async def cuda_shm(self, request: web.Request) -> web.Response:
+        raise NotSupported(CUDA_SHM_UNSUPPORTED)
 
     # Triton's logging extension: the logging group of --restricted-api.
     async def log_settings(self, request: web.Request) -> web.Response:
