@@ -524,6 +524,15 @@ def _executable_or_empty(path: str) -> bool:
     return not path or (os.path.isfile(path) and os.access(path, os.X_OK))
 
 
+def _shown_default(value: object) -> str:
+    """A default as --help shows it, as docs/configuration.md does: unset, none, empty."""
+    if value is None:
+        return "unset"
+    if value == ():
+        return "none"
+    return "empty" if value == "" else str(value)
+
+
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
@@ -596,7 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
             action="append" if _repeatable(spec.type) else "store",
             choices=CHOICES.get(spec.name),
             default=argparse.SUPPRESS,
-            help=f"{spec.metadata['help']} [env {env_name(spec.name)}; default {spec.default}]",
+            help=f"{spec.metadata['help']} [env {env_name(spec.name)}; default "
+            f"{_shown_default(spec.default)}]",
         )
     return parser
 
