@@ -318,6 +318,29 @@ def test_inference_statistics_count_requests(v2: triton.InferenceServerClient) -
     }
 
 
+def test_a_request_whose_output_is_not_finite_is_a_failure_not_an_inference(
+    v2: triton.InferenceServerClient,
+) -> None:
+    """Triton's inference_count counts successful inferences. Before: the two sequences
+    refused for a NaN or inf output were counted as inferences too."""
+
+    def counts() -> tuple[int, int, int]:
+        stats = v2.get_inference_statistics("causal", as_json=True)["model_stats"][0]
+        inference = stats["inference_stats"]
+        return (
+            int(stats.get("inference_count", 0)),
+            int(inference["success"].get("count", 0)),
+            int(inference["fail"].get("count", 0)),
+        )
+
+    before = counts()
+    with pytest.raises(InferenceServerException) as caught:
+        v2.infer("causal", [_input(np.full((2, 4, 32), 3e38, np.float32))])
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "NaN or inf" in caught.value.message()
+    assert counts() == (before[0], before[1], before[2] + 1)
+
+
 def test_unimplemented_calls_say_so(v2: triton.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException) as caught:
         v2.get_system_shared_memory_status()

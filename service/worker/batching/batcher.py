@@ -981,6 +981,7 @@ class Batcher:
         if isinstance(caps, LiveCaps) and not queue.with_weights:
             caps.observe(_longest(batch), sequences, computed.cost_s)
         succeeded = []
+        succeeded_sequences = 0
         batch_id = next(self._batches)
         # Tags go to the requests that get an answer (a compute span): finite, still awaited.
         tagged = [
@@ -1010,6 +1011,7 @@ class Batcher:
                 )
                 continue
             succeeded.append(queue_s)
+            succeeded_sequences += ticket.embeddings.shape[0]
             if ticket.state != ANSWERED:
                 _settle(
                     ticket,
@@ -1027,7 +1029,9 @@ class Batcher:
                         ),
                     ),
                 )
-        self.statistics.record_batch(runner.key, sequences, succeeded, computed.compute_s)
+        self.statistics.record_batch(
+            runner.key, sequences, succeeded, computed.compute_s, succeeded_sequences
+        )
 
 
 def _settle(ticket: Ticket, outcome: Result | BaseException) -> None:

@@ -20,11 +20,18 @@ class InferenceStatistics:
         self._stats: dict[str, VersionStats] = defaultdict(VersionStats)
 
     def record_batch(
-        self, key: str, sequences: int, queue_s: list[float], compute_s: float
+        self,
+        key: str,
+        sequences: int,
+        queue_s: list[float],
+        compute_s: float,
+        succeeded_sequences: int,
     ) -> None:
+        """A batch of sequences computed; queue_s: the wait of each request answered OK, whose
+        sequences (succeeded_sequences) alone are inferences, as Triton counts them."""
         with self._lock:
             stats = self._stats[key]
-            stats.inference_count += sequences
+            stats.inference_count += succeeded_sequences
             stats.execution_count += 1
             stats.last_inference_ms = int(time.time() * 1000)
             stats.compute_infer.add(compute_s * len(queue_s), len(queue_s))
