@@ -86,6 +86,9 @@ class RefusedMessage(Undecodable):
         return self._error
 
 
+GZIP_MAGIC = b"\x1f\x8b"  # a gzip member's first bytes
+
+
 class Unpacker:
     """The request deserializers' first step: bytes as they came -> bytes to parse."""
 
@@ -120,21 +123,26 @@ class Unpacker:
 def _inflate_at_most(data: bytes, encoding: str, max_bytes: int) -> bytes | None:
     """data inflated, or None as soon as more than max_bytes came out. In INFLATE_STEP
     pieces, joined only once the whole message is known to fit: zlib's own bounded
-    decompress (and a growing buffer) would hold the limit twice over at the peak."""
-    inflater = zlib.decompressobj(wbits=31)  # gzip
+    decompress (and a growing buffer) would hold the limit twice over at the peak. Gzip
+    members one after another are one stream (RFC 1952; as gzip and grpc-go read them)."""
     pieces: list[bytes] = []
     size = 0
     pending = data
     try:
-        while not inflater.eof:
-            piece = inflater.decompress(pending, INFLATE_STEP)
-            size += len(piece)
-            if size > max_bytes:
-                return None
-            pieces.append(piece)
-            pending = inflater.unconsumed_tail
-            if not piece and not pending:
-                break  # the input ended before the compressed stream did
+        while True:
+            inflater = zlib.decompressobj(wbits=31)  # one gzip member
+            while not inflater.eof:
+                piece = inflater.decompress(pending, INFLATE_STEP)
+                size += len(piece)
+                if size > max_bytes:
+                    return None
+                pieces.append(piece)
+                pending = inflater.unconsumed_tail
+                if not piece and not pending:
+                    break  # the input ended before the compressed stream did
+            if not inflater.eof or not inflater.unused_data.startswith(GZIP_MAGIC):
+                break
+            pending = inflater.unused_data  # the next member
     except zlib.error as err:
         raise InvalidInput(f"the {encoding}-compressed request is corrupt: {err}") from err
     if not inflater.eof or inflater.unused_data:

@@ -105,6 +105,24 @@ def test_identity_never_looks_at_the_bytes_and_gzip_inflates_within_the_limit() 
     assert isinstance(_refusal(unpack(gzip.compress(message)[:-12])), InvalidInput)
 
 
+def test_gzip_members_one_after_another_are_one_message() -> None:
+    """RFC 1952's multi-member gzip, as gzip and grpc-go read it. Before: refused as
+    "truncated or has bytes after its end"."""
+    message = _message()
+    half = len(message) // 2
+    two_members = gzip.compress(message[:half]) + gzip.compress(message[half:])
+    unpack = Unpacker("gzip", max_bytes=len(message))
+    assert unpack(two_members) == message
+    assert unpack(gzip.compress(message) + gzip.compress(b"")) == message  # an empty member
+    over = Unpacker("gzip", max_bytes=len(message) - 1)  # the limit counts every member
+    assert isinstance(_refusal(over(two_members)), CompressedTooLarge)
+    trailing = _refusal(unpack(gzip.compress(message) + b"junk"))
+    assert isinstance(trailing, InvalidInput)
+    assert "bytes after its end" in str(trailing)
+    corrupt_second = gzip.compress(message[:half]) + gzip.compress(message[half:])[:-6]
+    assert isinstance(_refusal(unpack(corrupt_second)), InvalidInput)
+
+
 def test_a_plain_message_that_is_also_a_zlib_stream_is_read_as_it_is() -> None:
     """Its flag says plain, and so it is: never inflated (the Python front end used to take
     any message that inflates as one whole zlib stream for deflate, and refuse it)."""
@@ -176,6 +194,18 @@ def test_honest_gzip_clients_are_served(gzip_server: ServerProcess) -> None:
         _infer(gzip_server.target, compression_algorithm="deflate")
     assert refused.value.status() == "StatusCode.UNIMPLEMENTED"
     assert "'deflate' is disabled" in refused.value.message()
+
+
+def test_a_message_of_two_gzip_members_is_answered(gzip_server: ServerProcess) -> None:
+    message = _request("two-members")
+    half = len(message) // 2
+    connection = RawGrpc(gzip_server.grpc_port)
+    try:
+        compressed = gzip.compress(message[:half]) + gzip.compress(message[half:])
+        state = connection.wait(connection.call(ATTEND, compressed, compressed=True))
+    finally:
+        connection.close()
+    assert state.headers.get("grpc-status") == "0", state
 
 
 def test_plain_messages_are_read_as_they_are_with_gzip_taken(gzip_server: ServerProcess) -> None:
