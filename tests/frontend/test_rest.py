@@ -213,6 +213,11 @@ BAD_BODIES = [
         b' "parameters": {"binary_data_size": 4}}]}',
         "binary_data_size is 4, but only 0 bytes",
     ),
+    (
+        b'{"inputs": [{"name": "embeddings", "shape": [1, 99, 64], "datatype": "FP32",'
+        b' "parameters": {"binary_data_size": -1}}]}',
+        "binary_data_size is -1; expected a byte count >= 0",
+    ),
 ]
 
 

@@ -246,7 +246,9 @@ def _add_input(
         size = _typed(size, int, f"{where} binary_data_size", "a byte count")
         if "data" in tensor:
             raise InvalidInput(f"{where} has both binary_data_size and data; send one")
-        if not 0 <= size <= len(binary) - offset:
+        if size < 0:
+            raise InvalidInput(f"{where} binary_data_size is {size}; expected a byte count >= 0")
+        if size > len(binary) - offset:
             raise InvalidInput(
                 f"{where} binary_data_size is {size}, but only {len(binary) - offset} bytes "
                 f"of binary data follow the {HEADER_LENGTH} bytes of JSON"
