@@ -1,5 +1,5 @@
 """python -m service: the supervisor, which runs the worker and the front ends until
-SIGTERM/SIGINT, then drains and exits 0."""
+SIGTERM/SIGINT, then drains and exits (0 when every child ended cleanly)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -272,9 +273,9 @@ class Settings:
         default="auto",
     )
     grpc_gateway_binary: str = _doc(
-        "the gateway's executable (one that is not an executable file stops the server at "
-        "start, unless --grpc-gateway is off); empty = attention-gateway beside the Python "
-        "interpreter (where make setup builds it), else on PATH",
+        "the gateway's executable: a path, or a command on PATH (one not found stops the "
+        "server at start, unless --grpc-gateway is off); empty = attention-gateway beside the "
+        "Python interpreter (where make setup builds it), else on PATH",
         default="",
     )
     max_restarts: int = _doc(
@@ -424,7 +425,7 @@ class Settings:
             (
                 "max_inflight_batches_per_model",
                 1 <= self.max_inflight_batches_per_model <= self.max_inflight_batches,
-                "1..--max-inflight-batches",
+                "at least 1 and at most --max-inflight-batches",
             ),
             ("max_stream_inflight_requests", self.max_stream_inflight_requests >= 1, ">= 1"),
             ("max_stream_pending_bytes", self.max_stream_pending_bytes >= 1, ">= 1"),
@@ -474,7 +475,7 @@ class Settings:
             (
                 "max_undelivered_bytes_per_connection",
                 1 <= self.max_undelivered_bytes_per_connection <= self.max_undelivered_bytes,
-                "1..--max-undelivered-bytes",
+                "at least 1 and at most --max-undelivered-bytes",
             ),
             ("grpc_compression", self.grpc_compression in GRPC_COMPRESSION, "identity or gzip"),
             ("repository_follow_symlinks", self.repository_follow_symlinks in ON_OFF, "on or off"),
@@ -489,8 +490,8 @@ class Settings:
             (
                 "grpc_gateway_binary",
                 self.grpc_gateway == "off" or _executable_or_empty(self.grpc_gateway_binary),
-                "an executable file, or empty (the one beside the Python interpreter, else on "
-                "PATH)",
+                "an executable file or a command on PATH, or empty (the one beside the Python "
+                "interpreter, else on PATH)",
             ),
             (
                 "max_client_shared_memory_regions",
@@ -521,7 +522,8 @@ def _ratio_or_auto(text: str) -> bool:
 
 
 def _executable_or_empty(path: str) -> bool:
-    return not path or (os.path.isfile(path) and os.access(path, os.X_OK))
+    """A path to an executable file, a command found on PATH (as the gateway is run), or ''."""
+    return not path or shutil.which(path) is not None
 
 
 def _shown_default(value: object) -> str:

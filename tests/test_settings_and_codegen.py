@@ -66,13 +66,13 @@ def test_padding_ratio_is_auto_by_default_and_a_number_when_given() -> None:
         (
             ["--grpc-gateway-binary", "/nonexistent/attention-gateway"],
             {},
-            "--grpc-gateway-binary (ATTENTION_GRPC_GATEWAY_BINARY) must be an executable file, "
-            "or empty",
+            "--grpc-gateway-binary (ATTENTION_GRPC_GATEWAY_BINARY) must be an executable file "
+            "or a command on PATH, or empty",
         ),
         (
             ["--max-undelivered-bytes", "10", "--max-undelivered-bytes-per-connection", "20"],
             {},
-            "must be 1..--max-undelivered-bytes, got 20",
+            "must be at least 1 and at most --max-undelivered-bytes, got 20",
         ),
     ],
 )
@@ -80,6 +80,20 @@ def test_bad_settings_are_reported(argv, env, message, capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         load_settings(argv, env)
     assert message in capsys.readouterr().err
+
+
+def test_the_gateway_binary_may_be_a_command_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the front end runs it. (A check by file alone refused a bare command name.)"""
+    gateway = tmp_path / "my-gateway"
+    gateway.write_text("#!/bin/sh\n")
+    gateway.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert load_settings(["--grpc-gateway-binary", "my-gateway"], {}).grpc_gateway_binary
+    assert load_settings(["--grpc-gateway-binary", str(gateway)], {}).grpc_gateway_binary
+    off = load_settings(["--grpc-gateway", "off", "--grpc-gateway-binary", "/nope"], {})
+    assert off.grpc_gateway_binary == "/nope"  # never run
 
 
 def test_help_lists_every_flag_and_its_environment_variable() -> None:

@@ -309,6 +309,14 @@ class Supervisor:
             log.info("%s exited (code %s)", child.role, code)
             return
         if not child.started:
+            if code is not None and code < 0 and _stopped_as_asked(code):
+                # Ctrl-C (or SIGTERM to the group) early in start-up: the child, with no
+                # handler yet, died of it before this process handled its own copy.
+                log.info(
+                    "%s stopped by signal %d before it was serving; stopping", child.role, -code
+                )
+                self._stop.set()
+                return
             log.error("%s exited with code %s before it was serving; stopping", child.role, code)
             self._fail()
             return

@@ -299,10 +299,9 @@ class V2Plane:
         """(bytes, bytes per value) of each output the answer carries in the message,
         estimated before computing it: the output, when asked for (or nothing is named), is
         as large as the input; the weights, when asked for, add h * seq float32 values per
-        position; an output asked for in
-        client shared memory carries nothing. An input in client shared memory counts by its
-        declared shape (within the limits). Nothing for a request with no input (infer
-        refuses it, saying so)."""
+        position; an output asked for in client shared memory carries nothing. An input in
+        client shared memory counts by its declared shape (within the limits). Nothing for a
+        request with no input (infer refuses it, saying so)."""
         if not request.inputs:
             return {}
         tensor = request.inputs[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.harness import wait_for
+from bench.harness import loopback_server, wait_for
 from service import status_texts
 from service.generated.attention.v1 import attention_pb2 as pb
 from service.generated.attention.v1 import attention_pb2_grpc
@@ -318,3 +319,35 @@ def test_sigterm_during_start_up_stops_at_once_without_serving(model_repository:
     assert "during start-up" in server.log
     assert "ready: serving" not in server.log
     assert elapsed < 1.5, f"exited {elapsed:.2f}s after SIGTERM"
+
+
+def test_ctrl_c_while_the_children_start_stops_cleanly(model_repository: Path) -> None:
+    """Ctrl-C reaches the whole process group; children still importing (no handler yet) die
+    of it, and their exits may come before the supervisor handles its own copy. Before: "exited
+    with code -2 before it was serving; stopping", exit 1."""
+    command = [*loopback_server(model_repository), "--batch-cap-budget-s", "0"]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:  # the children are spawned, not yet started
+            lines.append(line)
+            if "started frontend-0" in line:
+                os.killpg(process.pid, signal.SIGINT)
+                break
+        lines.extend(process.stdout)
+        code = process.wait(30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    log = "".join(lines)
+    assert code == 0, log
+    assert "ERROR" not in log, log

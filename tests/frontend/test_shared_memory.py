@@ -490,6 +490,7 @@ def test_cuda_shared_memory_calls_are_unimplemented_on_both_apis(repository: Pat
             for call in (
                 rest.get_cuda_shared_memory_status,
                 lambda: rest.get_cuda_shared_memory_status("r"),
+                lambda: rest.register_cuda_shared_memory("r", b"handle", 0, 64),
                 lambda: rest.unregister_cuda_shared_memory("r"),
                 rest.unregister_cuda_shared_memory,
             ):
