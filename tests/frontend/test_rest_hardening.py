@@ -818,6 +818,23 @@ def test_a_body_that_stops_coming_gets_408(server: ServerProcess, start: bytes) 
     assert took < HEADER_TIMEOUT_S + 3, took
 
 
+def test_a_transfer_coding_other_than_chunked_is_501(server: ServerProcess) -> None:
+    """RFC 9112's answer to a transfer coding not understood. Before: "gzip, chunked" had its
+    chunks read and their gzip bytes parsed as JSON (400, "not UTF-8")."""
+    body = gzip.compress(b'{"inputs": []}')
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+        sock.sendall(
+            f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: gzip, chunked\r\n\r\n".encode()
+            + chunked
+        )
+        status, headers, raw = _read_answer(sock)
+        _closed_within(sock, 15)
+    assert status == 501, raw[:300]
+    assert "Transfer-Encoding 'gzip' is not supported" in _error(headers, raw)
+
+
 def test_a_pipelined_partial_request_gets_408(server: ServerProcess) -> None:
     """A whole request and the start of the next in one packet, then silence: the header
     deadline was never armed for the second (its bytes came before the first was answered),

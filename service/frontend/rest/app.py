@@ -258,6 +258,7 @@ class RestFrontend:
         id_token = logs.REQUEST_ID.set("")  # the infer endpoint sets it once it has one
         try:
             self._check_access(request)
+            _check_transfer_coding(request)
             response = await handler(request)
             status = response.status
             if request.get(routes.UNDELIVERED):
@@ -363,6 +364,22 @@ def _call_soon(loop: asyncio.AbstractEventLoop, then: Callable[[], None]) -> Non
     """then() on loop, from the codec thread; nothing once the loop has closed (shutdown)."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(then)
+
+
+def _check_transfer_coding(request: web.Request) -> None:
+    """Chunked is the one transfer coding read (RFC 9112: 501 for another): the HTTP parser
+    reads the chunks of "gzip, chunked" and would hand on their gzip bytes as the body."""
+    spelled = ",".join(request.headers.getall("Transfer-Encoding", ()))
+    others = [c.strip() for c in spelled.split(",") if c.strip() and c.strip().lower() != "chunked"]
+    if others:
+        raise HttpRefusal(
+            501,
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"Transfer-Encoding {shown(', '.join(others))} is not supported; send the body "
+            "chunked or with a Content-Length, compressed by Content-Encoding (gzip, deflate "
+            "or br) if at all",
+            close=True,  # its body, unread, is still on the connection
+        )
 
 
 def _unreadable(request: web.Request, err: RequestPayloadError) -> str:
