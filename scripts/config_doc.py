@@ -15,7 +15,15 @@ import sys
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
 
-from service.settings import AUTO, CHOICES, ENV_PREFIX, RATIO_OR_AUTO, Settings, env_name
+from service.settings import (
+    AUTO,
+    CHOICES,
+    ENV_PREFIX,
+    RATIO_OR_AUTO,
+    Settings,
+    env_name,
+    shown_default,
+)
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -112,10 +120,8 @@ The container image sets `{env_name("host")}=0.0.0.0`, `{env_name("grpc_port")}=
 
 def _default(spec: Field[object]) -> str:
     value = spec.default if spec.default is not MISSING else None
-    if value is None:
-        return "unset"
-    if value == ():
-        return "none"
+    if value is None or value == ():
+        return shown_default(value)  # as --help words them
     text = f"`{value}`"
     if spec.name.endswith("_bytes") and isinstance(value, int) and value >= 1 << 20:
         text += f" ({value >> 20} MiB)"

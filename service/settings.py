@@ -526,7 +526,7 @@ def _executable_or_empty(path: str) -> bool:
     return not path or shutil.which(path) is not None
 
 
-def _shown_default(value: object) -> str:
+def shown_default(value: object) -> str:
     """A default as --help shows it, as docs/configuration.md does: unset, none, empty."""
     if value is None:
         return "unset"
@@ -608,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
             choices=CHOICES.get(spec.name),
             default=argparse.SUPPRESS,
             help=f"{spec.metadata['help']} [env {env_name(spec.name)}; default "
-            f"{_shown_default(spec.default)}]",
+            f"{shown_default(spec.default)}]",
         )
     return parser
 

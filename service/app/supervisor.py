@@ -309,7 +309,7 @@ class Supervisor:
             log.info("%s exited (code %s)", child.role, code)
             return
         if not child.started:
-            if code is not None and code < 0 and _stopped_as_asked(code):
+            if code is not None and _killed_by_a_stop_signal(code):
                 # Ctrl-C (or SIGTERM to the group) early in start-up: the child, with no
                 # handler yet, died of it before this process handled its own copy.
                 log.info(
@@ -421,10 +421,15 @@ class Supervisor:
         shutil.rmtree(self._run_dir, ignore_errors=True)
 
 
+def _killed_by_a_stop_signal(exitcode: int | None) -> bool:
+    """Ended by SIGTERM's or SIGINT's default action: a child still starting up, with no
+    handler for them yet."""
+    return exitcode in (-signal.SIGTERM, -signal.SIGINT)
+
+
 def _stopped_as_asked(exitcode: int | None) -> bool:
-    """A child's exit after the drain's signal that is not a failure: 0, or the signal's
-    own default action (a child still starting up had no handler for it yet)."""
-    return exitcode in (0, -signal.SIGTERM, -signal.SIGINT)
+    """A child's exit after the drain's signal that is not a failure."""
+    return exitcode == 0 or _killed_by_a_stop_signal(exitcode)
 
 
 def _serve_metrics(settings: Settings, metrics_dir: Path, own: list[Any]) -> tuple[Any, Thread]:

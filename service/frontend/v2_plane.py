@@ -314,9 +314,10 @@ class V2Plane:
         wants_weights = any(o.name == "attention_weights" for o in request.outputs)
         # Outputs named: the answer carries those alone (none named: 'output' alone).
         wants_output = not request.outputs or any(o.name == "output" for o in request.outputs)
+        carries_output = wants_output and "output" not in in_region
         # An unknown model or version raises here (and reserves nothing): NOT_FOUND follows.
         spec = self.registry.resolve(request.model_name, request.model_version).spec
-        if payload is not None and wants_output and not wants_weights and not in_region:
+        if payload is not None and carries_output and not wants_weights and not in_region:
             return {"output": (payload, itemsize)}  # the common case: as large as the input
         output, weights = answer_estimate(
             list(tensor.shape),
@@ -325,10 +326,10 @@ class V2Plane:
             embed_dim=spec.embed_dim,
             num_heads=spec.num_heads,
             limits=self.limits,
-            output=wants_output and "output" not in in_region,
+            output=carries_output,
             weights=wants_weights and "attention_weights" not in in_region,
         )
-        sizes = {"output": (output, itemsize)} if wants_output and "output" not in in_region else {}
+        sizes = {"output": (output, itemsize)} if carries_output else {}
         if weights or (wants_weights and "attention_weights" not in in_region):
             sizes["attention_weights"] = (weights, 4)
         return sizes

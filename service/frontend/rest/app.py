@@ -369,8 +369,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, then: Callable[[], None]) -> Non
 def _check_transfer_coding(request: web.Request) -> None:
     """Chunked is the one transfer coding read (RFC 9112: 501 for another): the HTTP parser
     reads the chunks of "gzip, chunked" and would hand on their gzip bytes as the body."""
-    spelled = ",".join(request.headers.getall("Transfer-Encoding", ()))
-    others = [c.strip() for c in spelled.split(",") if c.strip() and c.strip().lower() != "chunked"]
+    codings = ",".join(request.headers.getall("Transfer-Encoding", ())).split(",")
+    others = [c for c in map(str.strip, codings) if c and c.lower() != "chunked"]
     if others:
         raise HttpRefusal(
             501,
