@@ -281,7 +281,8 @@ class Settings:
     max_restarts: int = _doc(
         "restarts of a dead worker or front end the supervisor makes within "
         "--restart-window-s; one more and the server exits non-zero (the orchestrator then "
-        "restarts the pod)",
+        "restarts the pod). Each front end restarts its gRPC gateway as often; one more and "
+        "the front end exits (and is restarted)",
         default=5,
     )
     restart_window_s: float = _doc("seconds over which --max-restarts counts", default=60.0)

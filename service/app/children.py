@@ -174,7 +174,13 @@ def run_frontend(
     from service.worker_socket import socket_path
 
     async def main() -> int:
-        server = FrontendServer(settings, socket_path(run_dir), f"frontend-{index}", queue_bytes)
+        server = FrontendServer(
+            settings,
+            socket_path(run_dir),
+            f"frontend-{index}",
+            queue_bytes,
+            gateway_restarted=lambda pid: report.send(("gateway", pid, "restarted")),
+        )
         try:
             started, signalled_at = await _until_signal(server.start(*ports))
         except StartupError as err:

@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -33,6 +32,7 @@ from service.observability import logs, metrics
 from service.observability.gpu_metrics import GpuCollector
 from service.observability.process_files import ProcessFiles
 from service.observability.process_metrics import ProcessCollector
+from service.restart_budget import RestartBudget
 from service.settings import Settings
 
 log = logging.getLogger("service")
@@ -112,7 +112,7 @@ class Supervisor:
         self._metrics_dir = self._run_dir / "metrics"
         self._children: dict[str, Child] = {}
         self._stderr: dict[str, StderrRelay] = {}  # each child role's standard error
-        self._restarts: deque[float] = deque()
+        self._restarts = RestartBudget(settings.max_restarts, settings.restart_window_s)
         self._stopping = False
         self._code = 0
         self._stop = asyncio.Event()
@@ -289,6 +289,8 @@ class Supervisor:
             self._served.set(message[1])
         elif kind == "gateway":
             child.gateway_pid = int(message[1])
+            if message[2:] == ("restarted",):  # by its front end, which serves on meanwhile
+                self._restarted.labels("gateway").inc()
 
     def _on_exit(self, child: Child) -> None:
         loop = asyncio.get_running_loop()
@@ -320,7 +322,7 @@ class Supervisor:
             log.error("%s exited with code %s before it was serving; stopping", child.role, code)
             self._fail()
             return
-        if not self._may_restart():
+        if not self._restarts.take():
             log.error(
                 "%s exited with code %s; more than %d restarts within %.0fs: giving up",
                 child.role,
@@ -336,16 +338,6 @@ class Supervisor:
 
     def _serving(self) -> bool:
         return bool(self._children) and all(c.started for c in self._children.values())
-
-    def _may_restart(self) -> bool:
-        now = time.monotonic()
-        window = self._settings.restart_window_s
-        while self._restarts and self._restarts[0] < now - window:
-            self._restarts.popleft()
-        if len(self._restarts) >= self._settings.max_restarts:
-            return False
-        self._restarts.append(now)
-        return True
 
     def _fail(self) -> None:
         self._code = 1

@@ -193,7 +193,7 @@ def metrics_spec() -> dict[str, Any]:
 
 class Gateway:
     """One gateway process: start() binds the port, stop() drains it; on_exit runs when it
-    exits on its own (the front end then exits, and the supervisor restarts both)."""
+    exits on its own (its front end then starts another on the same port: restart())."""
 
     def __init__(
         self,
@@ -223,6 +223,7 @@ class Gateway:
         # Tracing on: where the gateway's sampled calls come to be made spans.
         spans = backend.with_name(f"{name}-spans.sock")
         self._spans = SpanSink(spans) if tracing.enabled() else None
+        self._spans_started = False
 
     def _command(self, address: str) -> list[str]:
         s = self._settings
@@ -283,8 +284,9 @@ class Gateway:
         if metrics_dir:
             forget_dead_processes(metrics_dir)
         env = {**os.environ, METRICS_VARIABLE: json.dumps(metrics_spec())}
-        if self._spans is not None:
-            self._spans.start()
+        if self._spans is not None and not self._spans_started:
+            self._spans.start()  # once: a restarted gateway connects to the same sink
+            self._spans_started = True
         # The keys it checks: in a file only it inherits, never on its command line (which
         # anyone on the host can read) nor in its environment.
         restricted = _restrictions_file(self._restrictions.for_gateway(ANSWERED_GROUPS))

@@ -8,7 +8,9 @@ import contextlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,6 +46,7 @@ from service.frontend.worker_client import WorkerClient
 from service.generated.attention.v1 import attention_pb2, attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from service.observability import tracing
+from service.restart_budget import RestartBudget
 from service.settings import Settings
 from service.transport.grpc_options import (
     GATEWAY_HEADER_ALLOWANCE,
@@ -86,7 +89,15 @@ def slab_bytes(settings: Settings, queue_bytes: int) -> int:
 class FrontendServer:
     """start() waits for the worker's served set, binds and serves; stop() drains."""
 
-    def __init__(self, settings: Settings, socket_path: Path, name: str, queue_bytes: int):
+    def __init__(
+        self,
+        settings: Settings,
+        socket_path: Path,
+        name: str,
+        queue_bytes: int,
+        gateway_restarted: Callable[[int], None] = lambda pid: None,
+    ):
+        """gateway_restarted: told the pid of each gateway this front end restarts."""
         self._settings = settings
         self.name = name
         self._health = health.aio.HealthServicer()
@@ -101,6 +112,8 @@ class FrontendServer:
         self._worker_socket = socket_path
         self._gateway: Gateway | None = None
         self._gateway_on = False
+        self._gateway_restarted = gateway_restarted
+        self._gateway_restarts = RestartBudget(settings.max_restarts, settings.restart_window_s)
         self.plane = WorkerClient(
             socket_path, name, slab_bytes(settings, queue_bytes), on_change=self._changed
         )
@@ -244,9 +257,49 @@ class FrontendServer:
             restrictions=self._restrictions_in_force,
         )
         try:
-            return await self._gateway.start(grpc_address(settings.host, port), _gateway_died)
+            return await self._gateway.start(
+                grpc_address(settings.host, port), self._gateway_exited
+            )
         except GatewayError as err:
             raise StartupError(f"gateway: {err}") from err
+
+    def _gateway_exited(self) -> None:
+        """The gateway exited on its own (killed, crashed, or killed as hung): another takes
+        the port while this front end serves on (REST, and what Python was answering), as
+        the supervisor restarts its children and within the same budget. Past the budget,
+        or in the drain, or before the port is known, the front end exits too, and the
+        supervisor's rule applies to it."""
+        if self._draining or self.port is None or not self._gateway_restarts.take():
+            if not self._draining and self.port is not None:
+                log.error(
+                    "the gateway exited; more than %d restarts of it within %.0fs: giving up",
+                    self._settings.max_restarts,
+                    self._settings.restart_window_s,
+                )
+            _exit_now()
+        log.warning("restarting the gateway")
+        restart = asyncio.ensure_future(self._restart_gateway(self.port))
+        self._background.add(restart)
+        restart.add_done_callback(self._background.discard)
+
+    async def _restart_gateway(self, port: int) -> None:
+        assert self._gateway is not None
+        if self._draining:  # began before this turn: nothing to serve the port for
+            return
+        try:
+            await self._gateway.start(grpc_address(self._settings.host, port), self._gateway_exited)
+        except GatewayError as err:
+            if self._draining:  # the drain stopped it as it started: nothing is lost
+                return
+            log.error("cannot restart the gateway: %s", err)
+            _exit_now()
+        if self._draining:  # began while it started: the drain missed it
+            await self._gateway.stop(0)
+            return
+        if self._started:
+            self._gateway.answer_health()
+        assert self._gateway.pid is not None
+        self._gateway_restarted(self._gateway.pid)
 
     async def _start_rest(self, v2_plane: V2Plane, port: int, receive_bytes: int) -> None:
         """The HTTP/REST front end, bodies bounded as gRPC messages are."""
@@ -401,8 +454,8 @@ class FrontendServer:
         log.info("front end %s stopped", self.name)
 
 
-def _gateway_died() -> None:
-    """The gateway serving this front end's port is gone: so is the front end; the
-    supervisor restarts both."""
+def _exit_now() -> NoReturn:
+    """The gateway is gone for good: so is the front end, which the supervisor restarts
+    (with a gateway of its own) or gives up on."""
     logging.shutdown()
     os._exit(1)

@@ -316,8 +316,9 @@ def process_restarts_counter() -> Counter:
     """attention_process_restarts_total, kept by the supervisor (in its own registry)."""
     return Counter(
         f"{PREFIX}_process_restarts",
-        "Child processes the supervisor restarted after they died or hung (process: worker | "
-        "frontend); more than --max-restarts within --restart-window-s ends the server.",
+        "Child processes restarted after they died or hung (process: worker | frontend, by "
+        "the supervisor; gateway, by its front end); more than --max-restarts within "
+        "--restart-window-s ends the server (of a front end's gateway: the front end).",
         ["process"],
         registry=None,
     )

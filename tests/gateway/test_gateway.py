@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -404,22 +405,63 @@ def test_the_gateways_kept_message_buffers_go_back_once_calls_stop(model_reposit
     assert after - before < 8 << 20, shown
 
 
-def test_a_killed_gateway_is_restarted_with_its_front_end(model_repository: Path) -> None:
-    with ServerProcess(model_repository, "--grpc-gateway", "on") as server:
+def _rest_infer(server: ServerProcess, x: np.ndarray) -> np.ndarray:
+    body = {"inputs": [{"name": "embeddings", "shape": list(x.shape), "datatype": "FP32"}]}
+    body["inputs"][0]["data"] = x.ravel().tolist()
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/mha/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        output = json.loads(reply.read())["outputs"][0]
+    return np.array(output["data"], np.float32).reshape(output["shape"])
+
+
+def _grpc_answers(server: ServerProcess) -> bool:
+    try:
+        with triton.InferenceServerClient(server.target) as client:
+            infer(client, np.ones((1, 3, 512), np.float32), timeout_s=10)
+    except InferenceServerException:
+        return False
+    return True
+
+
+def test_a_killed_gateway_is_restarted_by_its_front_end_which_serves_on(
+    model_repository: Path,
+) -> None:
+    """A gateway that dies (SIGKILL here: the OOM killer's) is restarted on the same port by
+    its front end, which keeps serving REST meanwhile: the front end is not restarted, and
+    the restart is counted as the supervisor counts its own. Past --max-restarts within the
+    window, the front end exits and the supervisor restarts it with a gateway of its own."""
+    x = np.random.default_rng(7).standard_normal((1, 5, 512)).astype(np.float32)
+    expected, _ = attend_alone(layer_for(512, 8), x)
+    with ServerProcess(
+        model_repository, "--grpc-gateway", "on", "--max-restarts", "1", http=True
+    ) as server:
         first = gateway_pids(server)[0]
         front_end = child_pids(server)["frontend-0"]
         os.kill(first, signal.SIGKILL)
-        give_up = time.monotonic() + 60
-        while len(gateway_pids(server)) < 2 or child_pids(server)["frontend-0"] == front_end:
-            assert time.monotonic() < give_up, server.log
-            time.sleep(0.05)
+        np.testing.assert_allclose(_rest_infer(server, x), expected, rtol=1e-4, atol=1e-5)
+        wait_for(lambda: len(gateway_pids(server)) >= 2, timeout_s=60, what="a new gateway")
+        wait_for(lambda: _grpc_answers(server), timeout_s=60, what="gRPC served again")
+        assert child_pids(server)["frontend-0"] == front_end, server.log_tail(30)
+        assert server.metric("attention_process_restarts_total", process="gateway") == 1
+        assert server.metric("attention_process_restarts_total", process="frontend") == 0
+        # Its budget spent, the next death takes the front end with it.
+        os.kill(gateway_pids(server)[1], signal.SIGKILL)
+        wait_for(
+            lambda: (
+                child_pids(server)["frontend-0"] != front_end and len(gateway_pids(server)) >= 3
+            ),
+            timeout_s=60,
+            what=lambda: f"the front end restarted:\n{server.log_tail(30)}",
+        )
+        assert "more than 1 restarts of it within 60s: giving up" in server.log
         server.wait_serving()
-        with triton.InferenceServerClient(server.target) as client:
-            assert infer(client, np.ones((1, 3, 512), np.float32)).as_numpy("output").shape == (
-                1,
-                3,
-                512,
-            )
+        assert _grpc_answers(server)
+        np.testing.assert_allclose(_rest_infer(server, x), expected, rtol=1e-4, atol=1e-5)
+        assert server.metric("attention_process_restarts_total", process="frontend") == 1
         assert server.terminate() == 0, server.log
 
 
@@ -431,11 +473,11 @@ def _process_state(pid: int) -> str:
         return ""
 
 
-def test_a_stopped_gateway_is_killed_and_restarted_with_its_front_end(
+def test_a_stopped_gateway_is_killed_and_restarted_by_its_front_end(
     model_repository: Path,
 ) -> None:
     """A gateway that stops (SIGSTOP here; hung alike) sends no heartbeat: its front end
-    kills it after --watchdog-timeout-s, and the supervisor restarts both. The call it held
+    kills it after --watchdog-timeout-s and starts another. The call it held
     ends then instead of never, and the port serves again. (It used to hold its callers, and
     new connections, for good while REST and readiness said all was well.) The held call
     ends UNAVAILABLE, or, where gRPC's client saw that the dead gateway never read it, is
