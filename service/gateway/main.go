@@ -102,7 +102,10 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			_ = http.NewResponseController(w).SetReadDeadline(deadline)
 		}
 		read, message, ok := g.readUnary(r.Body)
-		if !ok && limited && !time.Now().Before(deadline) {
+		if limited && !time.Now().Before(deadline) {
+			// Past its deadline, read or not (one over on arrival, "0S", usually is read):
+			// gRPC core ends such a call before any handler, so it is neither computed nor
+			// counted, in the request metric or V2 statistics.
 			writeStatus(w, codeDeadlineExceeded, deadlineExceeded)
 			return
 		}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as triton
 
 from service.client import attend_request
 from service.generated.attention.v1 import attention_pb2 as pb
@@ -175,6 +176,26 @@ def test_a_call_past_its_deadline_on_arrival_is_answered_so(
     two = [Message(infer()), Message(infer())]
     reply = exchange(server.grpc_port, MODEL_INFER, headers, two)
     assert (reply.code, reply.message) == (DEADLINE, DEADLINE_EXCEEDED), reply
+
+
+def _failures(server: ServerProcess) -> tuple[int, float]:
+    """mha's V2 statistics failures, and the calls counted DEADLINE_EXCEEDED."""
+    with triton.InferenceServerClient(server.target) as client:
+        stats = client.get_inference_statistics("mha").model_stats[0]
+    counted = server.metric("attention_requests_total", code="DEADLINE_EXCEEDED")
+    return stats.inference_stats.fail.count, counted
+
+
+def test_a_call_past_its_deadline_on_arrival_is_not_counted(server: ServerProcess) -> None:
+    """Core ends it before any handler runs, so neither V2 statistics nor the request metric
+    sees it; the gateway, once it had read the message, passed it on to the worker, which
+    counted a failure in the statistics."""
+    before = _failures(server)
+    headers = Headers("trailers", (("grpc-timeout", "0S"),))
+    for _ in range(5):
+        reply = exchange(server.grpc_port, MODEL_INFER, headers, [Message(infer())])
+        assert (reply.code, reply.message) == (DEADLINE, DEADLINE_EXCEEDED), reply
+    assert _failures(server) == before
 
 
 def _served(path: str, answer: bytes) -> bool:
