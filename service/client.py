@@ -97,6 +97,43 @@ def stream_request(index: int, item: StreamItem, defaults: Mapping[str, Any]) ->
     return attend_request(embeddings, **merged)
 
 
+class StreamRequests:
+    """A stream's requests, built as gRPC asks for them. An item that cannot be sent (an
+    InvalidInput, a float64 array) or an error of the caller's own iterable ends the
+    requests there: the ones sent before it are still answered, and then failure is raised
+    (gRPC would end the call, answers and all, as UNKNOWN or a cancellation)."""
+
+    def __init__(self, defaults: Mapping[str, Any]) -> None:
+        self._defaults = defaults
+        self.failure: Exception | None = None
+
+    def of(self, items: Iterable[StreamItem]) -> Iterator[pb.AttendRequest]:
+        try:
+            for index, item in enumerate(items):
+                yield stream_request(index, item, self._defaults)
+        except Exception as err:
+            self.failure = err
+
+    async def of_async(
+        self, items: Iterable[StreamItem] | AsyncIterable[StreamItem]
+    ) -> AsyncIterator[pb.AttendRequest]:
+        if not isinstance(items, AsyncIterable):
+            for request in self.of(items):
+                yield request
+            return
+        index = 0
+        try:
+            async for item in items:
+                yield stream_request(index, item, self._defaults)
+                index += 1
+        except Exception as err:
+            self.failure = err
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+
 def stream_result(response: pb.AttendStreamResponse) -> AttendResult | AttendError:
     if response.HasField("error"):
         code = STATUS_BY_NUMBER.get(response.error.code, grpc.StatusCode.UNKNOWN)
@@ -170,15 +207,14 @@ class AttentionClient:
     ) -> Iterator[AttendResult | AttendError]:
         """Send requests on one AttendStream call; yield each answer as it completes (match
         them by request_id). defaults: fields for every request; timeout_s: the whole stream."""
-        call = self._stub.AttendStream(
-            (stream_request(i, item, defaults) for i, item in enumerate(requests)),
-            timeout=timeout_s,
-        )
+        outgoing = StreamRequests(defaults)
+        call = self._stub.AttendStream(outgoing.of(requests), timeout=timeout_s)
         try:
             for response in call:
                 yield stream_result(response)
         finally:
             call.cancel()  # the caller stopped early: the server drops what is still queued
+        outgoing.raise_failure()
 
     def get_model(self, model: str = "") -> pb.ModelInfo:
         return self._stub.GetModel(pb.GetModelRequest(model=model))
@@ -241,23 +277,14 @@ class AsyncAttentionClient:
         **defaults: Any,
     ) -> AsyncIterator[AttendResult | AttendError]:
         """AttentionClient.attend_stream for asyncio; requests may also be an async iterable."""
-
-        async def outgoing() -> AsyncIterator[pb.AttendRequest]:
-            if isinstance(requests, AsyncIterable):
-                index = 0
-                async for item in requests:
-                    yield stream_request(index, item, defaults)
-                    index += 1
-            else:
-                for index, item in enumerate(requests):
-                    yield stream_request(index, item, defaults)
-
-        call = self._stub.AttendStream(outgoing(), timeout=timeout_s)
+        outgoing = StreamRequests(defaults)
+        call = self._stub.AttendStream(outgoing.of_async(requests), timeout=timeout_s)
         try:
             async for response in call:
                 yield stream_result(response)
         finally:
             call.cancel()
+        outgoing.raise_failure()
 
 
 # -- CLI ------------------------------------------------------------------------------------

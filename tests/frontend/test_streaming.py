@@ -24,6 +24,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench.harness import wait_for
 from service.client import AsyncAttentionClient, AttendError, AttendResult, AttentionClient
+from service.errors import InvalidInput
 from service.frontend.handlers import add_servicer
 from service.frontend.streaming import StreamCalls, serve_stream
 from service.generated.attention.v1 import attention_pb2 as pb
@@ -180,6 +181,57 @@ def test_async_client_streams_an_async_iterable_and_names_answers_by_position(
         assert isinstance(answer, AttendResult), answer
         unary = client.attend(xs[int(answer.request_id)], model="small").output
         np.testing.assert_allclose(answer.output, unary, atol=1e-5, rtol=0)
+
+
+def test_an_array_the_client_cannot_send_ends_the_stream_after_the_answers_before_it(
+    server: ServerProcess, client: AttentionClient
+) -> None:
+    """The sent requests are answered, then InvalidInput is raised, as attend() raises it;
+    likewise an error of the caller's own iterable. gRPC used to end the whole call: the
+    blocking client raised UNKNOWN "Exception iterating requests!", the asyncio client a
+    CancelledError, and the answers to the valid requests were lost."""
+    good = np.ones((3, D), np.float32)
+    items: list[np.ndarray] = [good, good, good.astype(np.float64)]
+    answers: list[AttendResult | AttendError] = []
+
+    def collect(stream: Iterable[AttendResult | AttendError]) -> None:
+        answers.extend(stream)  # what came before the error stays in answers
+
+    with pytest.raises(InvalidInput, match="float64"):
+        collect(client.attend_stream(items, model="small", timeout_s=TIMEOUT_S))
+    assert sorted(a.request_id for a in answers if isinstance(a, AttendResult)) == ["0", "1"]
+
+    def failing() -> Iterator[np.ndarray]:
+        yield good
+        raise LookupError("the caller's own")
+
+    answers.clear()
+    with pytest.raises(LookupError, match="the caller's own"):
+        collect(client.attend_stream(failing(), model="small", timeout_s=TIMEOUT_S))
+    assert [a.request_id for a in answers] == ["0"]
+
+    async def session(
+        requests: Iterable[np.ndarray] | AsyncIterator[np.ndarray],
+    ) -> list[AttendResult | AttendError]:
+        seen: list[AttendResult | AttendError] = []
+
+        async def collect_async(stream: AsyncIterator[AttendResult | AttendError]) -> None:
+            async for answer in stream:
+                seen.append(answer)
+
+        async with AsyncAttentionClient(server.target) as attention:
+            stream = attention.attend_stream(requests, model="small", timeout_s=TIMEOUT_S)
+            with pytest.raises(InvalidInput, match="float64"):
+                await collect_async(stream)
+        return seen
+
+    async def async_items() -> AsyncIterator[np.ndarray]:
+        for item in items:
+            yield item
+
+    for requests in (items, async_items()):
+        seen = asyncio.run(session(requests))
+        assert sorted(a.request_id for a in seen if isinstance(a, AttendResult)) == ["0", "1"]
 
 
 BAD_IN_THE_MIDDLE = {
