@@ -195,6 +195,6 @@ def run_frontend(
         assert signalled_at is not None
         drain_from = drain_clock.started(run_dir, signalled_at)
         await server.stop(signalled_at=drain_from)
-        return 0
+        return 0 if server.drained else 1  # the supervisor then exits 1 too
 
     _run(settings, run_dir, main, report)

@@ -218,6 +218,8 @@ class Gateway:
         self._process: asyncio.subprocess.Process | None = None
         self.pid: int | None = None
         self._stopping = False
+        self._killed_at_end = False  # by stop(), its drain not finished in time
+        self.drained = True  # False once it ended its drain other than by exiting 0
         self._watch: asyncio.Task[None] | None = None
         self._beats: asyncio.Task[None] | None = None
         # Tracing on: where the gateway's sampled calls come to be made spans.
@@ -346,7 +348,8 @@ class Gateway:
             try:
                 line = await asyncio.wait_for(process.stdout.readline(), timeout)
             except TimeoutError:
-                if self._stopping or process.returncode is not None:
+                # In the drain too: a hung gateway would hold it for the whole grace period.
+                if process.returncode is not None:
                     return
                 log.error(
                     "the gateway sent no heartbeat for %.1fs (stopped or stalled); killing it",
@@ -364,6 +367,10 @@ class Gateway:
         if not self._stopping:
             log.error("the gateway exited with code %s", code)
             on_exit()
+        elif code != 0:
+            self.drained = False
+            if not self._killed_at_end:
+                log.error("the gateway exited with code %s during the drain", code)
 
     def answer_health(self) -> None:
         """The front end has started: from now on the gateway answers V2's health calls itself
@@ -384,6 +391,8 @@ class Gateway:
         try:
             await asyncio.wait_for(process.wait(), max(0.1, timeout_s))
         except TimeoutError:
+            log.warning("the gateway had not finished its drain in %.1fs; killing it", timeout_s)
+            self._killed_at_end = True
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()

@@ -453,6 +453,12 @@ class FrontendServer:
         tracing.stop(min(TRACING_FLUSH_S, remaining()))
         log.info("front end %s stopped", self.name)
 
+    @property
+    def drained(self) -> bool:
+        """After stop(): False when its gateway did not drain (hung and killed, or killed
+        at the end of the grace period): calls it held were cut."""
+        return self._gateway is None or self._gateway.drained
+
 
 def _exit_now() -> NoReturn:
     """The gateway is gone for good: so is the front end, which the supervisor restarts

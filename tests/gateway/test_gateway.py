@@ -539,6 +539,38 @@ def test_a_stopped_gateway_is_killed_and_restarted_by_its_front_end(
         assert server.terminate() == 0, server.log
 
 
+def test_a_gateway_hung_in_the_drain_is_killed_by_the_watchdog_and_the_server_exits_1(
+    model_repository: Path,
+) -> None:
+    """The watchdog keeps watching in the drain: a gateway stopped there is killed after
+    --watchdog-timeout-s instead of holding the stop for the whole grace period, and, its
+    calls cut, the server exits 1 (as for a worker lost in the drain). Found kept stopped,
+    as in the test above."""
+    with ServerProcess(
+        model_repository,
+        "--grpc-gateway",
+        "on",
+        "--watchdog-timeout-s",
+        "2",
+        "--grace-period-s",
+        "30",
+    ) as server:
+        gateway = gateway_pids(server)[0]
+        os.kill(gateway, signal.SIGSTOP)
+        wait_for(lambda: _process_state(gateway) == "T", what="the gateway stopped")
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        while server.process.poll() is None:
+            assert time.monotonic() - started < 25, server.log_tail(30)
+            if _process_state(gateway) not in ("T", ""):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(gateway, signal.SIGSTOP)
+            time.sleep(0.05)
+    assert server.process.returncode == 1, server.log_tail(30)
+    assert "sent no heartbeat for 2.0s (stopped or stalled); killing it" in server.log
+    assert "the gateway exited with code -9 during the drain" in server.log
+
+
 def test_a_gateways_crash_output_reaches_the_log_as_its_records(model_repository: Path) -> None:
     """What Go's runtime writes to standard error (here the goroutine dump of a SIGQUIT, as
     a panic writes one) comes out as JSON records of gateway-0, like every other log line;
