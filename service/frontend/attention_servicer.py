@@ -170,9 +170,9 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         """The one Attend path, unary and streamed: the AttendResponse, serialized with its
         tensors' bytes copied once (service.transport.wire)."""
         model = self._registry.resolve(request.model, request.model_version)
+        refs = self._refs(request)  # first: with client shared memory off, that is the news
         if not request.HasField("embeddings"):
             raise InvalidInput("embeddings is missing; expected a Tensor [seq, d] or [n, seq, d]")
-        refs = self._refs(request)
         received = _embeddings(request, refs["embeddings_region"])
         _check_weights_region(request, refs)
         # Answers go in the input's dtype, in a region as in the message (weights: float32).

@@ -319,6 +319,7 @@ class Gateway:
                 if fd is not None:
                     os.close(fd)
         self._process = process
+        self.pid = None  # until it says it is listening
         assert process.stdout is not None
         try:
             line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
@@ -374,9 +375,11 @@ class Gateway:
 
     def answer_health(self) -> None:
         """The front end has started: from now on the gateway answers V2's health calls itself
-        (SIGUSR1). Until then it hands them here, to be answered "not ready" while starting."""
+        (SIGUSR1). Until then it hands them here, to be answered "not ready" while starting.
+        Only a gateway that said it is listening is told: before its handlers are set,
+        SIGUSR1 would kill it (a restart's, still starting, is told when it has started)."""
         process = self._process
-        if process is not None and process.returncode is None:
+        if process is not None and process.returncode is None and self.pid == process.pid:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGUSR1)
 

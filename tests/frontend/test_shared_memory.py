@@ -469,6 +469,19 @@ def test_off_by_default(repository: Path) -> None:
             refused = _code(lambda: client.infer("small", [_shm_input(region="r")]))
             assert refused.startswith("StatusCode.INVALID_ARGUMENT")
             assert "--client-shared-memory on" in refused
+        with grpc.insecure_channel(server.target) as channel:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            # A region alone, no embeddings tensor: that the feature is off is the news (it
+            # was "embeddings is missing").
+            ref = pb.SharedMemoryRef(region="r", byte_size=8192)
+            for request in (
+                pb.AttendRequest(embeddings_region=ref),
+                pb.AttendRequest(output_region=ref),
+            ):
+                with pytest.raises(grpc.RpcError) as refused_call:
+                    stub.Attend(request, timeout=30)
+                assert refused_call.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "--client-shared-memory on" in (refused_call.value.details() or "")
         rest = triton_http.InferenceServerClient(server.http_url)
         try:
             assert _code(rest.get_system_shared_memory_status).startswith("501")
