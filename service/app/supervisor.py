@@ -122,6 +122,10 @@ class Supervisor:
         self._metrics_http: tuple[Any, Thread] | None = None
         self._served = metrics.ServedSetCollector()
         self._restarted = metrics.process_restarts_counter()
+        # Each at 0 from the start: a series that first appears at 1 shows Prometheus no
+        # increase, and the restart alert would miss the first restart.
+        for process in ("worker", "frontend", "gateway"):
+            self._restarted.labels(process)
         self._watchdog: asyncio.Task[None] | None = None
         self._log_settings = logs.LogSettingsFile(self._run_dir)
         self._following: asyncio.Task[None] | None = None

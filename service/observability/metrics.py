@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
-from prometheus_client import Counter, Gauge, Histogram, values
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, values
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -314,6 +314,9 @@ class ServedSetCollector(Collector):
 
 def process_restarts_counter() -> Counter:
     """attention_process_restarts_total, kept by the supervisor (in its own registry)."""
+    # Outside multiprocess mode a counter also shows a _created series (its start time), not
+    # one of the documented metrics; the supervisor's own metrics do without.
+    disable_created_metrics()
     return Counter(
         f"{PREFIX}_process_restarts",
         "Child processes restarted after they died or hung (process: worker | frontend, by "
