@@ -218,7 +218,7 @@ class Gateway:
         self._process: asyncio.subprocess.Process | None = None
         self.pid: int | None = None
         self._stopping = False
-        self._killed_at_end = False  # by stop(), its drain not finished in time
+        self._killing = False  # by this front end, knowingly: stop() at the end, or discard()
         self.drained = True  # False once it ended its drain other than by exiting 0
         self._watch: asyncio.Task[None] | None = None
         self._beats: asyncio.Task[None] | None = None
@@ -368,10 +368,9 @@ class Gateway:
         if not self._stopping:
             log.error("the gateway exited with code %s", code)
             on_exit()
-        elif code != 0:
+        elif code != 0 and not self._killing:
             self.drained = False
-            if not self._killed_at_end:
-                log.error("the gateway exited with code %s during the drain", code)
+            log.error("the gateway exited with code %s during the drain", code)
 
     def answer_health(self) -> None:
         """The front end has started: from now on the gateway answers V2's health calls itself
@@ -382,6 +381,21 @@ class Gateway:
         if process is not None and process.returncode is None and self.pid == process.pid:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGUSR1)
+
+    async def discard(self) -> None:
+        """Kill a gateway that has served nothing (started as the drain began), unless the
+        drain's stop() has it already."""
+        process = self._process
+        if process is None or process.returncode is not None or self._stopping:
+            return
+        self._stopping = self._killing = True
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+        if self._beats is not None:
+            self._beats.cancel()
+        if self._watch is not None:
+            await self._watch
 
     async def stop(self, timeout_s: float) -> None:
         """SIGTERM: it drains as the front end does; killed if still there after timeout_s."""
@@ -395,7 +409,8 @@ class Gateway:
             await asyncio.wait_for(process.wait(), max(0.1, timeout_s))
         except TimeoutError:
             log.warning("the gateway had not finished its drain in %.1fs; killing it", timeout_s)
-            self._killed_at_end = True
+            self.drained = False  # the calls it still held are cut
+            self._killing = True
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()

@@ -293,8 +293,8 @@ class FrontendServer:
                 return
             log.error("cannot restart the gateway: %s", err)
             _exit_now()
-        if self._draining:  # began while it started: the drain missed it
-            await self._gateway.stop(0)
+        if self._draining:  # began while it started, and missed it: it has served nothing
+            await self._gateway.discard()
             return
         if self._started:
             self._gateway.answer_health()
