@@ -10,8 +10,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/tls"
-	"crypto/x509"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -28,7 +26,6 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -592,67 +589,3 @@ func listen(address string) (net.Listener, error) {
 // tlsConfig serves the certificate and key as they are on disk at each handshake (a
 // renewed certificate is picked up without a restart), and asks for client certificates
 // when a client CA is given.
-func tlsConfig(o options) (*tls.Config, error) {
-	certs := &certificateFiles{cert: o.tlsCert, key: o.tlsKey}
-	if _, err := certs.get(nil); err != nil {
-		return nil, err
-	}
-	config := &tls.Config{GetCertificate: certs.get, MinVersion: tls.VersionTLS12, NextProtos: []string{"h2"}}
-	if o.tlsClientCA != "" {
-		pem, err := os.ReadFile(o.tlsClientCA)
-		if err != nil {
-			return nil, err
-		}
-		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("%s holds no PEM certificate", o.tlsClientCA)
-		}
-		config.ClientCAs = pool
-		config.ClientAuth = tls.RequireAndVerifyClientCert
-	}
-	return config, nil
-}
-
-type certificateFiles struct {
-	cert, key string
-	mu        sync.Mutex
-	loaded    *tls.Certificate
-	modified  time.Time // of the files last looked at, loaded or refused
-	reloads   int
-}
-
-func (c *certificateFiles) get(*tls.ClientHelloInfo) (*tls.Certificate, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	modified := c.newest()
-	if c.loaded != nil && !modified.After(c.modified) {
-		return c.loaded, nil
-	}
-	pair, err := tls.LoadX509KeyPair(c.cert, c.key)
-	if err != nil {
-		if c.loaded != nil { // mid-renewal, or a broken pair: the last good one stays
-			log.Printf("TLS files changed but cannot be used (%v); keeping the current "+
-				"certificate until they are fixed", err)
-			c.modified = modified
-			return c.loaded, nil
-		}
-		return nil, fmt.Errorf("TLS certificate %s / key %s: %w", c.cert, c.key, err)
-	}
-	if c.loaded != nil {
-		c.reloads++
-		log.Printf("TLS certificate reloaded from %s (reload %d)", c.cert, c.reloads)
-	}
-	c.loaded, c.modified = &pair, modified
-	return c.loaded, nil
-}
-
-// newest is the later modification time of the certificate and key files.
-func (c *certificateFiles) newest() time.Time {
-	var newest time.Time
-	for _, path := range []string{c.cert, c.key} {
-		if info, err := os.Stat(path); err == nil && info.ModTime().After(newest) {
-			newest = info.ModTime()
-		}
-	}
-	return newest
-}

@@ -4,6 +4,7 @@ refused at startup with a clear message."""
 
 from __future__ import annotations
 
+import os
 import ssl
 import subprocess
 import sys
@@ -295,6 +296,41 @@ def test_certificate_files_replaced_are_served_without_a_restart(
         assert server.process.poll() is None
         wait_for(lambda: "cannot be used" in server.log, what="the refusal logged")
         assert server.log.count("TLS certificate reloaded") == 1, server.log
+
+
+def test_a_client_ca_replaced_is_trusted_for_new_connections(
+    repository: Path, tmp_path: Path
+) -> None:
+    """Rotating the client CA (docs/security.md) takes effect on the next connection, on
+    the gRPC port too with the gateway (which read it once, at start: clients of the old CA
+    stayed accepted and the new CA's refused); a file copied in with an older modification
+    time is a change too (it was not, for the gateway's certificate)."""
+    server_ca, old_ca, new_ca = Authority("server CA"), Authority("old"), Authority("new")
+    folder = tmp_path / "secret"
+    cert, key = server_ca.issue("server", server=True).write(folder, "tls")
+    client_ca = old_ca.write(folder, "client-ca")
+    trust = server_ca.write(tmp_path, "server-ca")
+    old_client = old_ca.issue("old client", server=False).write(tmp_path, "old-client")
+    new_client = new_ca.issue("new client", server=False).write(tmp_path, "new-client")
+    flags = ("--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(client_ca))
+
+    def accepted(client: tuple[Path, Path]) -> bool:
+        try:
+            health = _health(server.target, channel_credentials(trust, *client))
+            return health == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    old_trusted = channel_credentials(trust, *old_client)
+    with TlsServerProcess(repository, *flags, credentials=old_trusted) as server:
+        assert accepted(old_client)
+        assert not accepted(new_client)
+        stamp = client_ca.stat()
+        staged = new_ca.write(tmp_path, "staged-ca")
+        os.utime(staged, ns=(stamp.st_atime_ns, stamp.st_mtime_ns - 10**9))  # as cp -p
+        os.replace(staged, client_ca)
+        wait_for(lambda: accepted(new_client), what="the new client CA trusted")
+        assert not accepted(old_client)
 
 
 # -- configuration errors ---------------------------------------------------------------------
