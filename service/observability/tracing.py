@@ -65,6 +65,23 @@ def _protocol(environ: Mapping[str, str]) -> str:
     return protocol
 
 
+def _check_propagators() -> None:
+    """OTEL_PROPAGATORS, refused at start when it names a propagator not installed: the
+    API reads it when opentelemetry.propagate is first imported, and would fail that import,
+    so every traced call, instead."""
+    try:
+        from opentelemetry import propagate  # noqa: F401
+    except ValueError as err:
+        from importlib.metadata import entry_points
+
+        installed = sorted(e.name for e in entry_points(group="opentelemetry_propagator"))
+        named = os.environ.get("OTEL_PROPAGATORS", "")
+        raise TracingError(
+            f"OTEL_PROPAGATORS={named!r}: {str(err).rstrip('.')}; the propagators installed "
+            f"are {', '.join(installed)}"
+        ) from None
+
+
 def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> None:
     """Install the SDK's tracer provider with an OTLP exporter chosen by the OTEL_* variables."""
     global _tracer, _provider, _finished
@@ -75,6 +92,7 @@ def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> 
 
     environ = os.environ if environ is None else environ
     protocol = _protocol(environ)
+    _check_propagators()
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:

@@ -333,6 +333,37 @@ def test_a_ratio_sampler_samples_the_trace_ids_the_sdk_would(repository: Path) -
     assert 19 <= sampled_roots <= 81
 
 
+def test_b3_and_jaeger_propagators_parent_the_servers_spans(repository: Path) -> None:
+    """OTEL_PROPAGATORS=b3 (and jaeger), as docs/observability.md names them: Python serves
+    the gRPC port and the caller's B3 headers parent the call's span. (The propagators were
+    not installed: every call failed UNKNOWN, and REST, readiness too, answered 500.)"""
+    b3_trace, uber_trace = "a" * 16 + "1" * 16, "b" * 16 + "2" * 16
+    env = {**_otel_env(""), "OTEL_PROPAGATORS": "b3,jaeger"}
+    with OtlpReceiver() as receiver:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+        flags = ("--default-model", "small", "--tracing", "on")
+        with ServerProcess(repository, *flags, env=env, http=True) as server:
+            assert not behind_gateway(server)
+            _infer(server, seq=2, headers={"b3": f"{b3_trace}-{CALLER_SPAN}-1"})
+            _infer(server, seq=3, headers={"uber-trace-id": f"{uber_trace}:{CALLER_SPAN}:0:1"})
+            with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready") as ready:
+                assert ready.status == 200
+            for trace_id in (b3_trace, uber_trace):
+                spans = receiver.wait_for(lambda got, t=trace_id: len(_calls(_of_trace(got, t))))
+                (call,) = _calls(_of_trace(spans, trace_id))
+                assert call.parent_span_id.hex() == CALLER_SPAN
+
+
+def test_a_propagator_not_installed_is_refused_at_start(repository: Path) -> None:
+    env = {**_otel_env("http://127.0.0.1:9"), "OTEL_PROPAGATORS": "tracecontext,bogus"}
+    server = ServerProcess(repository, "--default-model", "small", "--tracing", "on", env=env)
+    assert server.process.wait(120) != 0
+    assert "OTEL_PROPAGATORS='tracecontext,bogus': Propagator bogus not found" in server.log
+    assert "the propagators installed are b3, b3multi, baggage, jaeger, tracecontext" in (
+        server.log
+    )
+
+
 def _rest_infer(server: ServerProcess, trace_id: str, seq: int) -> None:
     body = {
         "inputs": [
