@@ -70,6 +70,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def name_problem(name: str) -> str:
+    """What is wrong with a model name ("" if nothing): it is one folder of the repository,
+    and the name clients call it by; the server skips folders whose name starts with a dot."""
+    if not name:
+        return "is empty"
+    if "/" in name or "\\" in name or name in (".", ".."):
+        return "must be a single folder name (no / or \\, not . or ..)"
+    if name.startswith("."):
+        return "starts with a dot: the server skips such folders"
+    if any(not ch.isprintable() or ch.isspace() for ch in name):
+        return "must not hold spaces or control characters"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.version is not None and not 1 <= args.version <= MAX_VERSION:
@@ -78,13 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.if_missing and existing_versions(args.out / args.name):
         print(f"{args.out / args.name} already has a version; nothing to do")
         return 0
-    if args.hf_model is not None and (args.embed_dim or args.num_heads):
+    if args.hf_model is not None and (args.embed_dim is not None or args.num_heads is not None):
         print("error: --hf-model reads d and h from its config.json", file=sys.stderr)
+        return 2
+    problem = name_problem(args.name)
+    if problem:
+        print(f"error: --name {args.name!r} {problem}", file=sys.stderr)
         return 2
     request = ExportRequest(
         name=args.name,
-        embed_dim=args.embed_dim or 512,
-        num_heads=args.num_heads or 8,
+        embed_dim=512 if args.embed_dim is None else args.embed_dim,
+        num_heads=8 if args.num_heads is None else args.num_heads,
         hf_model=args.hf_model,
         hf_layer=args.hf_layer,
         bias=not args.no_bias,
@@ -102,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_export(request)
     except (ValueError, StateDictError, VersionExistsError, ParityError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # --out not a writable folder, a file that cannot be read, ...
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"exported {args.name} version {result.folder.name} in {time.monotonic() - started:.1f}s")

@@ -41,7 +41,12 @@ def read_config(folder: Path) -> HfConfig:
     path = folder / "config.json"
     if not path.is_file():
         raise StateDictError(f"{folder} has no config.json (expected a Hugging Face model folder)")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise StateDictError(f"{path} is not a JSON object: {err}") from None
+    if not isinstance(config, dict):
+        raise StateDictError(f"{path} is not a JSON object")
     missing = [k for k in ("hidden_size", "num_attention_heads") if k not in config]
     if missing:
         raise StateDictError(f"{path} lacks {missing}; is it a BERT-style model?")
@@ -52,10 +57,18 @@ def read_config(folder: Path) -> HfConfig:
             f"scores; only 'absolute' is supported"
         )
     return HfConfig(
-        int(config["hidden_size"]),
-        int(config["num_attention_heads"]),
-        int(config.get("num_hidden_layers", 0)),
+        _count(config, path, "hidden_size", 1),
+        _count(config, path, "num_attention_heads", 1),
+        _count(config, path, "num_hidden_layers", 0),
     )
+
+
+def _count(config: dict[str, object], path: Path, key: str, least: int) -> int:
+    """config[key] as an integer of at least least (num_hidden_layers may be absent: 0)."""
+    value = config.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise StateDictError(f"{path}: {key} is {value!r}; expected an integer >= {least}")
+    return value
 
 
 def _layer_prefix(names: list[str], layer: int) -> str:
@@ -79,7 +92,11 @@ def read_block(folder: Path, layer: int) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise StateDictError(f"{folder} has no model.safetensors")
     block = {}
-    with safe_open(str(path), framework="np") as tensors:
+    try:
+        opened = safe_open(str(path), framework="np")
+    except Exception as err:  # safetensors' own error types, and OSError
+        raise StateDictError(f"{path} cannot be read as safetensors: {err}") from None
+    with opened as tensors:
         names = list(tensors.keys())
         prefix = _layer_prefix(names, layer)
         wanted = {

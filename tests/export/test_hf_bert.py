@@ -92,6 +92,32 @@ def test_bad_folders_and_layers_are_named(tmp_path: Path, tiny) -> None:
         run_export(ExportRequest(name="b", hf_model=folder, causal=True, out=tmp_path))
 
 
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"hidden_size": 32, "num_attention_heads": 0}, "num_attention_heads is 0; expected an"),
+        ({"hidden_size": "abc", "num_attention_heads": 4}, "hidden_size is 'abc'; expected an"),
+        ({"hidden_size": 32, "num_attention_heads": True}, "num_attention_heads is True"),
+        ([1, 2], "is not a JSON object"),
+        ("{not json", "is not a JSON object"),
+    ],
+    ids=["zero heads", "text", "bool", "a list", "not json"],
+)
+def test_a_bad_config_is_named_not_a_traceback(tmp_path: Path, config, says: str) -> None:
+    """They used to end in ZeroDivisionError, a bare int() or JSON error."""
+    (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    with pytest.raises(StateDictError, match=says):
+        load_hf_layer(tmp_path, 0)
+
+
+def test_a_corrupt_safetensors_file_is_named(tmp_path: Path, tiny) -> None:
+    folder, _ = tiny
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"junk")
+    with pytest.raises(StateDictError, match=r"model\.safetensors cannot be read as safetensors"):
+        load_hf_layer(tmp_path, 0)
+
+
 def test_non_finite_bert_weight_is_refused_by_name(tmp_path: Path, tiny) -> None:
     _, model = tiny
     broken = tmp_path / "nan-bert"
