@@ -244,7 +244,8 @@ class ModelRegistry(Generic[M]):
         served = self._versions
         if name not in served:
             raise ModelNotFound(
-                f"unknown model {shown(name)}; this server serves {shown_names(sorted(served))}"
+                f"unknown model {shown(name)}; this server serves {shown_names(sorted(served))}",
+                f"no model {shown(name)} is served here",
             )
         versions = served[name]
         if not version:
@@ -253,11 +254,13 @@ class ModelRegistry(Generic[M]):
         if number is None:
             raise ModelNotFound(
                 f"model {shown(name)} has no version {shown(version)}: a version is "
-                f"{VERSION_RULE}; available versions: {sorted(versions)}"
+                f"{VERSION_RULE}; available versions: {sorted(versions)}",
+                f"no model {shown(name)} version {shown(version)} is served here",
             )
         if number not in versions:
             raise ModelNotFound(
                 f"model {shown(name)} has no version {shown(version)}; "
-                f"available versions: {sorted(versions)}"
+                f"available versions: {sorted(versions)}",
+                f"no model {shown(name)} version {shown(version)} is served here",
             )
         return versions[number]

@@ -15,7 +15,12 @@ class NonFiniteOutput(InvalidInput):
 
 
 class ModelNotFound(ServingError):
-    """No such model, or no such version of it."""
+    """No such model, or no such version of it. unlisted: the message without the models
+    or versions served, for a caller not allowed to see them (--restricted-api metadata)."""
+
+    def __init__(self, message: str, unlisted: str = "") -> None:
+        super().__init__(message)
+        self.unlisted = unlisted or message
 
 
 class QueueFull(ServingError):

@@ -10,10 +10,11 @@ import numpy as np
 
 from service.catalog import SERVER_LABEL, ModelRegistry, ServedModel
 from service.dataplane import DataPlane, RegionRef, RegionTarget, RegionTensor, Result
-from service.errors import InvalidInput
+from service.errors import InvalidInput, ServingError
 from service.frontend import shm_tensors
 from service.frontend.admission import admit_and_run
 from service.frontend.delivery import AnswerBudget
+from service.frontend.restricted import Restrictions, error_details
 from service.frontend.rpc import rpc
 from service.frontend.streaming import (
     DEFAULT_PENDING_BYTES,
@@ -93,7 +94,9 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         streams: StreamCloser | None = None,
         answers: AnswerBudget | None = None,
         shared_memory: bool = False,
+        restrictions: Restrictions | None = None,
     ) -> None:
+        self.restrictions = restrictions or Restrictions()
         self._plane = plane
         self.answers = answers  # None: answers are not bounded (tests of other parts)
         self._shared_memory = shared_memory  # client shared memory (the worker holds regions)
@@ -109,6 +112,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             closer=streams,
             answer_bytes=self.answer_bytes,
             answers=answers,
+            details=self.error_details,
         )
 
     @property
@@ -133,6 +137,9 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             and not request.HasField("attention_weights_region"),
         )
         return output + weights
+
+    def error_details(self, err: ServingError, context: grpc.aio.ServicerContext) -> str:
+        return error_details(self.restrictions, err, context)
 
     def model_label(self, request: Any) -> str:
         if not hasattr(request, "model"):

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from service.errors import PermissionDenied
+from service.errors import ModelNotFound, PermissionDenied, ServingError
 from service.observability import metrics
 
 # Triton's group names (its `trace` group has no RPC here).
@@ -118,6 +118,14 @@ class Restrictions:
         # Constant time: how much of a guess matched must not show in the answer's timing.
         return sent is not None and hmac.compare_digest(_raw(sent), key.value.encode())
 
+    def details(self, err: ServingError, headers: Mapping[str, str]) -> str:
+        """err's message for a caller with these headers: an unknown model's without the
+        models (or versions) served where `metadata` is restricted and the caller lacks its
+        key, as the metadata API that lists them would refuse it."""
+        if not isinstance(err, ModelNotFound) or self.allows("metadata", headers):
+            return str(err)
+        return f"{err.unlisted}; the models served are listed by the metadata API"
+
     def check(self, group: str, headers: Mapping[str, str]) -> None:
         """Raise PermissionDenied unless headers (names in lower case) carry group's key."""
         if self.allows(group, headers):
@@ -201,6 +209,15 @@ def _text_headers(metadata: Iterable[Any] | None) -> dict[str, str]:
         for key, value in (metadata or ())
         if isinstance(value, str)  # -bin headers arrive as bytes and are never keys
     }
+
+
+def error_details(
+    restrictions: Restrictions, err: ServingError, context: grpc.aio.ServicerContext
+) -> str:
+    """Restrictions.details for a gRPC call (its metadata read only where it matters)."""
+    if not isinstance(err, ModelNotFound) or not restrictions.restricted("metadata"):
+        return str(err)
+    return restrictions.details(err, _text_headers(context.invocation_metadata()))
 
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]

@@ -145,7 +145,7 @@ def rpc(api: str, *, holds_answer: bool = False) -> Callable[[Handler], Handler]
             except ServingError as err:
                 code = code_for(err)
                 tally.count(code)
-                details = str(err)
+                details = self.error_details(err, context)
                 del err  # see _end_with
                 await _end_with(context, code, details, holds_answer)
             except asyncio.CancelledError:

@@ -339,6 +339,7 @@ class FrontendServer:
                 streams=self._streams,
                 answers=answers,
                 shared_memory=v2_plane.shared_memory,  # the worker's regions, for both APIs
+                restrictions=self._restrictions_in_force,
             ),
             unpack,
         )
@@ -351,6 +352,7 @@ class FrontendServer:
                 lambda: self.ready,
                 streams=self._streams,
                 v2_plane=v2_plane,
+                restrictions=self._restrictions_in_force,
                 answers=answers,
             ),
             unpack,

@@ -62,6 +62,9 @@ class StreamCalls(Generic[Request, Response]):
     # too, from reading until written; a message that does not fit is answered
     # RESOURCE_EXHAUSTED at once (the stream goes on).
     answers: AnswerBudget | None = None
+    # A refused message's text for this caller (Restrictions.details: an unknown model's
+    # without the models served, to a caller not allowed to list them).
+    details: Callable[[ServingError, grpc.aio.ServicerContext], str] = lambda err, _: str(err)
 
 
 DEFAULT_PENDING_BYTES = 64 << 20  # the --max-stream-pending-bytes default
@@ -350,7 +353,7 @@ class _Stream(Generic[Request, Response]):
             answer: Any = await calls.answer(request, self._context)
         except ServingError as err:
             code = code_for(err)
-            answer = calls.failure(request, code, str(err))
+            answer = calls.failure(request, code, calls.details(err, self._context))
         except asyncio.CancelledError:
             self._reserve(-reserved)  # no answer will be written
             remaining = self._context.time_remaining()

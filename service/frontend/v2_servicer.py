@@ -13,9 +13,11 @@ import grpc
 
 from service.catalog import SERVER_LABEL, ModelRegistry, ServedModel
 from service.dataplane import DataPlane
+from service.errors import ServingError
 from service.frontend import log_settings
 from service.frontend.caller import caller
 from service.frontend.delivery import AnswerBudget
+from service.frontend.restricted import Restrictions, error_details
 from service.frontend.rpc import rpc
 from service.frontend.streaming import StreamCalls, StreamCloser, serve_stream
 from service.frontend.v2_codec import encode_response
@@ -50,7 +52,9 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         streams: StreamCloser | None = None,
         v2_plane: V2Plane | None = None,
         answers: AnswerBudget | None = None,
+        restrictions: Restrictions | None = None,
     ) -> None:
+        self.restrictions = restrictions or Restrictions()
         self.answers = answers  # None: answers are not bounded (tests of other parts)
         self.plane = v2_plane or V2Plane(plane, settings, is_ready)
         self._settings = settings
@@ -64,6 +68,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             closer=streams,
             answer_bytes=self.answer_bytes,
             answers=answers,
+            details=self.error_details,
         )
 
     @property
@@ -72,6 +77,9 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def answer_bytes(self, request: v2.ModelInferRequest) -> int:
         return self.plane.answer_bytes(request)
+
+    def error_details(self, err: ServingError, context: grpc.aio.ServicerContext) -> str:
+        return error_details(self.restrictions, err, context)
 
     def model_label(self, request: Any) -> str:
         if isinstance(request, REGION_REQUESTS) or (

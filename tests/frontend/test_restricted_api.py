@@ -398,3 +398,48 @@ def test_the_key_is_on_no_command_line_and_in_no_log(
         fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
         assert not [fd for fd in fds if "restricted-api" in fd], fds
     assert SECRET not in restricted.log
+
+
+def test_an_unknown_model_is_not_listed_to_a_grpc_caller_without_the_metadata_key(
+    grpc_gateway: str, tmp_path: Path
+) -> None:
+    """docs/security.md: where metadata is restricted, a NOT_FOUND names only what was asked
+    for to a caller without its key, on every gRPC path as on REST (unary calls and stream
+    messages of both APIs listed the models served, or the versions)."""
+    flags = (
+        "--restricted-api",
+        "inference:x-infer-key=s1",
+        "--restricted-api",
+        f"metadata:{HEADER}={SECRET}",
+    )
+    x = np.zeros((1, 4, 32), np.float32)
+
+    def texts(headers: dict[str, str]) -> list[str]:
+        metadata = tuple(headers.items())
+        found = []
+        with grpc.insecure_channel(server.target) as channel:
+            ours = attention_pb2_grpc.AttentionServiceStub(channel)
+            v2 = triton.InferenceServerClient(server.target)
+            for model, version in (("nope", ""), ("mha", "9")):
+                request = attend_request(x[0], model=model, model_version=version)
+                with pytest.raises(grpc.RpcError) as refused:
+                    ours.Attend(request, metadata=metadata, timeout=30)
+                found.append(refused.value.details() or "")
+                (answer,) = ours.AttendStream(iter([request]), metadata=metadata, timeout=30)
+                found.append(answer.error.message)
+                tensor = triton.InferInput("embeddings", list(x.shape), "FP32")
+                tensor.set_data_from_numpy(x)
+                with pytest.raises(InferenceServerException) as unknown:
+                    v2.infer(model, [tensor], model_version=version, headers=headers)
+                found.append(unknown.value.message())
+            v2.close()
+        return found
+
+    with ServerProcess(tiny_repository(tmp_path), *flags) as server:
+        assert behind_gateway(server) == (grpc_gateway == "on"), server.log
+        for text in texts({"x-infer-key": "s1"}):
+            assert "is served here; the models served are listed by the metadata API" in text
+            assert "serves" not in text
+            assert "available versions" not in text
+        for text in texts({"x-infer-key": "s1", HEADER: SECRET}):
+            assert "this server serves ['mha']" in text or "available versions: [1]" in text

@@ -27,7 +27,7 @@ from aiohttp.http_exceptions import ContentEncodingError, ContentLengthError, Tr
 from aiohttp.web_protocol import RequestPayloadError
 
 from service.catalog import SERVER_LABEL
-from service.errors import ModelNotFound, ServingError
+from service.errors import ServingError
 from service.frontend.delivery import AnswerBudget
 from service.frontend.rest import routes
 from service.frontend.rest.codec import HEADER_LENGTH, error_response, json_length
@@ -322,13 +322,9 @@ class RestFrontend:
     def _message(self, request: web.Request, err: ServingError) -> str:
         """err's message; an unknown model's without the models served (which catalog lists)
         for a caller without the metadata group's key, where that group is restricted."""
-        if (
-            not isinstance(err, ModelNotFound)
-            or routes.group_of(request) == "model-repository"  # its key shows the index
-            or self._restrictions.allows("metadata", _lower_case(request.headers))
-        ):
+        if routes.group_of(request) == "model-repository":  # its key shows the index
             return str(err)
-        return routes.unknown_model(request, "the models served are listed by the metadata API")
+        return self._restrictions.details(err, _lower_case(request.headers))
 
     @staticmethod
     def _start_span(request: web.Request) -> Any:
