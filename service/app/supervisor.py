@@ -179,6 +179,9 @@ class Supervisor:
             return self._cannot_start(
                 f"cannot bind metrics to {settings.host}:{settings.metrics_port}: {err}"
             )
+        refused = _refused_at_start(settings)
+        if refused:
+            return self._cannot_start(refused)
         self._spawn("worker")
         for index in range(settings.frontends):
             self._spawn(f"frontend-{index}")
@@ -453,6 +456,24 @@ def _mark_dead(pid: int | None) -> None:
 def _close_http(httpd: Any) -> None:
     httpd.shutdown()
     httpd.server_close()
+
+
+def _refused_at_start(settings: Settings) -> str:
+    """What every front end would refuse at its start ("" if nothing), checked before the
+    worker is started: TLS files that cannot be used, --restricted-api specs or key files,
+    tracing's OTEL_* variables. A bad setting fails at once, not after the models load."""
+    from service.frontend.restricted import Restrictions
+    from service.observability import tracing
+    from service.transport.tls import TlsError, server_tls
+
+    try:
+        server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        Restrictions.parse(settings.restricted_api)
+        if settings.tracing == "on":
+            tracing.check()
+    except (TlsError, ValueError) as err:  # TracingError is a ValueError
+        return str(err)
+    return ""
 
 
 def _gateway_role(role: str) -> str:

@@ -82,6 +82,13 @@ def _check_propagators() -> None:
         ) from None
 
 
+def check(environ: Mapping[str, str] | None = None) -> None:
+    """The OTEL_* variables start() would refuse (TracingError), checked without starting:
+    the supervisor checks them before any model is loaded."""
+    _protocol(os.environ if environ is None else environ)
+    _check_propagators()
+
+
 def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> None:
     """Install the SDK's tracer provider with an OTLP exporter chosen by the OTEL_* variables."""
     global _tracer, _provider, _finished

@@ -400,6 +400,22 @@ def test_the_key_is_on_no_command_line_and_in_no_log(
     assert SECRET not in restricted.log
 
 
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("bogus:x-k=v", "unknown group(s) ['bogus']"),
+        ("inference:x-k=@/nonexistent", "cannot read the key file /nonexistent"),
+    ],
+)
+def test_a_bad_spec_is_refused_before_any_model_is_loaded(
+    tmp_path: Path, spec: str, says: str
+) -> None:
+    server = ServerProcess(tiny_repository(tmp_path), "--restricted-api", spec)
+    assert server.process.wait(60) == 1
+    assert f"cannot start: --restricted-api #1: {says}" in server.log
+    assert "loading" not in server.log
+
+
 def test_an_unknown_model_is_not_listed_to_a_grpc_caller_without_the_metadata_key(
     grpc_gateway: str, tmp_path: Path
 ) -> None:

@@ -362,6 +362,7 @@ def test_a_propagator_not_installed_is_refused_at_start(repository: Path) -> Non
     assert "the propagators installed are b3, b3multi, baggage, jaeger, tracecontext" in (
         server.log
     )
+    assert "loading" not in server.log  # refused before the worker loads a model
 
 
 def _rest_infer(server: ServerProcess, trace_id: str, seq: int) -> None:

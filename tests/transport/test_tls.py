@@ -411,6 +411,7 @@ def test_server_with_an_unreadable_certificate_exits_with_a_clear_error(
     assert f"cannot start: cannot read the private key (--tls-key) {missing}" in done.stderr
     assert "No such file or directory" in done.stderr
     assert "listening" not in done.stderr  # refused before binding or loading a model
+    assert "loading" not in done.stderr, done.stderr  # by the supervisor, before the worker
 
 
 def test_a_client_ca_bundle_with_several_cas_and_utf8_comments(
