@@ -326,6 +326,11 @@ class Supervisor:
                 )
                 self._stop.set()
                 return
+            if self._signalled_at is not None:
+                # The signal reached it first, in its interpreter's own start (exit code 1,
+                # "Fatal Python error: ... KeyboardInterrupt"): part of the stop under way.
+                log.info("%s exited (code %s) before it was serving; stopping", child.role, code)
+                return
             log.error("%s exited with code %s before it was serving; stopping", child.role, code)
             self._fail()
             return
@@ -393,9 +398,15 @@ class Supervisor:
                 log.error("%s still running after the grace period; killing it", child.role)
                 child.process.kill()
                 child.process.join(5)
-            if self._signalled_at is not None and not _stopped_as_asked(child.process.exitcode):
+            if (
+                self._signalled_at is not None
+                and child.started
+                and not _stopped_as_asked(child.process.exitcode)
+            ):
                 # A crash (or a kill at the period's end) is not a clean drain: say so to
-                # whatever runs the server (systemd, a container runtime, a test).
+                # whatever runs the server (systemd, a container runtime, a test). A child
+                # not yet serving had nothing to lose: Ctrl-C in its interpreter's own start
+                # ends it with code 1 ("Fatal Python error: ... KeyboardInterrupt").
                 log.error(
                     "%s exited with code %s during the drain; the server exits 1",
                     child.role,
