@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -84,21 +85,39 @@ def name_problem(name: str) -> str:
     return ""
 
 
+def usage_problem(args: argparse.Namespace) -> str:
+    """What is wrong with the arguments themselves ("" if nothing): a usage error, exit 2."""
+    name = name_problem(args.name)
+    problems = [
+        (
+            args.version is not None and not 1 <= args.version <= MAX_VERSION,
+            f"--version must be 1..{MAX_VERSION}, got {args.version}",
+        ),
+        (
+            args.hf_model is not None
+            and (args.embed_dim is not None or args.num_heads is not None),
+            "--hf-model reads d and h from its config.json",
+        ),
+        (args.hf_layer != 0 and args.hf_model is None, "--hf-layer needs --hf-model"),
+        (
+            args.tolerance is not None
+            and not (math.isfinite(args.tolerance) and args.tolerance > 0),
+            f"--tolerance must be a number > 0, got {args.tolerance}",
+        ),
+        (bool(name), f"--name {args.name!r} {name}"),
+    ]
+    return next((text for wrong, text in problems if wrong), "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.version is not None and not 1 <= args.version <= MAX_VERSION:
-        print(f"error: --version must be 1..{MAX_VERSION}, got {args.version}", file=sys.stderr)
+    problem = usage_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if args.if_missing and existing_versions(args.out / args.name):
         print(f"{args.out / args.name} already has a version; nothing to do")
         return 0
-    if args.hf_model is not None and (args.embed_dim is not None or args.num_heads is not None):
-        print("error: --hf-model reads d and h from its config.json", file=sys.stderr)
-        return 2
-    problem = name_problem(args.name)
-    if problem:
-        print(f"error: --name {args.name!r} {problem}", file=sys.stderr)
-        return 2
     request = ExportRequest(
         name=args.name,
         embed_dim=512 if args.embed_dim is None else args.embed_dim,

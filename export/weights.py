@@ -38,7 +38,8 @@ def expected_shapes(embed_dim: int, *, bias: bool) -> dict[str, tuple[int, ...]]
 def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
     """Read a state dict saved with torch.save (tensors only: weights_only=True)."""
     if not path.is_file():
-        raise StateDictError(f"state dict file {path} does not exist")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise StateDictError(f"state dict file {path} {what}; expected a torch.save() file")
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many types for a corrupt or foreign file

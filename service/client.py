@@ -154,14 +154,18 @@ def channel_options(
 
 
 def tls_options(
-    ca: Path | None = None,
-    cert: Path | None = None,
-    key: Path | None = None,
+    ca: str | Path | None = None,
+    cert: str | Path | None = None,
+    key: str | Path | None = None,
     server_name: str | None = None,
 ) -> dict[str, Any]:
     """Keywords for the clients' constructors: credentials (TLS; with cert and key, mutual
-    TLS) and tls_server_name. ca None = the system's trusted roots."""
-    return {"credentials": channel_credentials(ca, cert, key), "tls_server_name": server_name}
+    TLS) and tls_server_name. ca None = the system's trusted roots. Paths, or strings."""
+    ca_path, cert_path, key_path = (None if p is None else Path(p) for p in (ca, cert, key))
+    return {
+        "credentials": channel_credentials(ca_path, cert_path, key_path),
+        "tls_server_name": server_name,
+    }
 
 
 class AttentionClient:

@@ -396,7 +396,7 @@ class Settings:
     def __post_init__(self) -> None:
         problems = [
             f"{flag_name(name)} ({env_name(name)}) must be {expectation}, "
-            f"got {getattr(self, name)!r}"
+            + ("but it is unset" if getattr(self, name) is None else f"got {getattr(self, name)!r}")
             for name, valid, expectation in self._rules()
             if not valid
         ]

@@ -12,6 +12,7 @@ import argparse
 import logging
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,16 @@ class _Material:
     client_ca: bytes | None
 
 
-def _no_password() -> bytes:
-    raise TlsError("the private key is encrypted; give an unencrypted key (a mounted Secret)")
+def _no_password(key: Path) -> Callable[[], bytes]:
+    """ssl's password callback for key: none is given, so an encrypted key is refused."""
+
+    def refuse() -> bytes:
+        raise TlsError(
+            f"the private key (--tls-key) {key} is encrypted; give an unencrypted key "
+            "(a mounted Secret)"
+        )
+
+    return refuse
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -65,7 +74,7 @@ def load_material(files: TlsFiles) -> _Material:
     client_ca = None if files.client_ca is None else _read(files.client_ca, "client CA")
     check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        check.load_cert_chain(files.cert, files.key, password=_no_password)
+        check.load_cert_chain(files.cert, files.key, password=_no_password(files.key))
     except ssl.SSLError as err:
         raise TlsError(
             f"--tls-cert {files.cert} and --tls-key {files.key} are not a certificate and its "
@@ -108,7 +117,7 @@ def _configuration(material: _Material) -> grpc.ServerCertificateConfiguration:
 
 def _ssl_context(files: TlsFiles, sni_callback: Any) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(files.cert, files.key, password=_no_password)
+    context.load_cert_chain(files.cert, files.key, password=_no_password(files.key))
     if files.client_ca is not None:
         context.load_verify_locations(cafile=files.client_ca)
         context.verify_mode = ssl.CERT_REQUIRED

@@ -21,8 +21,24 @@ from export.__main__ import main
         (["--name", ".hidden"], "starts with a dot: the server skips such folders"),
         (["--name", "two words"], "must not hold spaces or control characters"),
         (["--hf-model", "x", "--embed-dim", "0"], "reads d and h from its config.json"),
+        (["--hf-layer", "1"], "--hf-layer needs --hf-model"),
+        (["--tolerance", "-1"], "--tolerance must be a number > 0, got -1.0"),
+        (["--tolerance", "nan"], "--tolerance must be a number > 0, got nan"),
+        (["--version", "0"], "--version must be 1.."),
     ],
-    ids=["parent", "nested", "dotdot", "empty", "hidden", "space", "hf with d 0"],
+    ids=[
+        "parent",
+        "nested",
+        "dotdot",
+        "empty",
+        "hidden",
+        "space",
+        "hf with d 0",
+        "hf layer alone",
+        "negative tolerance",
+        "nan tolerance",
+        "version 0",
+    ],
 )
 def test_bad_arguments_are_refused_before_anything_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str

@@ -239,6 +239,9 @@ def test_mutual_tls_accepts_a_client_certificate_from_the_ca(
 ) -> None:
     with AttentionClient(mtls_server.target, **tls_options(pki.ca_file, *pki.client)) as client:
         assert client.attend(_embeddings(), timeout_s=10).output.shape == (5, D)
+    as_text = tls_options(str(pki.ca_file), *(str(path) for path in pki.client))  # as documented
+    with AttentionClient(mtls_server.target, **as_text) as client:
+        assert client.attend(_embeddings(), timeout_s=10).output.shape == (5, D)
     assert "requires client certificates" in mtls_server.log
     cert, key = pki.client
     flags = ["--tls-ca", str(pki.ca_file), "--tls-cert", str(cert), "--tls-key", str(key)]
@@ -340,7 +343,10 @@ def test_a_client_ca_replaced_is_trusted_for_new_connections(
     ("argv", "message"),
     [
         (["--tls-key", "k.pem"], "--tls-cert (ATTENTION_TLS_CERT) must be set with --tls-key"),
-        (["--tls-cert", "c.pem"], "--tls-key (ATTENTION_TLS_KEY) must be set with --tls-cert"),
+        (
+            ["--tls-cert", "c.pem"],
+            "--tls-key (ATTENTION_TLS_KEY) must be set with --tls-cert, but it is unset",
+        ),
         (
             ["--tls-client-ca", "ca.pem"],
             "--tls-cert (ATTENTION_TLS_CERT) must be set with --tls-client-ca",
@@ -388,6 +394,19 @@ def test_unusable_files_are_named_in_the_error(pki: Pki, tmp_path: Path) -> None
         server_tls(pki.server_cert, pki.server_key, garbage)
     with pytest.raises(TlsError, match="go together"):
         channel_credentials(pki.ca_file, pki.server_cert, None)
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(pki.server_key.read_bytes(), password=None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"pw"),
+        )
+    )
+    with pytest.raises(TlsError, match=rf"\(--tls-key\) {encrypted} is encrypted"):
+        load_material(TlsFiles(pki.server_cert, encrypted))
 
 
 def test_server_with_an_unreadable_certificate_exits_with_a_clear_error(
