@@ -100,6 +100,11 @@ def start(*, max_queue_spans: int, environ: Mapping[str, str] | None = None) -> 
     environ = os.environ if environ is None else environ
     protocol = _protocol(environ)
     _check_propagators()
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        # The specification's switch for every signal: no spans, from any path (the REST
+        # path's tracer was a no-op while the gateway's calls and streams were still made).
+        log.info("--tracing on, but OTEL_SDK_DISABLED=true: no spans are made")
+        return
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:

@@ -23,7 +23,7 @@ from service.generated.attention.v1 import attention_pb2_grpc
 from service.generated.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from tests.harness.h2_raw import RawGrpc
 from tests.harness.otlp_receiver import OtlpReceiver, attributes
-from tests.harness.server_process import ServerProcess, behind_gateway, rss_bytes
+from tests.harness.server_process import ServerProcess, behind_gateway, child_pids, rss_bytes
 
 pytestmark = pytest.mark.usefixtures("grpc_gateway")
 D, H = 64, 4
@@ -363,6 +363,19 @@ def test_a_propagator_not_installed_is_refused_at_start(repository: Path) -> Non
         server.log
     )
     assert "loading" not in server.log  # refused before the worker loads a model
+
+
+def test_otel_sdk_disabled_turns_every_path_off(repository: Path) -> None:
+    """OTEL_SDK_DISABLED=true: REST's spans stopped, but the gateway still sampled its calls
+    (and Python made their spans) and streams' messages were traced."""
+    env = {**_otel_env("http://127.0.0.1:9"), "OTEL_SDK_DISABLED": "true"}
+    flags = ("--default-model", "small", "--tracing", "on")
+    with ServerProcess(repository, *flags, env=env) as server:
+        assert "OTEL_SDK_DISABLED=true: no spans are made" in server.log
+        _infer(server, seq=2, headers={"traceparent": _traceparent(TRACE_ID)})
+        gateways = [pid for name, pid in child_pids(server).items() if name.endswith("-gateway")]
+        for pid in gateways:
+            assert b"--trace-sampler" not in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def _rest_infer(server: ServerProcess, trace_id: str, seq: int) -> None:
