@@ -388,10 +388,18 @@ class Gateway:
         process = self._process
         if process is None or process.returncode is not None or self._stopping:
             return
-        self._stopping = self._killing = True
+        self._stopping = True
+        await self._kill(process)
+
+    async def _kill(self, process: asyncio.subprocess.Process) -> None:
+        """Kill it knowingly (its exit code is no failed drain) and wait for its watchers."""
+        self._killing = True
         with contextlib.suppress(ProcessLookupError):
             process.kill()
         await process.wait()
+        await self._watchers_done()
+
+    async def _watchers_done(self) -> None:
         if self._beats is not None:
             self._beats.cancel()
         if self._watch is not None:
@@ -410,13 +418,8 @@ class Gateway:
         except TimeoutError:
             log.warning("the gateway had not finished its drain in %.1fs; killing it", timeout_s)
             self.drained = False  # the calls it still held are cut
-            self._killing = True
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-        if self._beats is not None:
-            self._beats.cancel()
-        if self._watch is not None:
-            await self._watch
+            await self._kill(process)
+        else:
+            await self._watchers_done()
         if self._spans is not None:
             await asyncio.to_thread(self._spans.stop)  # after the gateway: its records are in
